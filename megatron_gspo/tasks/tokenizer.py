@@ -1,0 +1,29 @@
+"""Character-level tokenizer for the CPU demo tasks, built with `tokenizers`.
+
+Saved and loaded like any HF tokenizer (`PreTrainedTokenizerFast`), so the embedded
+rollout server, the trainer and HF `AutoTokenizer` all read the same files.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+SPECIAL_TOKENS = (PAD, BOS, EOS)
+# Every character the demo tasks print: digits, arithmetic, list syntax, letters, space.
+ALPHABET = "0123456789+-*=()[],.:?# abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def build_char_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
+    """One token per character of `alphabet` after the special tokens <pad>=0, <s>=1, </s>=2."""
+    if len(set(alphabet)) != len(alphabet):
+        raise ValueError("alphabet has repeated characters")
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(alphabet)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, clean_up_tokenization_spaces=False
+    )
