@@ -27,3 +27,33 @@ def build_char_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, clean_up_tokenization_spaces=False
     )
+
+
+def encode_strict(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
+    """Token ids of `text`, one per character, failing loudly instead of dropping or merging anything.
+
+    The WordLevel model without an unknown token raises only "Missing [UNK] token" on a foreign
+    character, and the fast tokenizer matches special-token strings such as "<s>" inside plain
+    text; both would corrupt a prompt silently or opaquely, so both are rejected here by name.
+
+    Args:
+        tokenizer: a tokenizer from `build_char_tokenizer`.
+        text: task text (prompt or answer), without special tokens.
+
+    Returns:
+        [len(text)] token ids.
+
+    Raises:
+        ValueError: a character outside the vocabulary, or text that does not map one id per
+            character (e.g. it contains a special-token string).
+    """
+    vocab = tokenizer.get_vocab()
+    for position, char in enumerate(text):
+        if char not in vocab:
+            raise ValueError(
+                f"character {char!r} at position {position} of {text!r} is not in the tokenizer's alphabet"
+            )
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if tokenizer.convert_ids_to_tokens(ids) != list(text):
+        raise ValueError(f"{text!r} does not encode to one token per character (special-token text?): {ids}")
+    return ids
