@@ -1,0 +1,319 @@
+"""HF Qwen3-MoE checkpoints on disk: build a tiny random one, read and write safetensors shards.
+
+On-disk layout (what transformers 5.x `save_pretrained` writes and `from_pretrained` reads,
+and what SGLang and the Megatron converter consume): per-expert names
+`model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`. In memory transformers 5.x
+holds the experts fused as 3-D tensors `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows
+first) and `mlp.experts.down_proj` [E, H, I]; `module_state_to_hf` converts the in-memory
+state dict to the on-disk names, `hf_to_module_state` back.
+
+Writes are atomic: shards, index and config go to a temporary sibling directory that is
+renamed into place, so a reader (the rollout server) never sees a half-written checkpoint.
+
+    python -m megatron_gspo.model.hf_checkpoint --out DIR [--preset tiny] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import GenerationConfig, PreTrainedTokenizerBase, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from megatron_gspo.model.config import MoEModelConfig, preset
+from megatron_gspo.tasks.tokenizer import build_char_tokenizer
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+
+_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(
+    r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+def module_state_to_hf(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """In-memory transformers 5.x state dict -> on-disk HF names (experts split per expert).
+
+    Args:
+        state_dict: `Qwen3MoeForCausalLM.state_dict()`; fused experts `...mlp.experts.gate_up_proj`
+            [E, 2I, H] and `...mlp.experts.down_proj` [E, H, I]; other names pass through.
+
+    Returns:
+        Names as `save_pretrained` writes them: `...mlp.experts.{e}.gate_proj.weight` [I, H],
+        `up_proj.weight` [I, H], `down_proj.weight` [H, I].
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        match = _FUSED_EXPERTS.match(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        prefix, kind = match["prefix"], match["kind"]
+        for e in range(tensor.shape[0]):
+            if kind == "gate_up_proj":
+                gate, up = tensor[e].chunk(2, dim=0)  # HF computes `gate, up = linear(x, W).chunk(2)`
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate
+                out[f"{prefix}.{e}.up_proj.weight"] = up
+            else:
+                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
+    return out
+
+
+def hf_to_module_state(hf_state: Mapping[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """On-disk HF names -> in-memory transformers 5.x names (experts fused); inverse of `module_state_to_hf`.
+
+    Every layer's experts must be complete (all E experts with gate, up and down); a partial
+    expert set is an error naming the missing tensor (use `copy_into_model` for partial updates).
+    """
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for name, tensor in hf_state.items():
+        match = _PER_EXPERT.match(name)
+        if match is None:
+            out[name] = tensor
+        else:
+            experts.setdefault(match["prefix"], {})[(int(match["e"]), match["kind"])] = tensor
+    for prefix, parts in experts.items():
+        for e in range(num_experts):
+            for kind in ("gate_proj", "up_proj", "down_proj"):
+                if (e, kind) not in parts:
+                    raise KeyError(
+                        f"checkpoint lacks {prefix}.{e}.{kind}.weight (expected {num_experts} experts)"
+                    )
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]], dim=0) for e in range(num_experts)]
+        )
+        out[f"{prefix}.down_proj"] = torch.stack([parts[(e, "down_proj")] for e in range(num_experts)])
+    return out
+
+
+@torch.no_grad()
+def copy_into_model(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor]) -> int:
+    """Copy tensors with on-disk (or in-memory) HF names into `model`'s parameters in place.
+
+    Partial updates are allowed: a single expert's `gate_proj` lands in its rows of the fused
+    `gate_up_proj`. Unknown names and shape mismatches raise, naming the tensor.
+
+    Returns:
+        Number of tensors copied.
+    """
+    params = dict(model.named_parameters())
+    params.update(dict(model.named_buffers()))
+    for name, tensor in hf_state.items():
+        match = _PER_EXPERT.match(name)
+        if match is not None:
+            kind, e = match["kind"], int(match["e"])
+            fused = params.get(f"{match['prefix']}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}")
+            if fused is None or e >= fused.shape[0]:
+                raise KeyError(f"model has no parameter for {name}")
+            target = fused[e]
+            if kind != "down_proj":
+                half = target.shape[0] // 2
+                target = target[:half] if kind == "gate_proj" else target[half:]
+        else:
+            target = params.get(name)
+            if target is None:
+                raise KeyError(f"model has no parameter named {name}")
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}"
+            )
+        target.copy_(tensor.to(dtype=target.dtype, device=target.device))
+    return len(hf_state)
+
+
+def _shard_files(ckpt_dir: Path) -> list[Path]:
+    index = ckpt_dir / SAFE_WEIGHTS_INDEX_NAME
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [ckpt_dir / f for f in sorted(set(weight_map.values()))]
+    files = sorted(ckpt_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {ckpt_dir}")
+    return files
+
+
+def load_hf_state_dict(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of an HF checkpoint directory (every safetensors shard), with on-disk names.
+
+    Raises:
+        FileNotFoundError: the directory or its shards do not exist.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {ckpt_dir} does not exist")
+    state: dict[str, torch.Tensor] = {}
+    for path in _shard_files(ckpt_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                state[name] = f.get_tensor(name)
+    return state
+
+
+def _split_shards(state: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(state):
+        tensor = state[name]
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def save_hf_state_dict(
+    ckpt_dir: str | os.PathLike,
+    state_dict: Mapping[str, torch.Tensor],
+    model_cfg: MoEModelConfig,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write an HF checkpoint directory atomically: safetensors shards, index, config.json.
+
+    Args:
+        ckpt_dir: Destination; replaced as a whole if it exists.
+        state_dict: Tensors with on-disk names (`module_state_to_hf` converts a module's state).
+            With tied embeddings `lm_head.weight` is dropped (HF re-ties it on load).
+        model_cfg: Architecture written to config.json.
+        tokenizer: If given, its files and a generation_config.json (bos/eos/pad) are written too.
+        max_shard_bytes: Shard size limit; one shard is `model.safetensors` (no index), several are
+            `model-0000k-of-0000n.safetensors` plus `model.safetensors.index.json`, as HF writes them.
+
+    Returns:
+        The checkpoint directory.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
+    state = {name: t.detach().to("cpu").contiguous() for name, t in state_dict.items()}
+    if model_cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{ckpt_dir.name}.tmp-", dir=ckpt_dir.parent))
+    try:
+        shards = _split_shards(state, max_shard_bytes)
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for k, shard in enumerate(shards, start=1):
+                fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, fname))
+            total = sum(t.numel() * t.element_size() for t in state.values())
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2))
+        hf_cfg = model_cfg.to_hf_config()
+        dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
+        if len(dtypes) == 1:
+            hf_cfg["dtype"] = str(dtypes.pop()).removeprefix("torch.")
+        if tokenizer is not None:
+            if len(tokenizer) > model_cfg.vocab_size:
+                raise ValueError(
+                    f"tokenizer has {len(tokenizer)} tokens > model vocab_size={model_cfg.vocab_size}"
+                )
+            hf_cfg.update(
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            tokenizer.save_pretrained(str(tmp))
+            GenerationConfig(
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            ).save_pretrained(str(tmp))
+        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
+        for f in tmp.iterdir():  # make the data durable before the rename publishes it
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.chmod(tmp, 0o755)
+        _replace_dir(tmp, ckpt_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ckpt_dir
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Rename `src` to `dst`; an existing `dst` is moved aside first and deleted after."""
+    if not dst.exists():
+        os.replace(src, dst)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+    os.replace(dst, old / dst.name)
+    os.replace(src, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def build_hf_model(model_cfg: MoEModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A randomly initialised HF `Qwen3MoeForCausalLM` (init std `model_cfg.init_std`), in eval mode."""
+    hf_config = Qwen3MoeConfig(**model_cfg.to_hf_config())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(hf_config)
+    return model.to(dtype).eval()
+
+
+def make_tiny_hf_checkpoint(
+    out_dir: str | os.PathLike,
+    model_cfg: MoEModelConfig,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Build a random HF Qwen3-MoE from `model_cfg` and save it with tokenizer and generation config.
+
+    Args:
+        out_dir: Checkpoint directory (replaced atomically if it exists).
+        model_cfg: Architecture; `vocab_size` must cover the tokenizer.
+        tokenizer: Defaults to the project's character tokenizer (`build_char_tokenizer()`).
+        seed: Seed of the weight init (same seed -> identical weights).
+        dtype: Parameter dtype written to disk.
+
+    Returns:
+        The checkpoint directory, loadable with `AutoModelForCausalLM.from_pretrained`.
+    """
+    tokenizer = tokenizer if tokenizer is not None else build_char_tokenizer()
+    if len(tokenizer) > model_cfg.vocab_size:
+        raise ValueError(
+            f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)"
+        )
+    model = build_hf_model(model_cfg, seed=seed, dtype=dtype)
+    return save_hf_state_dict(out_dir, module_state_to_hf(model.state_dict()), model_cfg, tokenizer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: write a random HF checkpoint of a preset architecture with the char tokenizer."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="checkpoint directory to (re)create")
+    parser.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
+    parser.add_argument("--seed", type=int, default=0, help="weight init seed")
+    parser.add_argument("--init-std", type=float, default=None, help="override the preset's init std")
+    args = parser.parse_args(argv)
+    tokenizer = build_char_tokenizer()
+    changes = {"vocab_size": len(tokenizer)}
+    if args.init_std is not None:
+        changes["init_std"] = args.init_std
+    model_cfg = preset(args.preset, **changes)
+    path = make_tiny_hf_checkpoint(args.out, model_cfg, tokenizer, seed=args.seed)
+    print(f"wrote {path} ({model_cfg.num_parameters} parameters)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
