@@ -1,0 +1,561 @@
+"""HTTP client for one or many SGLang servers (real SGLang on GPU nodes, the embedded server on CPU).
+
+Generation fans a batch of ``/generate`` requests out over the servers with a bounded number in
+flight (a thread pool over one shared ``httpx.Client``), sending each request to the server with
+the fewest requests in flight (round-robin among ties). Connection errors, timeouts and 5xx/429
+answers are retried with exponential backoff (tenacity), moving to another server when there is
+one; a 4xx is the request's fault and raises at once with the server's message. A batch either
+returns every response, in request order, or raises: when one request fails for good the rest
+are cancelled and awaited, so no request of a failed batch is still running when the error
+surfaces (a following weight update cannot race it).
+
+Weight-sync and control calls (``/update_weights_from_disk``, ``/pause_generation``, ...) go to
+every server and check SGLang's ``{"success", "message"}`` answer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+import tenacity
+
+from megatron_gspo.rollout import contract
+from megatron_gspo.rollout.errors import (
+    MalformedResponseError,
+    RolloutRequestError,
+    RolloutServerError,
+    WeightUpdateError,
+)
+
+_RETRYABLE_4XX = (408, 429)  # timeouts and back-pressure are transient, unlike other 4xx
+
+
+def build_generate_request(
+    prompt_ids: Sequence[int],
+    sampling_params: Mapping[str, Any],
+    *,
+    return_logprob: bool = True,
+    return_routed_experts: bool = False,
+    rid: str | None = None,
+) -> dict[str, Any]:
+    """A non-streaming ``/generate`` body for one prompt, in SGLang's request contract.
+
+    Routed experts are requested from position 0 (``routed_experts_start_len=0``) so their rows
+    cover positions ``[0, P + R - 1)``, as `parse_generate_response` assumes. Log-probs cover the
+    generated tokens only (SGLang's default ``logprob_start_len=-1``).
+
+    Args:
+        prompt_ids: prompt token ids ``[P]``.
+        sampling_params: SGLang sampling params (``max_new_tokens``, ``temperature``, ``top_p``,
+            ``top_k``, ``stop``, ``ignore_eos``, ``sampling_seed``, ...).
+        return_logprob: ask for per-token log-probs of the generated tokens.
+        return_routed_experts: ask for the experts each token was routed to (MoE only; the
+            server must run with ``--enable-return-routed-experts``).
+        rid: request id, echoed by the server as ``meta_info.id``.
+
+    Returns:
+        The JSON-ready body.
+
+    Raises:
+        ValueError: an empty prompt, a non-integer token id, or sampling params that SGLang's
+            contract rejects (when the contract types are installed; the message is SGLang's).
+    """
+    ids = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)
+    if not ids:
+        raise ValueError("prompt_ids is empty")
+    bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0), None)
+    if bad is not None:
+        raise ValueError(f"prompt_ids must be non-negative integers, found {bad!r}")
+    if not isinstance(sampling_params, Mapping):
+        raise ValueError(f"sampling_params must be a mapping, got {type(sampling_params).__name__}")
+    api = contract.load()
+    if api is not None:
+        try:
+            api.SamplingParams.from_json_value(dict(sampling_params))
+        except api.JsonContractError as err:
+            raise ValueError(f"sampling_params rejected by SGLang's contract: {err}") from None
+    body: dict[str, Any] = {
+        "input_ids": ids,
+        "sampling_params": dict(sampling_params),
+        "return_logprob": bool(return_logprob),
+        "stream": False,
+    }
+    if return_routed_experts:
+        body["return_routed_experts"] = True
+        body["routed_experts_start_len"] = 0
+    if rid is not None:
+        body["rid"] = rid
+    return body
+
+
+class _TransientError(Exception):
+    """One attempt failed in a way worth retrying (connection, timeout, 5xx)."""
+
+    def __init__(self, url: str, description: str):
+        super().__init__(description)
+        self.url = url
+        self.description = description
+
+
+class SGLangClient:
+    """Talks to one or many SGLang servers over HTTP.
+
+    Args:
+        urls: server base URLs, e.g. ``["http://10.0.0.1:30000"]``.
+        max_concurrency: most ``/generate`` requests in flight at once, over all servers.
+        timeout_s: read/write timeout of one HTTP attempt (a long generation must fit in it).
+        connect_timeout_s: connect timeout of one HTTP attempt.
+        max_retries: retries after the first attempt (so ``max_retries + 1`` attempts at most).
+        backoff_s: first backoff; it doubles after each failed attempt.
+        max_backoff_s: backoff ceiling.
+        health_timeout_s: timeout of one ``/health`` probe (SGLang's runs a 1-token generation).
+        trust_env: honour proxy environment variables (off: cluster proxies rarely reach servers).
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        max_concurrency: int = 64,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+        health_timeout_s: float = 30.0,
+        trust_env: bool = False,
+    ):
+        if isinstance(urls, str):
+            urls = [urls]
+        if not urls:
+            raise ValueError("at least one server URL is needed")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self.urls = [u.rstrip("/") for u in urls]
+        if len(set(self.urls)) != len(self.urls):
+            raise ValueError(f"duplicate server URLs: {self.urls}")
+        self.max_concurrency = max_concurrency
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.health_timeout_s = health_timeout_s
+        self._http = httpx.Client(
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=max_concurrency + 2 * len(self.urls)),
+            trust_env=trust_env,
+        )
+        self._pool = cf.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang-generate")
+        self._background = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="sglang-control")
+        self._lock = threading.Lock()
+        self._in_flight = dict.fromkeys(self.urls, 0)
+        self._turn = itertools.count()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the worker threads and close connections."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._background.shutdown(wait=True, cancel_futures=True)
+        self._http.close()
+
+    def __enter__(self) -> SGLangClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Send ``/generate`` requests concurrently; all responses in request order, or an error.
+
+        Args:
+            requests: bodies, e.g. from `build_generate_request` (one prompt each).
+
+        Returns:
+            The parsed JSON response of each request (validate with `parse_generate_response`).
+
+        Raises:
+            RolloutServerError: a request failed through every retry.
+            RolloutRequestError: a server rejected a request (4xx), with its message.
+            MalformedResponseError: a server answered 2xx with something other than a JSON object.
+        """
+        if not requests:
+            return []
+        failed = threading.Event()
+        futures = [self._pool.submit(self._generate_one, body, failed) for body in requests]
+        done, _ = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
+        errors = [f for f in futures if f in done and f.exception() is not None]
+        if not errors:
+            return [f.result() for f in futures]
+        failed.set()  # wakes backoff sleeps and stops further retries of this batch
+        for f in futures:
+            f.cancel()
+        cf.wait(futures)  # nothing of a failed batch may still be running when we raise
+        raise errors[0].exception()
+
+    def _generate_one(self, body: Mapping[str, Any], failed: threading.Event) -> dict[str, Any]:
+        url, response = self._post("/generate", body, cancelled=failed)
+        try:
+            parsed = response.json()
+        except ValueError as err:
+            raise MalformedResponseError(
+                "response", f"{url}/generate answered HTTP {response.status_code} with non-JSON ({err})"
+            ) from None
+        if not isinstance(parsed, dict):
+            raise MalformedResponseError(
+                "response", f"{url}/generate answered a JSON {type(parsed).__name__}, expected an object"
+            )
+        return parsed
+
+    # ---- health ----------------------------------------------------------------------------
+
+    def health(self) -> dict[str, bool]:
+        """``{url: healthy}`` from one ``GET /health`` per server."""
+        return {url: self._health_problem(url) is None for url in self.urls}
+
+    def wait_until_healthy(self, timeout_s: float = 300.0, poll_s: float = 0.5) -> None:
+        """Block until every server answers ``/health`` with 200.
+
+        Raises:
+            RolloutServerError: some server is still unhealthy after ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.urls)
+        problems: dict[str, str] = {}
+        polls = 0
+        while True:
+            polls += 1
+            problems = {url: p for url in pending if (p := self._health_problem(url)) is not None}
+            pending = list(problems)
+            if not pending:
+                return
+            if time.monotonic() + poll_s > deadline:
+                break
+            time.sleep(poll_s)
+        url = pending[0]
+        raise RolloutServerError(
+            url=url,
+            path="/health",
+            attempts=polls,
+            last_error=f"{problems[url]} (waited {timeout_s:.1f}s)",
+            urls=pending,
+        )
+
+    def _health_problem(self, url: str) -> str | None:
+        try:
+            response = self._http.get(f"{url}/health", timeout=self.health_timeout_s)
+        except httpx.HTTPError as err:
+            return f"{type(err).__name__}: {err}"
+        return None if response.status_code == 200 else f"HTTP {response.status_code}"
+
+    # ---- weight sync and control -------------------------------------------------------------
+
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: str | int | None = None,
+        *,
+        flush_cache: bool = True,
+        load_format: str | None = None,
+        abort_all_requests: bool = False,
+    ) -> list[dict[str, Any]]:
+        """Make every server load the checkpoint at ``model_path`` (a path the servers can read).
+
+        Returns:
+            Each server's ``{"success": true, "message": ...}`` answer, in URL order.
+
+        Raises:
+            WeightUpdateError: a server reported ``success: false`` (its message is kept).
+        """
+        body = {
+            "model_path": str(model_path),
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        if load_format is not None:
+            body["load_format"] = load_format
+        return self._broadcast("/update_weights_from_disk", body)
+
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        *,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | int | None = None,
+    ) -> list[dict[str, Any]]:
+        """Send serialized tensor handles (one string per TP rank, base64) to every server."""
+        body: dict[str, Any] = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "flush_cache": flush_cache,
+        }
+        if load_format is not None:
+            body["load_format"] = load_format
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return self._broadcast("/update_weights_from_tensor", body)
+
+    def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        rank_offsets: Sequence[int] | None = None,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        blocking: bool = True,
+    ) -> list[dict[str, Any]] | cf.Future:
+        """Make every server join a process group with the trainer (trainer rank 0).
+
+        The servers block in the collective until the trainer joins too, so call with
+        ``blocking=False`` and ``.result()`` the returned future after the trainer's own
+        ``init_process_group``. Never retried (a half-joined collective cannot be re-entered).
+
+        Args:
+            master_address: the trainer's rendezvous address.
+            master_port: the trainer's rendezvous port.
+            world_size: 1 + the number of GPUs over all servers.
+            rank_offsets: the first rank of each server's GPUs, one per URL (default: ``[1]``
+                for a single server).
+            group_name: the group's name, reused by the update/destroy calls.
+            backend: ``"nccl"`` on GPUs.
+            blocking: wait for the answers, or return a future of them.
+        """
+        if rank_offsets is None:
+            if len(self.urls) != 1:
+                raise ValueError("rank_offsets (one per server) is required with several servers")
+            rank_offsets = [1]
+        if len(rank_offsets) != len(self.urls):
+            raise ValueError(f"{len(rank_offsets)} rank_offsets for {len(self.urls)} servers")
+        bodies = [
+            {
+                "master_address": master_address,
+                "master_port": int(master_port),
+                "rank_offset": int(offset),
+                "world_size": int(world_size),
+                "group_name": group_name,
+                "backend": backend,
+            }
+            for offset in rank_offsets
+        ]
+        return self._maybe_background(blocking, "/init_weights_update_group", bodies)
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        weight_version: str | int | None = None,
+        blocking: bool = True,
+    ) -> list[dict[str, Any]] | cf.Future:
+        """Announce a broadcast of named tensors over the update group (the trainer sends them).
+
+        Like `init_weights_update_group`, the servers wait in the collective: use
+        ``blocking=False``, broadcast, then ``.result()``. Never retried.
+        """
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
+        body: dict[str, Any] = {
+            "names": list(names),
+            "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+            "shapes": [[int(n) for n in s] for s in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return self._maybe_background(blocking, "/update_weights_from_distributed", [body] * len(self.urls))
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> list[dict[str, Any]]:
+        """Make every server leave the update group."""
+        return self._broadcast("/destroy_weights_update_group", {"group_name": group_name}, retry=False)
+
+    def pause_generation(self, mode: str | None = None) -> list[dict[str, Any]]:
+        """Pause scheduling on every server (``mode``: SGLang's ``abort``/``retract``/``in_place``)."""
+        return self._broadcast(
+            "/pause_generation", {} if mode is None else {"mode": mode}, expect_success=False
+        )
+
+    def continue_generation(self) -> list[dict[str, Any]]:
+        """Resume scheduling on every server."""
+        return self._broadcast("/continue_generation", {}, expect_success=False)
+
+    def flush_cache(self) -> list[dict[str, Any]]:
+        """Flush every server's prefix cache (SGLang answers 400 while requests are running)."""
+        return self._broadcast("/flush_cache", {}, expect_success=False)
+
+    def release_memory_occupation(self, tags: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """Free GPU memory (``tags``: ``weights``, ``kv_cache``); needs ``--enable-memory-saver``."""
+        body = {} if tags is None else {"tags": list(tags)}
+        return self._broadcast("/release_memory_occupation", body, expect_success=False)
+
+    def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """Re-allocate what `release_memory_occupation` freed."""
+        body = {} if tags is None else {"tags": list(tags)}
+        return self._broadcast("/resume_memory_occupation", body, expect_success=False)
+
+    def _maybe_background(self, blocking: bool, path: str, bodies: list[dict[str, Any]]):
+        if blocking:
+            return self._broadcast(path, bodies, retry=False)
+        return self._background.submit(self._broadcast, path, bodies, retry=False)
+
+    def _broadcast(
+        self,
+        path: str,
+        body: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+        *,
+        retry: bool = True,
+        expect_success: bool = True,
+    ) -> list[dict[str, Any]]:
+        """POST to every server at once (one body for all, or one per server); all answers or an error."""
+        bodies = [body] * len(self.urls) if isinstance(body, Mapping) else list(body)
+        with cf.ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="sglang-broadcast") as pool:
+            futures = [
+                pool.submit(self._control_call, url, path, b, retry, expect_success)
+                for url, b in zip(self.urls, bodies)
+            ]
+            cf.wait(futures)
+        failures = [(url, f.exception()) for url, f in zip(self.urls, futures) if f.exception() is not None]
+        if not failures:
+            return [f.result() for f in futures]
+        url, first = failures[0]
+        if len(self.urls) > 1 and isinstance(first, WeightUpdateError):
+            failed = f"{len(failures)} of {len(self.urls)} failed: " + ", ".join(u for u, _ in failures)
+            raise WeightUpdateError(
+                url=url,
+                path=path,
+                server_message=f"{first.server_message} ({failed})",
+            ) from first
+        raise first
+
+    def _control_call(
+        self, url: str, path: str, body: Mapping[str, Any], retry: bool, expect_success: bool
+    ) -> dict[str, Any]:
+        try:
+            _, response = self._post(path, body, url=url, retry=retry)
+        except RolloutRequestError as err:  # SGLang answers a failed update with 400 + success=false
+            raise WeightUpdateError(url=url, path=path, server_message=err.server_message) from None
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = {"message": response.text}  # /flush_cache answers plain text
+        if not isinstance(answer, dict):
+            answer = {"message": answer}
+        if expect_success and answer.get("success") is not True:
+            raise WeightUpdateError(
+                url=url,
+                path=path,
+                server_message=str(answer.get("message", f"no success field in {answer!r}")),
+            )
+        return answer
+
+    # ---- one HTTP call with retries -----------------------------------------------------------
+
+    def _post(
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        *,
+        url: str | None = None,
+        retry: bool = True,
+        cancelled: threading.Event | None = None,
+    ) -> tuple[str, httpx.Response]:
+        """POST with bounded retries; the server used and its 2xx response."""
+        attempts = 0
+        tried: list[str] = []
+        last: list[str | None] = [None]
+
+        def attempt() -> tuple[str, httpx.Response]:
+            nonlocal attempts
+            attempts += 1
+            target = url or self._acquire(avoid=last[0])
+            if url is not None:
+                self._hold(target)
+            if target not in tried:
+                tried.append(target)
+            last[0] = target
+            try:
+                response = self._http.post(f"{target}{path}", json=dict(body))
+            except httpx.HTTPError as err:
+                raise _TransientError(target, f"{type(err).__name__}: {err or 'no detail'}") from err
+            finally:
+                self._release(target)
+            if response.status_code >= 500 or response.status_code in _RETRYABLE_4XX:
+                raise _TransientError(target, f"HTTP {response.status_code}: {_server_message(response)}")
+            if response.status_code >= 400:
+                raise RolloutRequestError(
+                    url=target,
+                    path=path,
+                    status_code=response.status_code,
+                    server_message=_server_message(response),
+                )
+            return target, response
+
+        stop = tenacity.stop_after_attempt((self.max_retries if retry else 0) + 1)
+        if cancelled is not None:
+            stop = stop | tenacity.stop_when_event_set(cancelled)
+        retrying = tenacity.Retrying(
+            stop=stop,
+            wait=tenacity.wait_exponential(multiplier=self.backoff_s, max=self.max_backoff_s),
+            retry=tenacity.retry_if_exception_type(_TransientError),
+            sleep=cancelled.wait if cancelled is not None else time.sleep,
+            reraise=True,
+        )
+        try:
+            return retrying(attempt)
+        except _TransientError as err:
+            raise RolloutServerError(
+                url=err.url, path=path, attempts=attempts, last_error=err.description, urls=tried
+            ) from None
+
+    def _acquire(self, avoid: str | None) -> str:
+        """The server with the fewest requests in flight (round-robin among ties), counted in."""
+        with self._lock:
+            start = next(self._turn)
+            order = [self.urls[(start + i) % len(self.urls)] for i in range(len(self.urls))]
+            if avoid is not None and len(order) > 1:
+                order.remove(avoid)  # after a failure, try another server first
+            target = min(order, key=lambda u: self._in_flight[u])
+            self._in_flight[target] += 1
+            return target
+
+    def _hold(self, url: str) -> None:
+        with self._lock:
+            self._in_flight[url] += 1
+
+    def _release(self, url: str) -> None:
+        with self._lock:
+            self._in_flight[url] -= 1
+
+
+def _server_message(response: httpx.Response) -> str:
+    """The server's explanation: ``error.message``/``message``/``detail`` of a JSON body, else the text."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:2000] or "(empty body)"
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        for key in ("message", "detail"):
+            if key in body:
+                return str(body[key])
+        if error is not None:
+            return str(error)
+    return str(body)[:2000]
