@@ -1,0 +1,164 @@
+import time
+from fractions import Fraction
+
+import pytest
+
+from megatron_gspo.tasks.math_reward import (
+    ParseStatus,
+    answers_match,
+    extract_last_boxed,
+    math_reward,
+    normalize_answer,
+    parse_number,
+)
+
+# (completion, reference, reward): each row is a spelling question a grader must get right.
+REWARD_TABLE = [
+    # positives
+    (r"so the answer is $\boxed{42}$.", "42", 1.0),
+    (r"\boxed{ 42 }", "42", 1.0),
+    (r"\boxed{1,000}", "1000", 1.0),
+    (r"\boxed{1{,}000}", "1000", 1.0),
+    (r"\boxed{0.50}", "1/2", 1.0),
+    (r"\boxed{.5}", r"\frac{1}{2}", 1.0),
+    (r"\boxed{\dfrac{3}{4}}", r"\frac34", 1.0),
+    (r"\boxed{\tfrac{6}{8}}", "0.75", 1.0),
+    (r"\boxed{-\frac{1}{2}}", "-0.5", 1.0),
+    (r"\boxed{90^\circ}", "90", 1.0),
+    (r"\boxed{90^{\circ}}", "90", 1.0),
+    (r"\boxed{\$18.90}", "18.9", 1.0),
+    (r"\boxed{12 \text{ cm}}", "12", 1.0),
+    (r"\boxed{5\text{ inches}^2}", "5", 1.0),
+    (r"\boxed{\text{Evelyn}}", "Evelyn", 1.0),
+    (r"\boxed{\left( 3, \frac{\pi}{2} \right)}", r"(3,\frac{\pi}{2})", 1.0),
+    (r"\boxed{x = 7}", "7", 1.0),
+    (r"\boxed{7.}", "7", 1.0),
+    (r"\boxed{50\%}", "50", 1.0),
+    (r"\boxed{10\!000}", "10000", 1.0),
+    (r"\boxed{\frac{\sqrt{3}}{2}}", r"\frac{1}{2}\sqrt{3}", 1.0),
+    (r"\boxed{2\sqrt{2}}", r"\sqrt{8}", 1.0),
+    (r"\boxed{\sqrt2}", r"\sqrt{2}", 1.0),
+    (r"first \boxed{3}, then corrected: \boxed{4}", "4", 1.0),
+    (r"\fbox{17}", "17", 1.0),
+    (r"\boxed{\{1, 2\}}", r"\{1,2\}", 1.0),
+    (r"\boxed{12}", r"\boxed{12}", 1.0),
+    # negatives
+    (r"\boxed{43}", "42", 0.0),
+    (r"first \boxed{4}, then corrected: \boxed{3}", "4", 0.0),
+    (r"\boxed{0.51}", "1/2", 0.0),
+    (r"\boxed{1,2}", "12", 0.0),
+    (r"\boxed{1,000}", "1", 0.0),
+    (r"\boxed{\frac{1}{3}}", "0.33", 0.0),
+    (r"\boxed{-2}", "2", 0.0),
+    (r"\boxed{2\sqrt{3}}", r"\sqrt{8}", 0.0),
+    (r"\boxed{(1,2)}", "(2,1)", 0.0),
+    (r"\boxed{x+1}", "x+2", 0.0),
+    (r"\boxed{1/0}", "1", 0.0),
+    ("The answer is 42.", "42", 0.0),
+    (r"\boxed{42", "42", 0.0),
+    (r"\boxed{}", "42", 0.0),
+]
+
+
+@pytest.mark.parametrize("completion, reference, reward", REWARD_TABLE)
+def test_math_reward_table(completion, reference, reward):
+    assert math_reward(completion, reference).reward == reward
+
+
+def test_table_is_large_and_balanced():
+    assert len(REWARD_TABLE) >= 25
+    assert sum(r == 1.0 for *_, r in REWARD_TABLE) >= 12 and sum(r == 0.0 for *_, r in REWARD_TABLE) >= 12
+
+
+@pytest.mark.parametrize(
+    "completion, status, extracted",
+    [
+        (r"\boxed{\frac{1}{2}}", ParseStatus.OK, r"\frac{1}{2}"),
+        ("no box here", ParseStatus.NO_BOXED, None),
+        (r"\boxed{\frac{1}{2}", ParseStatus.UNBALANCED, None),
+        (r"truncated \boxed", ParseStatus.UNBALANCED, None),
+        (r"\boxed{ }", ParseStatus.EMPTY, ""),
+        (r"\boxed{$\,$}", ParseStatus.EMPTY, ""),
+    ],
+)
+def test_parse_status(completion, status, extracted):
+    result = math_reward(completion, "1")
+    assert (result.status, result.extracted) == (status, extracted)
+    assert result.reward == 0.0 or status == ParseStatus.OK
+
+
+@pytest.mark.parametrize(
+    "text, content",
+    [
+        (r"\boxed{a{b{c}}d}", "a{b{c}}d"),
+        (r"\boxed{\}}", r"\}"),
+        (r"\boxed {5}", "5"),
+        (r"$\boxed 5$.", "5"),
+        (r"\boxed{1} and \fbox{2}", "2"),
+        (r"\fbox{1} and \boxed{2} text } after", "2"),
+    ],
+)
+def test_extract_last_boxed(text, content):
+    assert extract_last_boxed(text) == (content, ParseStatus.OK)
+
+
+@pytest.mark.parametrize(
+    "raw, normal",
+    [
+        (r"\left( 1, 2 \right)", "(1,2)"),
+        (r"\left\{1\right\}", r"\{1\}"),
+        (r"a \rightarrow b", r"a\rightarrowb"),  # \right inside \rightarrow is not touched
+        (r"\dfrac{1}{2}", r"\frac{1}{2}"),
+        (r"\frac12", r"\frac{1}{2}"),
+        (r"\frac1{x}", r"\frac{1}{x}"),
+        (r"\text{(B)}", "(B)"),
+        ("1,234,567.5", "1234567.5"),
+        ("1,23", "1,23"),
+        (r"k_{2} = 9", "9"),
+        (r"\displaystyle 3", "3"),
+        ("45°", "45"),
+    ],
+)
+def test_normalize_answer(raw, normal):
+    assert normalize_answer(raw) == normal
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("7", Fraction(7)),
+        ("-0.25", Fraction(-1, 4)),
+        (".5", Fraction(1, 2)),
+        ("3/6", Fraction(1, 2)),
+        (r"\frac{2}{0.5}", Fraction(4)),
+        (r"-\frac{1}{3}", Fraction(-1, 3)),
+        ("1/0", None),
+        ("1e3", None),
+        ("1_000", None),
+        ("x", None),
+    ],
+)
+def test_parse_number(text, value):
+    assert parse_number(text) == value
+
+
+def test_answers_match_is_symmetric_on_the_table():
+    for completion, reference, reward in REWARD_TABLE:
+        content, status = extract_last_boxed(completion)
+        reference = extract_last_boxed(reference)[0] or reference
+        if status == ParseStatus.OK and normalize_answer(content):
+            assert answers_match(reference, content) == answers_match(content, reference) == (reward == 1.0)
+
+
+@pytest.mark.parametrize(
+    "hostile", [r"9^{99^{99}}", r"((9^{99})^{99})^{99}", "__import__('os').system('true')", "1" * 500]
+)
+def test_hostile_answers_are_rejected_quickly(hostile):
+    start = time.perf_counter()
+    assert math_reward(rf"\boxed{{{hostile}}}", "1").reward == 0.0
+    assert time.perf_counter() - start < 2.0
+
+
+def test_empty_reference_is_a_data_error():
+    with pytest.raises(ValueError, match="reference answer"):
+        math_reward(r"\boxed{1}", "$ $")
