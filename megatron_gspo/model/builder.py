@@ -1,0 +1,184 @@
+"""Build the Qwen3-MoE-shaped Megatron-Core `GPTModel` from an `MoEModelConfig`.
+
+The mapping to `TransformerConfig` reproduces HF Qwen3-MoE numerically (RMSNorm eps from
+the checkpoint, QK-norm, GQA, non-interleaved RoPE, SwiGLU experts, softmax router whose
+top-k probabilities are renormalised when `norm_topk_prob`). The layer spec is the
+TransformerEngine one when TE imports and CUDA is present, Megatron's local spec otherwise;
+the rest is configuration, so CPU and H100 runs use the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatron_gspo.model.config import MoEModelConfig
+from megatron_gspo.model.distributed import ParallelConfig
+
+
+@dataclass
+class EngineConfig:
+    """Numerics and kernels: the part that differs between a CPU box and an H100 node."""
+
+    dtype: str = "fp32"
+    """Parameter and compute dtype: fp32 (CPU) or bf16 (GPU)."""
+    use_te: bool | None = None
+    """TransformerEngine layer spec; default: when TE imports and CUDA is available."""
+    fused_kernels: bool | None = None
+    """Grouped GEMM, fused permute and RoPE fusion; default: same as use_te (GPU only)."""
+    recompute_activations: bool = False
+    """Full activation recomputation of every layer (saves memory on large models)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"engine.dtype must be fp32 or bf16, got {self.dtype!r}")
+        if self.dtype == "bf16" and not torch.cuda.is_available():
+            raise ValueError("engine.dtype=bf16 needs a GPU; use fp32 on CPU")
+        if self.resolved_use_te and not torch.cuda.is_available():
+            raise ValueError("engine.use_te needs CUDA (TransformerEngine kernels are GPU-only)")
+        if self.resolved_fused_kernels and not self.resolved_use_te:
+            raise ValueError("engine.fused_kernels needs the TransformerEngine spec (use_te)")
+
+    @property
+    def resolved_use_te(self) -> bool:
+        """Whether the TE layer spec is used."""
+        if self.use_te is not None:
+            return self.use_te
+        from megatron_gspo.patches import transformer_engine_available
+
+        return torch.cuda.is_available() and transformer_engine_available()
+
+    @property
+    def resolved_fused_kernels(self) -> bool:
+        """Whether GPU-only fused kernels are enabled."""
+        return self.resolved_use_te if self.fused_kernels is None else self.fused_kernels
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype of `dtype`."""
+        return torch.bfloat16 if self.dtype == "bf16" else torch.float32
+
+
+def transformer_config(
+    model: MoEModelConfig,
+    parallel: ParallelConfig,
+    engine: EngineConfig | None = None,
+    *,
+    routing_replay: bool = False,
+):
+    """The megatron `TransformerConfig` of this architecture, layout and engine."""
+    from megatron.core.transformer import TransformerConfig
+
+    engine = engine or EngineConfig()
+    fused = engine.resolved_fused_kernels
+    recompute = (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if engine.recompute_activations
+        else {}
+    )
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim,
+        ffn_hidden_size=4 * model.moe_ffn_hidden_size,  # dense FFN width; unused (all layers MoE)
+        normalization="RMSNorm",
+        layernorm_epsilon=model.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        rotary_interleaved=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_std,
+        num_moe_experts=model.num_experts,
+        moe_router_topk=model.moe_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_layer_freq=1,
+        moe_router_score_function="softmax",
+        # norm_topk_prob: softmax over the top-k logits == softmax over all, top-k, renormalise.
+        moe_router_pre_softmax=not model.norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if model.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=model.aux_loss_coeff,
+        moe_token_dispatcher_type=parallel.token_dispatcher,
+        moe_grouped_gemm=fused,
+        moe_permute_fusion=fused,
+        moe_router_fusion=False,  # the fused top-k bypasses routing replay; never worth that risk
+        moe_enable_routing_replay=routing_replay,
+        apply_rope_fusion=fused,
+        gradient_accumulation_fusion=fused,
+        bias_dropout_fusion=fused,
+        masked_softmax_fusion=fused,
+        persist_layer_norm=False,
+        tensor_model_parallel_size=parallel.tensor_parallel,
+        expert_model_parallel_size=parallel.expert_parallel,
+        expert_tensor_parallel_size=parallel.expert_tp,
+        sequence_parallel=parallel.use_sequence_parallel,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=engine.torch_dtype,
+        bf16=engine.dtype == "bf16",
+        fp16=False,
+        **recompute,
+    )
+
+
+def layer_spec(model: MoEModelConfig, engine: EngineConfig):
+    """Megatron layer spec: TransformerEngine on GPU nodes with TE, the local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if engine.resolved_use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=model.num_experts,
+            moe_grouped_gemm=engine.resolved_fused_kernels,
+            qk_layernorm=True,
+        )
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=model.num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+    )
+
+
+def build_model(
+    model: MoEModelConfig,
+    parallel: ParallelConfig,
+    engine: EngineConfig | None = None,
+    *,
+    routing_replay: bool = False,
+):
+    """Build this rank's shard of the policy (call after `init_distributed`).
+
+    Megatron's RouterReplay keeps a class-level list of per-layer instances; it is cleared
+    here so a second model built in one process never inherits the first one's layers.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    engine = engine or EngineConfig()
+    RouterReplay.clear_global_router_replay_instances()
+    config = transformer_config(model, parallel, engine, routing_replay=routing_replay)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(model, engine),
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=model.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=int(model.rope_theta),
+    )
+    if torch.cuda.is_available():
+        gpt.cuda(torch.cuda.current_device())
+    return gpt
+
+
+def model_config_dict(model: MoEModelConfig) -> dict:
+    """Plain dict of the architecture (for checkpoints and logs)."""
+    return dataclasses.asdict(model)

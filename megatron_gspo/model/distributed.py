@@ -1,0 +1,131 @@
+"""Process groups for TP x EP x DP: one entry point for torchrun workers and plain processes.
+
+`init_distributed` applies the megatron-core runtime patches this machine needs, starts
+torch.distributed (NCCL on GPUs, gloo on CPU), builds megatron's model-parallel groups and
+seeds the model-parallel RNG tracker. Under torchrun it reads the usual RANK / WORLD_SIZE /
+LOCAL_RANK variables that torchrun sets; a plain `python` process becomes a world of one.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+# Expected on CPU: megatron falls back to torch optimizers and local kernels without TE/apex.
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+warnings.filterwarnings("ignore", message="full scope is deprecated")  # megatron's own default
+warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
+warnings.filterwarnings("ignore", message=".*all_gather_into_tensor` is deprecated.*")
+
+
+@dataclass
+class ParallelConfig:
+    """How the policy is sharded. Data parallel size is whatever the world size leaves."""
+
+    tensor_parallel: int = 1
+    """Tensor-parallel size (attention heads, FFN columns, vocabulary split across ranks)."""
+    expert_parallel: int = 1
+    """Expert-parallel size (experts of each MoE layer split across ranks)."""
+    expert_tensor_parallel: int | None = None
+    """Tensor-parallel size inside each expert (default: tensor_parallel, megatron's default)."""
+    sequence_parallel: bool | None = None
+    """Shard activations along the sequence between TP ranks (default: on when TP > 1; MoE needs it)."""
+    token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """MoE token dispatcher. `flex` (DeepEP) is GPU-only and not offered here."""
+    distributed_optimizer: bool = False
+    """Shard optimizer states across data-parallel ranks (ZeRO-1)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel", "expert_parallel"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.token_dispatcher not in ("alltoall", "allgather"):
+            raise ValueError(
+                f"parallel.token_dispatcher must be alltoall or allgather, got {self.token_dispatcher!r}"
+            )
+        if self.sequence_parallel is False and self.tensor_parallel > 1:
+            raise ValueError(
+                "MoE training with tensor_parallel > 1 requires sequence_parallel (megatron-core)"
+            )
+
+    @property
+    def use_sequence_parallel(self) -> bool:
+        """Sequence parallelism, resolved (on exactly when TP > 1 unless set)."""
+        return self.tensor_parallel > 1 if self.sequence_parallel is None else self.sequence_parallel
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size, resolved."""
+        return self.expert_tensor_parallel or self.tensor_parallel
+
+    def check_world_size(self, world_size: int) -> int:
+        """Validate the layout against a world size; returns the data-parallel size."""
+        if world_size % self.tensor_parallel:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor_parallel={self.tensor_parallel}"
+            )
+        expert_group = self.expert_tp * self.expert_parallel
+        if world_size % expert_group:
+            raise ValueError(
+                f"world size {world_size} is not divisible by expert_tensor_parallel x expert_parallel = "
+                f"{self.expert_tp} x {self.expert_parallel}"
+            )
+        return world_size // self.tensor_parallel
+
+
+def init_distributed(parallel: ParallelConfig, *, seed: int = 1234, timeout_s: float = 600.0) -> int:
+    """Start torch.distributed and megatron's parallel groups for `parallel`; returns the DP size.
+
+    Safe to call once per process. Applies the runtime patches first (CPU / no-TE fixes).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_gspo.patches import apply_patches
+
+    apply_patches()
+    if not dist.is_initialized():
+        _init_process_group(timeout_s)
+    dp = parallel.check_world_size(dist.get_world_size())
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_parallel,
+        expert_model_parallel_size=parallel.expert_parallel,
+        expert_tensor_parallel_size=parallel.expert_tp,
+    )
+    model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)  # CPU initialisation draws weights from the default generator
+    return dp
+
+
+def _init_process_group(timeout_s: float) -> None:
+    import datetime
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    # A plain process: a world of one, rendezvous through a private file (no port to collide on).
+    store = tempfile.NamedTemporaryFile(prefix="megatron-gspo-rdzv-", delete=False).name
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout)
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron's groups and the process group (idempotent)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
