@@ -83,13 +83,13 @@ def load_global_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor
         global_name = to_global_name(local_name, ep_rank, n_local)
         if global_name not in state:
             raise ShardingError(f"global state dict has no tensor {global_name!r} (for local {local_name!r})")
-        wanted[global_name] = (local_name, target)
+        wanted[global_name] = target
     expected_experts = n_local * _expert_layout()[1]
     extra = [n for n in state if n not in wanted and not _belongs_to_other_ep_rank(n, expected_experts)]
     if extra:
         raise ShardingError(f"global state dict has tensors the model lacks: {sorted(extra)[:5]}")
     with torch.no_grad():
-        for global_name, (local_name, target) in wanted.items():
+        for global_name, target in wanted.items():
             source = state[global_name]
             if getattr(target, "tensor_model_parallel", False):
                 group = _tp_group(target)
@@ -119,12 +119,9 @@ def iter_global_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
     named = _named_tensors(model)
     ep_rank, ep_world = _expert_layout()
     n_local = _num_local_experts(named)
-    for local_name, tensor in named.items():
-        tensor = tensor.detach()
-        if getattr(tensor, "tensor_model_parallel", False) or getattr(
-            named[local_name], "tensor_model_parallel", False
-        ):
-            param = named[local_name]
+    for local_name, param in named.items():
+        tensor = param.detach()
+        if getattr(param, "tensor_model_parallel", False):
             group = _tp_group(param)
             if group.size() > 1:
                 shards = [torch.empty_like(tensor) for _ in range(group.size())]
