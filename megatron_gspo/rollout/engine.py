@@ -1,0 +1,404 @@
+"""Batched generation with an HF Qwen3-MoE: tokens, SGLang-style log-probs and routed experts.
+
+The model half of the embedded SGLang-protocol server (`rollout/server.py`). One call of
+`GenerationEngine.generate` runs a left-padded batch: one prefill forward over the prompts,
+then one single-token forward per decode step with a `DynamicCache` (KV cache), until every
+row has finished.
+
+Definitions follow SGLang 0.5.23 (`srt/layers/sampler.py`, `logprob_processor.py`):
+- output log-probs: `log_softmax(logits / temperature)` of the full vocabulary, before
+  top-k/top-p/min-p filtering; raw `log_softmax(logits)` in original-logprob mode
+  (SGLANG_RETURN_ORIGINAL_LOGPROB=1) and for greedy rows (temperature 0). top_k=1 with a
+  positive temperature decodes by argmax but reports the temperature-scaled log-prob
+  (SGLang's value there depends on whether the whole batch is greedy; ours does not).
+- input log-probs: raw `log_softmax(logits)` (SGLang never scales prefill log-probs); the
+  entry for the token at `logprob_start_len` is None, as SGLang returns it.
+- routed experts: captured from each layer's `Qwen3MoeTopKRouter` output (the indices the
+  experts were actually run with: top-k of the fp32 softmax of the router logits, torch.topk
+  tie order) during prefill and decoding, not recomputed afterwards. Row j is the routing of
+  the token at position j; the last generated token is never run through the model.
+- sampling: each row draws from its own `torch.Generator` (seeded by `sampling_seed`, else
+  from the engine's seed stream) with the exponential-race trick `argmax(p / Exp(1))`, so a
+  seeded request gives the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from megatron_gspo.model.hf_checkpoint import copy_into_model, hf_to_module_state, load_hf_state_dict
+
+GREEDY_EPS = 1e-6  # SGLang treats temperature below this as greedy
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Per-request sampling parameters the engine implements (a subset of SGLang's)."""
+
+    max_new_tokens: int = 128
+    """Tokens to generate at most."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 is greedy."""
+    top_p: float = 1.0
+    """Nucleus mass kept (1 keeps all)."""
+    top_k: int = -1
+    """Most likely tokens kept (-1 or >= vocab keeps all)."""
+    min_p: float = 0.0
+    """Drop tokens with probability below min_p * max probability."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that end the generation (they are kept in `output_ids`)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS."""
+    sampling_seed: int | None = None
+    """Seed of this request's own generator; same seed, same tokens."""
+
+    @property
+    def greedy(self) -> bool:
+        """Argmax decoding with raw log-probs."""
+        return self.temperature < GREEDY_EPS
+
+
+@dataclass
+class GenerationInput:
+    """One sequence to generate from."""
+
+    input_ids: list[int]
+    """Prompt token ids (non-empty)."""
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    """How to sample."""
+    logprob_start_len: int = -1
+    """First prompt position whose log-prob is returned; -1 returns none."""
+    return_routed_experts: bool = False
+    """Return the routing of positions [routed_experts_start_len, seqlen - 1)."""
+    routed_experts_start_len: int = 0
+    """First position of the returned routing."""
+    abort: threading.Event = field(default_factory=threading.Event)
+    """Set to stop this row at the next decode step (finish reason `abort`)."""
+
+
+@dataclass
+class GenerationOutput:
+    """What one row produced."""
+
+    output_ids: list[int]
+    """Generated tokens, including a matched stop token."""
+    output_logprobs: list[float]
+    """Log-prob of each generated token (see module docstring for which)."""
+    input_logprobs: list[float | None] | None
+    """Prompt log-probs from `logprob_start_len` (first entry None), or None."""
+    routed_experts: np.ndarray | None
+    """int32 [seqlen - 1 - start, num_layers, topk] routing, or None."""
+    finish_reason: dict
+    """SGLang finish reason: {"type": "length", "length": N} / {"type": "stop", "matched": id} / abort."""
+    weight_version: str
+    """Weights the row was generated with."""
+
+
+class GenerationEngine:
+    """An HF causal LM on CPU/GPU with batched generation and in-place weight updates.
+
+    Thread safety: `generate` and the weight updates take one lock, so a weight update waits
+    for the running batch and never mixes versions inside one batch.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        return_original_logprob: bool = False,
+        weight_version: str = "default",
+        seed: int = 0,
+        device: str = "cpu",
+    ) -> None:
+        self.model_path = str(model_path)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.return_original_logprob = return_original_logprob
+        self.weight_version = weight_version
+        self._lock = threading.Lock()
+        self._seed_stream = torch.Generator().manual_seed(seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(self.device).eval()
+        cfg = self.model.config
+        self.num_layers = cfg.num_hidden_layers
+        self.topk = cfg.num_experts_per_tok
+        self.num_experts = cfg.num_experts
+        self.context_len = cfg.max_position_embeddings
+        self.vocab_size = cfg.vocab_size
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        pad = self.model.generation_config.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else (self.tokenizer.pad_token_id or 0))
+        self._captured: list[torch.Tensor] = []
+        self._routers = [m for m in self.model.modules() if type(m).__name__.endswith("TopKRouter")]
+        if len(self._routers) != self.num_layers:
+            raise ValueError(
+                f"expected {self.num_layers} MoE routers, found {len(self._routers)} in {model_path}"
+            )
+        for router in self._routers:
+            router.register_forward_hook(self._capture_routing)
+
+    def _capture_routing(self, module, inputs, output) -> None:
+        self._captured.append(output[2])  # (router_logits, router_scores, router_indices [tokens, k])
+
+    # ------------------------------------------------------------------ weights
+    def update_weights_from_disk(self, model_path: str | Path, weight_version: str | None = None) -> None:
+        """Load every tensor of the safetensors checkpoint at `model_path` into the model.
+
+        The checkpoint must have this model's architecture and hold every parameter; on any
+        error the served weights are unchanged (tensors are all read and checked first).
+        """
+        path = Path(model_path)
+        cfg_file = path / "config.json"
+        if not cfg_file.exists():
+            raise FileNotFoundError(f"{path} has no config.json")
+        disk_cfg = json.loads(cfg_file.read_text())
+        for key in ("num_hidden_layers", "hidden_size", "num_experts", "vocab_size", "num_experts_per_tok"):
+            if disk_cfg.get(key) != getattr(self.model.config, key):
+                raise ValueError(
+                    f"{path}: {key}={disk_cfg.get(key)} differs from the served model's "
+                    f"{getattr(self.model.config, key)}"
+                )
+        fused = hf_to_module_state(load_hf_state_dict(path), self.num_experts)
+        own = self.model.state_dict()
+        if self.model.config.tie_word_embeddings:
+            fused.pop("lm_head.weight", None)
+            own.pop("lm_head.weight", None)
+        missing = sorted(set(own) - set(fused))
+        unexpected = sorted(set(fused) - set(own))
+        if missing or unexpected:
+            raise ValueError(f"{path}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
+        for name, tensor in fused.items():
+            if tuple(tensor.shape) != tuple(own[name].shape):
+                raise ValueError(
+                    f"{path}: {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}"
+                )
+        with self._lock:
+            copy_into_model(self.model, fused)
+            self.model_path = str(path)
+            self._bump_version(weight_version)
+
+    def update_weights_from_tensors(
+        self, named_tensors: dict[str, torch.Tensor], weight_version: str | None
+    ) -> int:
+        """Copy named tensors (HF on-disk or in-memory names; partial sets allowed) into the model."""
+        params = dict(self.model.named_parameters())
+        with self._lock:
+            backup = {n: p.detach().clone() for n, p in params.items()}
+            try:
+                count = copy_into_model(self.model, named_tensors)
+            except Exception:
+                copy_into_model(self.model, backup)  # all or nothing
+                raise
+            self._bump_version(weight_version)
+        return count
+
+    def _bump_version(self, weight_version: str | None) -> None:
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+        elif self.weight_version.isdigit():
+            self.weight_version = str(int(self.weight_version) + 1)
+
+    # --------------------------------------------------------------- generation
+    def check_input(self, item: GenerationInput) -> None:
+        """Raise ValueError (SGLang's wording where it has one) for inputs the engine cannot run."""
+        n = len(item.input_ids)
+        if n == 0:
+            raise ValueError("input_ids is empty")
+        bad = [t for t in item.input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids contain token ids outside [0, {self.vocab_size}): {bad[:5]}")
+        if n >= self.context_len:
+            raise ValueError(
+                f"The input ({n} tokens) is longer than the model's context length "
+                f"({self.context_len} tokens)."
+            )
+        if n + item.sampling.max_new_tokens > self.context_len:
+            raise ValueError(
+                "Requested token count exceeds the model's maximum context length of "
+                f"{self.context_len} tokens. You requested a total of {n + item.sampling.max_new_tokens} "
+                f"tokens: {n} tokens from the input messages and {item.sampling.max_new_tokens} tokens "
+                "for the completion."
+            )
+        if item.logprob_start_len >= n:
+            raise ValueError(
+                f"logprob_start_len ({item.logprob_start_len}) must be < the prompt length ({n})"
+            )
+        if not 0 <= item.routed_experts_start_len < n:
+            raise ValueError(
+                f"routed_experts_start_len ({item.routed_experts_start_len}) must be in [0, {n})"
+            )
+
+    @torch.no_grad()
+    def generate(self, items: list[GenerationInput]) -> list[GenerationOutput]:
+        """Generate for a batch of rows (left-padded together); see the module docstring."""
+        for item in items:
+            self.check_input(item)
+        with self._lock:
+            return self._generate_locked(items)
+
+    def _generate_locked(self, items: list[GenerationInput]) -> list[GenerationOutput]:
+        bsz = len(items)
+        lens = [len(it.input_ids) for it in items]
+        width = max(lens)
+        ids = torch.full((bsz, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((bsz, width), dtype=torch.long)
+        for b, it in enumerate(items):
+            ids[b, width - lens[b] :] = torch.tensor(it.input_ids)
+            mask[b, width - lens[b] :] = 1
+        generators = [self._generator(it.sampling) for it in items]
+        cache = DynamicCache(config=self.model.config)
+
+        # Prefill: all prompt positions at once.
+        logits, routing = self._forward(ids, mask, cache)
+        prefill_routing = routing  # [B, L, width, k]
+        input_logprobs = [
+            self._input_logprobs(it, logits[b, width - lens[b] :]) for b, it in enumerate(items)
+        ]
+        next_logits = logits[:, -1]
+
+        outputs: list[list[int]] = [[] for _ in items]
+        out_lps: list[list[float]] = [[] for _ in items]
+        finish: list[dict | None] = [None] * bsz
+        for b, it in enumerate(items):
+            if it.sampling.max_new_tokens == 0:
+                finish[b] = {"type": "length", "length": 0}
+        decode_routing: list[torch.Tensor] = []  # per step [B, L, k]
+        while True:
+            tokens, lps = self._sample(next_logits, items, generators)
+            for b, it in enumerate(items):
+                if finish[b] is not None:
+                    continue
+                if it.abort.is_set():
+                    finish[b] = {"type": "abort", "message": "Abort before decoding this token."}
+                    continue
+                tok = int(tokens[b])
+                outputs[b].append(tok)
+                out_lps[b].append(float(lps[b]))
+                finish[b] = self._finish_reason(it.sampling, tok, len(outputs[b]))
+            if all(f is not None for f in finish):
+                break
+            mask = torch.cat([mask, torch.ones((bsz, 1), dtype=torch.long)], dim=1)
+            logits, routing = self._forward(tokens.view(bsz, 1), mask, cache)
+            decode_routing.append(routing[:, :, 0])
+            next_logits = logits[:, -1]
+
+        results = []
+        for b, it in enumerate(items):
+            routed = None
+            if it.return_routed_experts:
+                prompt_rows = prefill_routing[b, :, width - lens[b] :].permute(1, 0, 2)  # [P, L, k]
+                steps = max(len(outputs[b]) - 1, 0)
+                rows = [prompt_rows] + [decode_routing[s][b].unsqueeze(0) for s in range(steps)]
+                seq_rows = torch.cat(rows, dim=0)[: lens[b] + len(outputs[b]) - 1]
+                routed = seq_rows[it.routed_experts_start_len :].to(torch.int32).contiguous().numpy()
+            results.append(
+                GenerationOutput(
+                    output_ids=outputs[b],
+                    output_logprobs=out_lps[b],
+                    input_logprobs=input_logprobs[b],
+                    routed_experts=routed,
+                    finish_reason=finish[b],
+                    weight_version=self.weight_version,
+                )
+            )
+        return results
+
+    def _generator(self, sampling: SamplingOptions) -> torch.Generator:
+        if sampling.sampling_seed is not None:
+            seed = sampling.sampling_seed
+        else:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_stream))
+        return torch.Generator().manual_seed(seed)
+
+    def _forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, cache: DynamicCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of the new tokens `ids` [B, S] given the full `mask` [B, T].
+
+        Returns:
+            logits [B, S, V] (fp32) and routing indices [B, L, S, k].
+        """
+        bsz, seq = ids.shape
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -seq:]
+        self._captured.clear()
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        routing = torch.stack([r.view(bsz, seq, self.topk) for r in self._captured], dim=1).cpu()
+        self._captured.clear()
+        return out.logits.float().cpu(), routing
+
+    def _input_logprobs(self, item: GenerationInput, logits: torch.Tensor) -> list[float | None] | None:
+        """SGLang's input_token_logprobs from `logprob_start_len`; `logits` [P, V] of the prompt."""
+        start = item.logprob_start_len
+        if start < 0:
+            return None
+        lp = torch.log_softmax(logits, dim=-1)  # raw: SGLang does not scale prefill log-probs
+        targets = torch.tensor(item.input_ids[start + 1 :], dtype=torch.long)
+        vals = lp[start : len(item.input_ids) - 1].gather(1, targets.unsqueeze(1)).squeeze(1)
+        return [None] + vals.tolist()
+
+    def _sample(
+        self, logits: torch.Tensor, items: list[GenerationInput], generators: list[torch.Generator]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next token and its reported log-prob for each row; `logits` [B, V] fp32."""
+        temps = torch.tensor([1.0 if it.sampling.greedy else it.sampling.temperature for it in items])
+        scaled_lp = torch.log_softmax(logits / temps.unsqueeze(1), dim=-1)
+        raw_lp = scaled_lp if bool((temps == 1.0).all()) else torch.log_softmax(logits, dim=-1)
+        report_lp = raw_lp if self.return_original_logprob else scaled_lp
+        tokens = torch.empty(len(items), dtype=torch.long)
+        for b, it in enumerate(items):
+            sp = it.sampling
+            if sp.greedy or sp.top_k == 1:
+                tokens[b] = int(torch.argmax(logits[b]))
+                continue
+            probs = filter_probs(scaled_lp[b].exp(), top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p)
+            noise = torch.empty_like(probs).exponential_(generator=generators[b])
+            tokens[b] = int(torch.argmax(probs / noise))
+        return tokens, report_lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+    def _finish_reason(self, sampling: SamplingOptions, token: int, n_out: int) -> dict | None:
+        if token in sampling.stop_token_ids or (not sampling.ignore_eos and token in self.eos_token_ids):
+            return {"type": "stop", "matched": token}
+        if n_out >= sampling.max_new_tokens:
+            return {"type": "length", "length": sampling.max_new_tokens}
+        return None
+
+
+def filter_probs(
+    probs: torch.Tensor, *, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0
+) -> torch.Tensor:
+    """Zero the tokens outside top-k / top-p / min-p (SGLang's order); `probs` [V], unnormalised result.
+
+    The most likely token always survives; the sampler needs no renormalisation because the
+    exponential race `argmax(p / Exp(1))` samples proportionally to the remaining mass.
+    """
+    vocab = probs.shape[-1]
+    sorted_p, order = probs.sort(descending=True)
+    keep = torch.ones(vocab, dtype=torch.bool)
+    if 0 < top_k < vocab:
+        keep[top_k:] = False
+    if top_p < 1.0:
+        mass_before = sorted_p.cumsum(0) - sorted_p
+        keep &= mass_before <= top_p
+    if min_p > 0.0:
+        keep &= sorted_p >= min_p * sorted_p[0]
+    keep[0] = True
+    out = torch.zeros_like(probs)
+    out[order[keep]] = probs[order[keep]]
+    return out

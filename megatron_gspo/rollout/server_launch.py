@@ -1,0 +1,125 @@
+"""Start the embedded rollout server as a subprocess and wait until it is healthy.
+
+    with launch_embedded_server("/tmp/tiny_ckpt") as server:
+        httpx.post(f"{server.url}/generate", json={...})
+
+The child binds port 0 (the OS picks a free port, no race) unless a port is given, and
+announces the port on its first stdout line; the launcher then polls GET /health.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+_ANNOUNCE = re.compile(r"listening on (http://\S+)")
+
+
+class EmbeddedServer:
+    """Handle of a running server subprocess; a context manager that terminates it on exit."""
+
+    def __init__(self, process: subprocess.Popen, output_tail: collections.deque) -> None:
+        self.process = process
+        self.url = ""
+        self._tail = output_tail
+
+    @property
+    def output(self) -> str:
+        """The last lines the server printed (stdout and stderr), for error reports."""
+        return "".join(self._tail)
+
+    def terminate(self, timeout: float = 10.0) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after `timeout` s)."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def __enter__(self) -> EmbeddedServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.terminate()
+
+
+def launch_embedded_server(
+    model_dir: str | os.PathLike,
+    *,
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    extra_args: Sequence[str] = (),
+    num_threads: int | None = 1,
+    timeout: float = 120.0,
+) -> EmbeddedServer:
+    """Start `python -m megatron_gspo.rollout.server` on `model_dir` and wait until /health answers.
+
+    Args:
+        model_dir: HF checkpoint directory to serve.
+        port: TCP port; None lets the OS choose a free one.
+        host: Bind address.
+        extra_args: More `serve` arguments, e.g. ("--return-original-logprob", "--check-responses").
+        num_threads: torch intra-op threads of the server (OMP_NUM_THREADS); None inherits.
+        timeout: Seconds to wait for health.
+
+    Returns:
+        The running server; `.url` is its base URL.
+
+    Raises:
+        RuntimeError: the server exited or did not become healthy in time (with its output).
+    """
+    if not Path(model_dir, "config.json").exists():
+        raise FileNotFoundError(f"{model_dir} is not an HF checkpoint directory (no config.json)")
+    cmd = [sys.executable, "-m", "megatron_gspo.rollout.server", "--model", str(model_dir)]
+    cmd += ["--host", host, "--port", str(port if port is not None else 0), *extra_args]
+    env = dict(os.environ)
+    if num_threads is not None:
+        env["OMP_NUM_THREADS"] = str(num_threads)
+    process = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1
+    )
+    tail: collections.deque = collections.deque(maxlen=200)
+    announced: list[str] = []
+    got_url = threading.Event()
+
+    def drain() -> None:  # keep reading so the child never blocks on a full pipe
+        for line in process.stdout:
+            tail.append(line)
+            match = _ANNOUNCE.search(line)
+            if match and not announced:
+                announced.append(match.group(1))
+                got_url.set()
+        got_url.set()
+
+    threading.Thread(target=drain, name="embedded-server-output", daemon=True).start()
+    server = EmbeddedServer(process, tail)
+    deadline = time.monotonic() + timeout
+    try:
+        if not got_url.wait(timeout) or not announced:
+            raise RuntimeError(f"embedded server did not start ({' '.join(cmd)}):\n{server.output}")
+        server.url = announced[0]
+        with httpx.Client(timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                if process.poll() is not None:
+                    raise RuntimeError(f"embedded server exited with {process.returncode}:\n{server.output}")
+                try:
+                    if client.get(f"{server.url}/health").status_code == 200:
+                        return server
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)
+        raise RuntimeError(f"embedded server at {server.url} not healthy after {timeout} s:\n{server.output}")
+    except BaseException:
+        server.terminate()
+        raise

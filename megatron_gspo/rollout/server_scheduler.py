@@ -1,0 +1,147 @@
+"""Continuous request batching for the embedded rollout server.
+
+HTTP handler threads `submit` rows; one background thread takes every row that arrives
+within `batch_window_s` of the first (up to `max_batch_size`) and runs them as one
+left-padded batch on the `GenerationEngine`. Pausing holds the queue (SGLang's
+`/pause_generation`); aborting marks rows so the engine stops them at the next token.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from megatron_gspo.rollout.engine import GenerationEngine, GenerationInput, GenerationOutput
+
+
+@dataclass
+class _Pending:
+    rid: str
+    item: GenerationInput
+    future: Future
+
+
+class BatchScheduler:
+    """Collects concurrent generation rows into batches run by one worker thread."""
+
+    def __init__(
+        self, engine: GenerationEngine, *, batch_window_s: float = 0.005, max_batch_size: int = 256
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.engine = engine
+        self.batch_window_s = batch_window_s
+        self.max_batch_size = max_batch_size
+        self._queue: list[_Pending] = []
+        self._running: list[_Pending] = []
+        self._cond = threading.Condition()
+        self._paused = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="rollout-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, rid: str, item: GenerationInput) -> Future:
+        """Queue one row; the future resolves to its `GenerationOutput` (or the engine's exception)."""
+        pending = _Pending(rid, item, Future())
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("scheduler is closed")
+            self._queue.append(pending)
+            self._cond.notify_all()
+        return pending.future
+
+    @property
+    def num_pending(self) -> int:
+        """Rows waiting or running."""
+        with self._cond:
+            return len(self._queue) + len(self._running)
+
+    def pause(self, *, abort: bool) -> None:
+        """Stop starting batches; with `abort`, also abort queued and running rows (SGLang mode "abort")."""
+        with self._cond:
+            self._paused = True
+        if abort:
+            self.abort_all()
+
+    def resume(self) -> None:
+        """Start batches again."""
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def abort(self, rid: str) -> int:
+        """Abort rows whose request id is `rid` (prefix match covers a batch's `rid-i` rows)."""
+        return self._abort(lambda p: p.rid == rid or p.rid.startswith(f"{rid}-"))
+
+    def abort_all(self) -> int:
+        """Abort every queued and running row."""
+        return self._abort(lambda p: True)
+
+    def _abort(self, select) -> int:
+        with self._cond:
+            queued = [p for p in self._queue if select(p)]
+            self._queue = [p for p in self._queue if not select(p)]
+            running = [p for p in self._running if select(p)]
+        for p in running:
+            p.item.abort.set()
+        for p in queued:
+            p.future.set_result(
+                GenerationOutput(
+                    output_ids=[],
+                    output_logprobs=[],
+                    input_logprobs=None if p.item.logprob_start_len < 0 else [],
+                    routed_experts=None,
+                    finish_reason={"type": "abort", "message": "Abort in waiting queue"},
+                    weight_version=self.engine.weight_version,
+                )
+            )
+        return len(queued) + len(running)
+
+    def close(self) -> None:
+        """Stop the worker after the running batch; queued rows fail."""
+        with self._cond:
+            self._closed = True
+            leftover, self._queue = self._queue, []
+            self._cond.notify_all()
+        for p in leftover:
+            p.future.set_exception(RuntimeError("server shutting down"))
+        self._thread.join(timeout=60)
+
+    def _take_batch(self) -> list[_Pending] | None:
+        with self._cond:
+            while not self._closed and (self._paused or not self._queue):
+                self._cond.wait()
+            if self._closed:
+                return None
+            deadline = time.monotonic() + self.batch_window_s
+            while len(self._queue) < self.max_batch_size and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if self._paused or not self._queue:
+                return []
+            batch, self._queue = self._queue[: self.max_batch_size], self._queue[self.max_batch_size :]
+            self._running = batch
+            return batch
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._take_batch()
+            if batch is None:
+                return
+            if not batch:
+                continue
+            try:
+                results = self.engine.generate([p.item for p in batch])
+            except BaseException as exc:  # noqa: BLE001 - every waiter must learn of the failure
+                for p in batch:
+                    p.future.set_exception(exc)
+            else:
+                for p, result in zip(batch, results):
+                    p.future.set_result(result)
+            finally:
+                with self._cond:
+                    self._running = []
