@@ -125,6 +125,13 @@ def parse_generate_response(
             f"{len(logprobs)} log-probs for {len(output_ids)} generated tokens in output_ids",
             sample=sample_name,
         )
+    declared = meta.get("output_token_logprobs_length")
+    if declared is not None and declared != len(logprobs):
+        raise LengthMismatchError(
+            "meta_info.output_token_logprobs_length",
+            f"says {declared} but output_token_logprobs holds {len(logprobs)} entries",
+            sample=sample_name,
+        )
     for i, (a, b) in enumerate(zip(output_ids, logprob_token_ids)):
         if a != b:
             raise TokenIdError(
@@ -323,13 +330,6 @@ def _logprob_entries(meta: dict, sample: str | None, tolerance: float) -> tuple[
             )
         logprobs.append(min(value, 0.0))
         token_ids.append(token)
-    declared = meta.get("output_token_logprobs_length")
-    if declared is not None and declared != len(entries):
-        raise LengthMismatchError(
-            "meta_info.output_token_logprobs_length",
-            f"says {declared} but output_token_logprobs holds {len(entries)} entries",
-            sample=sample,
-        )
     return logprobs, token_ids
 
 
