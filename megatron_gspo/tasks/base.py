@@ -82,11 +82,17 @@ class Task(ABC):
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
         problems = []
-        while len(problems) < n:
+        for _ in range(100 * n + 10_000):  # ~1.1 draws per problem; the cap only stops a degenerate space
+            if len(problems) == n:
+                return problems
             problem = self.draw_problem(rng)
             if not self.is_heldout(problem):
                 problems.append(problem)
-        return problems
+        if len(problems) == n:
+            return problems
+        raise ValueError(
+            f"task {self.name!r} found almost no training problems: its space is nearly all held out"
+        )
 
     def heldout(self, n: int, seed: int = 0) -> list[Problem]:
         """`n` distinct held-out problems, the same list for the same (`n`, `seed`).

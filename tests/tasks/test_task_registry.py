@@ -2,6 +2,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from megatron_gspo.tasks import Problem, Task, available_tasks, get_task, register_task
@@ -65,3 +66,18 @@ def test_heldout_split_is_the_same_in_processes_with_different_hash_salts():
         outputs.add(result.stdout)
     assert len(outputs) == 1
     assert outputs.pop().strip() == str([p.prompt for p in get_task("addition").heldout(20)])
+
+
+def test_task_whose_space_is_all_heldout_raises_instead_of_looping():
+    class OnlyHeldout(Task):
+        def draw_problem(self, rng):
+            return Problem("7+1=", "8")
+
+        def reward(self, problem, completion):
+            return 0.0
+
+    task = OnlyHeldout()
+    assert task.is_heldout(Problem("7+1=", "8"))
+    assert task.heldout(1) == [Problem("7+1=", "8")]
+    with pytest.raises(ValueError, match="nearly all held out"):
+        task.sample_prompts(3, np.random.default_rng(0))
