@@ -209,7 +209,7 @@ def sapo_loss(
     log_ratio_clamp = check_positive("log_ratio_clamp", log_ratio_clamp)
     ratio = torch.exp(inputs.token_log_ratio(log_ratio_clamp))
     advantages = inputs.advantages
-    tau = torch.where(advantages > 0, tau_pos, tau_neg).to(ratio.dtype)
+    tau = torch.full_like(ratio, tau_neg).masked_fill(advantages > 0, tau_pos)
     gate_prob = torch.sigmoid(tau * (ratio - 1.0))
     loss = -gate_prob * (4.0 / tau) * advantages
     mask = inputs.response_mask

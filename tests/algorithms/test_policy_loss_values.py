@@ -16,9 +16,7 @@ def test_gspo_hand_values_all_branches(token_batch):
     # Row 0: A=+1, mean log-ratio 0.001 -> s above 1+4e-4: clipped high.
     # Row 1: A=-0.5, mean log-ratio -0.0002 -> s inside [1-3e-4, 1+4e-4]: unclipped.
     # Row 2: A=-2, mean log-ratio -0.001 -> s below 1-3e-4: clipped low.
-    log_probs, old, mask = token_batch(
-        [[0.003, -0.001, 0.001], [-0.0005, 0.0001], [-0.002, 0.0, -0.001]]
-    )
+    log_probs, old, mask = token_batch([[0.003, -0.001, 0.001], [-0.0005, 0.0001], [-0.002, 0.0, -0.001]])
     adv = torch.tensor([1.0, -0.5, -2.0], dtype=torch.float64)
     loss, metrics = compute_policy_loss("gspo", log_probs, old, adv, mask)
 
@@ -146,10 +144,15 @@ def test_sapo_hand_values(token_batch):
         return -a * 4 * p * (1 - p) * r / 4  # / (2 tokens * 2 responses)
 
     expected = [[grad(1.0, 1.0, 1.0), grad(2.0, 1.0, 1.0)], [grad(0.5, 1.05, -1.0), grad(1.0, 1.05, -1.0)]]
-    torch.testing.assert_close(log_probs.grad, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        log_probs.grad, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12
+    )
     # On-policy the gradient weight is exactly 1 (times A).
     assert log_probs.grad[0, 0].item() == pytest.approx(-1 / 4)
-    weights = [4 * sigmoid(t * (r - 1)) * (1 - sigmoid(t * (r - 1))) for r, t in [(1, 1), (2, 1), (0.5, 1.05), (1, 1.05)]]
+    weights = [
+        4 * sigmoid(t * (r - 1)) * (1 - sigmoid(t * (r - 1)))
+        for r, t in [(1, 1), (2, 1), (0.5, 1.05), (1, 1.05)]
+    ]
     assert metrics["actor/sapo_gate_weight"].item() == pytest.approx(sum(weights) / 4, rel=1e-6)
     assert metrics["actor/clipfrac_tokens"].item() == 0.0
 

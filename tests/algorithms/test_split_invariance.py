@@ -110,8 +110,13 @@ def test_kl_loss_is_split_invariant(mode, estimator):
     total = 0.0
     for rows in torch.arange(ROWS).chunk(DP * MICRO):
         loss, _ = compute_kl_loss(
-            split_lp[rows], ref[rows], mask[rows], coef=0.1, loss_agg_mode=mode,
-            normalizer=normalizer, estimator=estimator,
+            split_lp[rows],
+            ref[rows],
+            mask[rows],
+            coef=0.1,
+            loss_agg_mode=mode,
+            normalizer=normalizer,
+            estimator=estimator,
         )
         loss.backward()
         total += loss.item()
