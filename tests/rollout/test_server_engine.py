@@ -1,0 +1,84 @@
+"""The generation engine in-process: original-logprob mode and the sampling filters."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatron_gspo.model.config import tiny
+from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.rollout.engine import GenerationEngine, GenerationInput, SamplingOptions, filter_probs
+from megatron_gspo.tasks.tokenizer import build_char_tokenizer
+
+TOKENIZER = build_char_tokenizer()
+CFG = tiny(vocab_size=len(TOKENIZER), init_std=0.2)
+PROMPT = TOKENIZER.encode("3+4=")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("engine") / "m", CFG, seed=0)
+
+
+@pytest.mark.parametrize("original", [False, True])
+def test_logprob_mode_matches_its_definition(ckpt, original):
+    engine = GenerationEngine(ckpt, return_original_logprob=original)
+    temp = 0.6
+    (out,) = engine.generate(
+        [
+            GenerationInput(
+                PROMPT, SamplingOptions(max_new_tokens=8, temperature=temp, sampling_seed=1, ignore_eos=True)
+            )
+        ]
+    )
+    model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + out.output_ids])).logits[0]
+    p = len(PROMPT)
+    scale = 1.0 if original else temp
+    ref = torch.log_softmax(logits / scale, -1)[p - 1 : -1].gather(1, torch.tensor(out.output_ids)[:, None])[
+        :, 0
+    ]
+    assert (torch.tensor(out.output_logprobs) - ref).abs().max() < 1e-5
+    other = torch.log_softmax(logits / (temp if original else 1.0), -1)[p - 1 : -1]
+    other = other.gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
+    assert (torch.tensor(out.output_logprobs) - other).abs().max() > 1e-2  # the two modes really differ
+
+
+def test_filter_probs_matches_hand_computed_sets():
+    probs = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
+    assert filter_probs(probs, top_k=2).nonzero().flatten().tolist() == [1, 3]
+    # top_p=0.7: sorted 0.4, 0.3 reach 0.7 -> keep exactly those two (mass before each <= 0.7).
+    assert filter_probs(probs, top_p=0.7).nonzero().flatten().tolist() == [1, 3]
+    assert filter_probs(probs, top_p=0.71).nonzero().flatten().tolist() == [1, 3, 4]
+    # min_p=0.3: keep p >= 0.12.
+    assert filter_probs(probs, min_p=0.3).nonzero().flatten().tolist() == [1, 3, 4]
+    assert filter_probs(probs, top_p=0.01).nonzero().flatten().tolist() == [
+        1
+    ]  # the top token always survives
+    kept = filter_probs(probs, top_k=3)
+    assert torch.equal(kept[[1, 3, 4]], probs[[1, 3, 4]])
+
+
+def test_sampling_follows_the_filtered_distribution(ckpt):
+    engine = GenerationEngine(ckpt)
+    rows = [
+        GenerationInput(PROMPT, SamplingOptions(max_new_tokens=1, top_k=3, sampling_seed=s, ignore_eos=True))
+        for s in range(300)
+    ]
+    firsts = [o.output_ids[0] for o in engine.generate(rows)]
+    model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([PROMPT])).logits[0, -1], -1)
+    top3 = probs.topk(3)
+    assert set(firsts) <= set(top3.indices.tolist())
+    expected = top3.values / top3.values.sum()
+    freq = torch.tensor([firsts.count(t) / len(firsts) for t in top3.indices.tolist()])
+    assert (freq - expected).abs().max() < 0.1  # 300 draws: std of a frequency <= 0.03
+
+
+def test_bad_inputs_are_refused_with_the_reason(ckpt):
+    engine = GenerationEngine(ckpt)
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        engine.generate([GenerationInput([])])
+    with pytest.raises(ValueError, match="logprob_start_len"):
+        engine.generate([GenerationInput(PROMPT, logprob_start_len=len(PROMPT))])
