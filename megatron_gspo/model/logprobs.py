@@ -69,6 +69,7 @@ def pack_sequences(
     row_len: int | None = None,
     pad_multiple: int = 1,
     block_mask: bool = True,
+    min_rows: int = 1,
 ) -> PackedBatch:
     """Pack variable-length samples into rows (first-fit decreasing).
 
@@ -77,6 +78,7 @@ def pack_sequences(
         row_len: capacity of a row; default the longest sample. Rounded up to `pad_multiple`.
         pad_multiple: row length multiple (tensor-parallel size under sequence parallelism).
         block_mask: build the [R, 1, L, L] mask (local spec); False for the THD path.
+        min_rows: pad with empty rows up to this many (uniform shapes across ranks).
     """
     seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences]
     if not seqs:
@@ -95,6 +97,7 @@ def pack_sequences(
             row = len(rows) - 1
         segments[i] = (row, rows[row], lengths[i])
         rows[row] += lengths[i]
+    rows += [0] * max(0, min_rows - len(rows))
     R, L = len(rows), capacity
     tokens = torch.zeros(R, L, dtype=torch.long)
     labels = torch.zeros(R, L, dtype=torch.long)
@@ -128,6 +131,21 @@ def unpack(values: torch.Tensor, packed: PackedBatch, *, shift: bool = True) -> 
         else:
             out[b, :n] = values[row, start : start + n]
     return out
+
+
+def uniform_shape(packed: PackedBatch) -> tuple[int, int]:
+    """Largest (rows, row length) over the ranks that exchange tokens in MoE layers.
+
+    Expert-parallel ranks hold different data-parallel samples but exchange tokens every
+    MoE layer; the allgather dispatcher needs equal token counts on all of them.
+    """
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_expert_tensor_and_model_parallel_group()
+    shape = torch.tensor(packed.tokens.shape, dtype=torch.long)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=group)
+    return int(shape[0]), int(shape[1])
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -241,5 +259,8 @@ def sequence_logprobs(
     `logprobs[b, t]` is the log-prob of token t given tokens < t; column 0 and padding are 0.
     """
     packed = pack_sequences(sequences, row_len=row_len, pad_multiple=pad_multiple)
+    rows, length = uniform_shape(packed)
+    if (rows, length) != tuple(packed.tokens.shape):
+        packed = pack_sequences(sequences, row_len=length, pad_multiple=pad_multiple, min_rows=rows)
     logprobs, entropy = packed_forward(model, packed, temperature=temperature, with_entropy=with_entropy)
     return unpack(logprobs, packed), None if entropy is None else unpack(entropy, packed)

@@ -1,0 +1,156 @@
+"""Megatron's training machinery around the policy: DDP, optimizer, LR schedule, one step.
+
+Gradient reduction convention: megatron's DDP *averages* gradients over data-parallel
+ranks (dense and expert parameters alike). A loss that must equal the unsplit mini-batch's
+loss is therefore computed on each rank as `local_sum / global_normaliser * dp_size`
+(`dp_loss_scale`): the average over ranks is then exactly the global-batch loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule."""
+
+    optimizer: str = "adam"
+    """adam (AdamW-style decoupled weight decay, megatron's default) or sgd."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Final learning rate of a decaying schedule."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up optimizer steps."""
+    lr_decay_style: str = "constant"
+    """constant, linear or cosine (megatron's OptimizerParamScheduler)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optim.optimizer must be adam or sgd, got {self.optimizer!r}")
+        if self.lr_decay_style not in ("constant", "linear", "cosine"):
+            raise ValueError(
+                f"optim.lr_decay_style must be constant, linear or cosine, got {self.lr_decay_style!r}"
+            )
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(
+                f"optim needs 0 <= min_lr <= lr and lr > 0, got lr={self.lr} min_lr={self.min_lr}"
+            )
+
+
+def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool = False) -> torch.nn.Module:
+    """Wrap a megatron GPTModel in megatron's DistributedDataParallel (fp32 grad buffers)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed_optimizer,
+        check_for_nan_in_grad=False,  # non-finite steps are detected and skipped by the caller
+    )
+    return DistributedDataParallel(model.config, ddp_config, model)
+
+
+def build_optimizer(
+    ddp_model: torch.nn.Module,
+    cfg: OptimConfig,
+    *,
+    distributed_optimizer: bool = False,
+    total_steps: int = 1,
+):
+    """`get_megatron_optimizer` + `OptimizerParamScheduler` for a DDP-wrapped model."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = ddp_model.config
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer=cfg.optimizer,
+            lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2,
+            adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad,
+            bf16=config.bf16,
+            fp16=False,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=distributed_optimizer,
+        ),
+        [ddp_model],
+    )
+    decay_steps = max(total_steps, cfg.lr_warmup_steps + 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if cfg.lr_warmup_steps else cfg.lr,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.lr_warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=cfg.lr_decay_style,
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def zero_grads(ddp_model: torch.nn.Module, optimizer) -> None:
+    """Clear the DDP grad buffers and the optimizer's main grads before a mini-batch."""
+    ddp_model.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
+def grads_are_finite(ddp_model: torch.nn.Module) -> bool:
+    """Whether every gradient on every rank is finite (collective over the world)."""
+    bad = torch.zeros(1)
+    for param in ddp_model.parameters():
+        grad = getattr(param, "main_grad", None)
+        grad = param.grad if grad is None else grad
+        if grad is not None and not torch.isfinite(grad).all():
+            bad.fill_(1.0)
+            break
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0.0
+
+
+def optimizer_step(ddp_model: torch.nn.Module, optimizer, scheduler) -> tuple[bool, float]:
+    """Reduce gradients across ranks, then step if they are finite.
+
+    Returns (stepped, grad_norm). A non-finite gradient skips the step with the weights
+    untouched (grad_norm is then NaN).
+    """
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads([ddp_model])
+    if not grads_are_finite(ddp_model):
+        return False, math.nan
+    stepped, grad_norm, _ = optimizer.step()
+    if stepped:
+        scheduler.step(increment=1)
+    return bool(stepped), float(grad_norm) if grad_norm is not None else math.nan
+
+
+def dp_loss_scale() -> int:
+    """Factor that turns a globally-normalised local loss into one megatron's DDP averages right."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size()
