@@ -141,10 +141,12 @@ def _check(args: argparse.Namespace) -> int:
     weight_diff = max((updated[k] - ref_updated[k]).abs().max().item() for k in ref_updated)
     ok = max(logprob_diff, weight_diff, abs(grad_norm - ref_norm)) <= args.tolerance
     if dist.get_rank() == 0:
+        verdict = "OK" if ok else "FAIL"
         print(
             f"parity tp={args.tp} ep={args.ep} dispatcher={args.dispatcher} world={dist.get_world_size()} "
-            f"vs tp=1 ep=1: max|dlogprob|={logprob_diff:.3e} max|dweight| after one Adam step={weight_diff:.3e} "
-            f"grad_norm {grad_norm:.6f} vs {ref_norm:.6f} -> {'OK' if ok else 'FAIL'} (tolerance {args.tolerance:g})",
+            f"vs tp=1 ep=1: max|dlogprob|={logprob_diff:.3e} "
+            f"max|dweight| after one Adam step={weight_diff:.3e} "
+            f"grad_norm {grad_norm:.6f} vs {ref_norm:.6f} -> {verdict} (tolerance {args.tolerance:g})",
             flush=True,
         )
     destroy_distributed()
