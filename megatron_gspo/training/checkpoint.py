@@ -1,0 +1,511 @@
+"""Training checkpoints: save and resume a run exactly, atomically, one file per rank.
+
+Layout of a checkpoint root::
+
+    root/
+      latest                  name of the newest complete checkpoint directory (one line)
+      step_00000003/
+        meta.json             step, weight_version, parallel layout, versions, file sizes
+        trainer_state.pt      the trainer's own state (data position, running stats, counters, config)
+        rank_00000.pt         this rank's model shard, optimizer, scheduler and RNG states
+        rank_00001.pt
+        ...
+
+Every rank writes only its own shard (no gather), so the format is tied to the parallel
+layout it was written with: loading checks that tensor / expert / expert-tensor parallel
+sizes, the world size and the optimizer kind all match, and refuses otherwise. To move a
+policy to another layout, export global weights (`megatron_gspo.model.sharding` /
+`hf_checkpoint`) and start a new run from them.
+
+Atomicity: all ranks write into a fresh `step_N.tmp-<random>/` directory and fsync their
+files; once every rank has succeeded, rank 0 renames the directory to `step_N/` and then
+replaces `latest` through a temporary file and `os.replace`. A crash at any point leaves
+`latest` naming either the previous complete checkpoint or the new one; directories a crash
+left behind are removed by the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LATEST_FILE = "latest"
+META_FILE = "meta.json"
+TRAINER_STATE_FILE = "trainer_state.pt"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+_TMP_DIR = re.compile(r"^step_\d{8}\.(tmp|old)-[0-9a-f]+$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or was written for another layout."""
+
+
+def step_dir_name(step: int) -> str:
+    """Directory name of the checkpoint of `step` (`step_00000012`)."""
+    return f"step_{step:08d}"
+
+
+def rank_file_name(rank: int) -> str:
+    """File name of one rank's shard (`rank_00003.pt`)."""
+    return f"rank_{rank:05d}.pt"
+
+
+# --------------------------------------------------------------------------- RNG
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Every random stream a training step can draw from, on this rank.
+
+    Returns:
+        `python` (random.getstate()), `numpy` (legacy global generator state), `torch_cpu`
+        (ByteTensor), `cuda` (one ByteTensor per device, only with CUDA) and `megatron_tracker`
+        (megatron's model-parallel RNG tracker: name -> generator state; empty when unused).
+    """
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch_cpu": torch.get_rng_state(),
+        "megatron_tracker": {name: s.clone() for name, s in get_cuda_rng_tracker().get_states().items()},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Put back what `capture_rng_state` returned, so the next draws repeat exactly.
+
+    Raises:
+        ValueError: a stream is missing, or the state holds CUDA generators and CUDA is absent.
+    """
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    missing = {"python", "numpy", "torch_cpu", "megatron_tracker"} - set(state)
+    if missing:
+        raise ValueError(f"RNG state lacks {sorted(missing)} (has {sorted(state)})")
+    if "cuda" in state and not torch.cuda.is_available():
+        raise ValueError("RNG state holds CUDA generator states but CUDA is not available here")
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch_cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    tracker = get_cuda_rng_tracker()
+    if state["megatron_tracker"] or tracker.get_states():
+        tracker.set_states({name: s.clone() for name, s in state["megatron_tracker"].items()})
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _leaf_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _is_distributed_optimizer(leaf) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return isinstance(leaf, DistributedOptimizer)
+
+
+def current_layout(optimizer=None) -> dict[str, Any]:
+    """The parallel layout of this run, as recorded in (and checked against) `meta.json`."""
+    from megatron.core import parallel_state as ps
+
+    _, world = _world()
+    if ps.model_parallel_is_initialized():
+        tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
+        etp, dp = ps.get_expert_tensor_parallel_world_size(), ps.get_data_parallel_world_size()
+    else:
+        tp = ep = etp = dp = 1
+    leaves = _leaf_optimizers(optimizer) if optimizer is not None else []
+    return {
+        "world_size": world,
+        "tensor_parallel": tp,
+        "expert_parallel": ep,
+        "expert_tensor_parallel": etp,
+        "data_parallel": dp,
+        "distributed_optimizer": any(_is_distributed_optimizer(o) for o in leaves),
+    }
+
+
+def _layout_text(layout: dict[str, Any]) -> str:
+    return (
+        f"world={layout['world_size']} TP={layout['tensor_parallel']} EP={layout['expert_parallel']} "
+        f"ETP={layout['expert_tensor_parallel']} DP={layout['data_parallel']} "
+        f"distributed_optimizer={layout['distributed_optimizer']}"
+    )
+
+
+# --------------------------------------------------------------------------- optimizer state
+
+
+def _optimizer_state(optimizer) -> list[dict[str, Any]]:
+    """Per leaf optimizer: its state_dict, plus this DP rank's parameter shard if distributed."""
+    states = []
+    for leaf in _leaf_optimizers(optimizer):
+        entry: dict[str, Any] = {"state_dict": leaf.state_dict()}
+        if _is_distributed_optimizer(leaf):
+            # This rank's own shard of main params and Adam moments, in bucket order: no gather,
+            # valid for exactly this layout (which loading enforces).
+            shard = leaf.get_parameter_state_dp_reshardable()
+            for key, per_dtype in shard.items():
+                if isinstance(key, int):
+                    for buckets in per_dtype.values():
+                        for bucket in buckets:
+                            for i, tensors in enumerate(bucket):
+                                bucket[i] = {
+                                    k: v.detach().clone() if torch.is_tensor(v) else v
+                                    for k, v in tensors.items()
+                                } | {"padding": False}
+            entry["parameter_shard"] = shard
+        states.append(entry)
+    return states
+
+
+def _load_optimizer_state(optimizer, states: list[dict[str, Any]], path: Path) -> None:
+    leaves = _leaf_optimizers(optimizer)
+    if len(leaves) != len(states):
+        raise CheckpointError(f"{path}: holds {len(states)} optimizer(s), this run has {len(leaves)}")
+    for leaf, entry in zip(leaves, states):
+        leaf.load_state_dict(entry["state_dict"])
+        if _is_distributed_optimizer(leaf):
+            leaf.load_parameter_state_from_dp_reshardable(entry["parameter_shard"])
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_durably(obj: Any, path: Path) -> int:
+    torch.save(obj, path)
+    _fsync_file(path)
+    return path.stat().st_size
+
+
+def _write_text_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _read_latest_name(root: Path) -> str | None:
+    latest = root / LATEST_FILE
+    if not latest.exists():
+        return None
+    name = latest.read_text().strip()
+    if not _STEP_DIR.match(name):
+        raise CheckpointError(f"{latest} names {name!r}, not a step_NNNNNNNN checkpoint directory")
+    return name
+
+
+def latest_step(root: str | os.PathLike) -> int | None:
+    """Step of the newest complete checkpoint under `root` (what `latest` names), or None."""
+    name = _read_latest_name(Path(root))
+    return None if name is None else int(_STEP_DIR.match(name).group(1))
+
+
+def list_steps(root: str | os.PathLike) -> list[int]:
+    """Steps of the complete (renamed) checkpoint directories under `root`, ascending."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
+
+
+def _all_ok(ok: bool) -> bool:
+    """Whether `ok` holds on every rank (collective)."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _broadcast(value: Any) -> Any:
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_gather(value: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer,
+    scheduler,
+    trainer_state: dict[str, Any],
+    keep_last: int = 2,
+) -> Path:
+    """Write the checkpoint of `step` atomically and make it `latest` (collective: every rank calls it).
+
+    Args:
+        root: checkpoint root directory (created if needed; shared by all ranks).
+        step: the optimizer step just completed.
+        model: this rank's model shard (DDP-wrapped or bare; its `state_dict()` is stored).
+        optimizer: the megatron optimizer (`get_megatron_optimizer`), distributed or not.
+        scheduler: megatron's `OptimizerParamScheduler`.
+        trainer_state: the trainer's own state (data position, running statistics, counters,
+            config dump, `weight_version`), torch-serialisable; stored once, by rank 0.
+        keep_last: complete checkpoints to keep (the newest ones up to `step`); older ones are
+            deleted after the new one is in place.
+
+    Returns:
+        The final checkpoint directory `root/step_NNNNNNNN`.
+
+    Raises:
+        ValueError: bad `step` / `keep_last` / `trainer_state`.
+        CheckpointError: `step` is already the latest checkpoint, or a rank failed to write.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    if not isinstance(trainer_state, dict):
+        raise ValueError(f"trainer_state must be a dict, got {type(trainer_state).__name__}")
+    root = Path(root)
+    rank, world = _world()
+    final = root / step_dir_name(step)
+
+    error = None
+    tmp_name = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if _read_latest_name(root) == final.name:
+                raise CheckpointError(f"{final} is already the latest checkpoint; refusing to overwrite it")
+            _remove_stale(root)
+            tmp_name = f"{final.name}.tmp-{secrets.token_hex(6)}"
+            (root / tmp_name).mkdir()
+        except Exception as exc:  # reported on every rank below
+            error = f"rank 0 could not prepare {root}: {exc}"
+    error, tmp_name = _broadcast((error, tmp_name))
+    if error:
+        raise CheckpointError(error)
+    tmp = root / tmp_name
+
+    sizes: dict[str, int] = {}
+    failure = None
+    try:
+        shard = {
+            "format_version": FORMAT_VERSION,
+            "rank": rank,
+            "model": model.state_dict(),
+            "optimizer": _optimizer_state(optimizer),
+            "scheduler": scheduler.state_dict(),
+            "rng": capture_rng_state(),
+        }
+        sizes[rank_file_name(rank)] = _save_durably(shard, tmp / rank_file_name(rank))
+        if rank == 0:
+            sizes[TRAINER_STATE_FILE] = _save_durably(trainer_state, tmp / TRAINER_STATE_FILE)
+    except Exception as exc:
+        failure = f"rank {rank}: {type(exc).__name__}: {exc}"
+    failures = [f for f in _all_gather(failure) if f]
+    all_sizes = {k: v for s in _all_gather(sizes) for k, v in s.items()}
+    if failures:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"saving step {step} to {root} failed: " + "; ".join(failures))
+
+    if rank == 0:
+        try:
+            meta = _meta(step, optimizer, trainer_state, all_sizes)
+            meta_path = tmp / META_FILE
+            meta_path.write_text(json.dumps(meta, indent=2, default=str))
+            _fsync_file(meta_path)
+            _fsync_dir(tmp)
+            if final.exists():  # left by an abandoned run or a crash before `latest` moved on
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(root)
+            _write_text_atomically(root / LATEST_FILE, final.name + "\n")
+            _prune(root, step, keep_last)
+        except Exception as exc:
+            error = f"rank 0 could not publish {final}: {type(exc).__name__}: {exc}"
+    error = _broadcast(error)
+    if error:
+        raise CheckpointError(error)
+    return final
+
+
+def _meta(step: int, optimizer, trainer_state: dict[str, Any], sizes: dict[str, int]) -> dict[str, Any]:
+    from importlib.metadata import version
+
+    try:
+        readable = json.loads(json.dumps(trainer_state))
+    except (TypeError, ValueError):
+        readable = None  # not JSON-serialisable; the authoritative copy is trainer_state.pt
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "weight_version": trainer_state.get("weight_version"),
+        "layout": current_layout(optimizer),
+        "versions": {"megatron-core": version("megatron-core"), "torch": torch.__version__},
+        "files": dict(sorted(sizes.items())),
+        "trainer_state_keys": sorted(map(str, trainer_state)),
+        "trainer_state": readable,
+    }
+
+
+def _remove_stale(root: Path) -> None:
+    """Delete temporary directories of saves that never completed."""
+    for path in root.iterdir():
+        if path.is_dir() and _TMP_DIR.match(path.name):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _prune(root: Path, step: int, keep_last: int) -> None:
+    """Delete complete checkpoints older than the `keep_last` newest ones up to `step`."""
+    older = [s for s in list_steps(root) if s <= step]
+    for old in older[:-keep_last]:
+        # Rename first so a crash mid-delete leaves a name the next save's cleanup recognises.
+        doomed = root / f"{step_dir_name(old)}.old-{secrets.token_hex(6)}"
+        os.rename(root / step_dir_name(old), doomed)
+        shutil.rmtree(doomed)
+
+
+# --------------------------------------------------------------------------- load
+
+
+def read_meta(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
+    """The parsed `meta.json` of one checkpoint directory.
+
+    Raises:
+        CheckpointError: missing or not valid JSON, or lacking required fields.
+    """
+    path = Path(checkpoint_dir) / META_FILE
+    if not path.exists():
+        raise CheckpointError(f"{path} is missing: {path.parent} is not a complete checkpoint")
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is corrupt (not valid JSON: {exc})") from exc
+    required = ("format_version", "step", "layout", "files")
+    if not isinstance(meta, dict) or any(key not in meta for key in required):
+        have = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{path} is corrupt: needs fields {list(required)}, has {have}")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format version {meta['format_version']}, expected {FORMAT_VERSION}")
+    return meta
+
+
+def _check_files(directory: Path, meta: dict[str, Any]) -> None:
+    world = meta["layout"]["world_size"]
+    expected = {rank_file_name(r) for r in range(world)} | {TRAINER_STATE_FILE}
+    if set(meta["files"]) != expected:
+        raise CheckpointError(f"{directory / META_FILE} lists files {sorted(meta['files'])}, expected {sorted(expected)}")
+    for name, size in sorted(meta["files"].items()):
+        path = directory / name
+        if not path.exists():
+            raise CheckpointError(f"{path} is missing (checkpoint written by {world} ranks)")
+        if path.stat().st_size != size:
+            raise CheckpointError(f"{path} has {path.stat().st_size} bytes, meta.json recorded {size}: truncated")
+
+
+def load_checkpoint(
+    root: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    optimizer,
+    scheduler,
+    step: int | None = None,
+) -> dict[str, Any] | None:
+    """Restore model, optimizer, scheduler and RNG states in place; return the trainer's state.
+
+    Every rank calls it with the objects built exactly as for a fresh run of the same layout.
+
+    Args:
+        root: checkpoint root directory.
+        model: this rank's model shard, wrapped as when it was saved.
+        optimizer: the megatron optimizer.
+        scheduler: megatron's `OptimizerParamScheduler` (its settings must match the saved ones).
+        step: checkpoint to load; default the one `latest` names.
+
+    Returns:
+        The `trainer_state` passed to `save_checkpoint` (on every rank), or None when `step` is
+        None and `root` holds no complete checkpoint yet.
+
+    Raises:
+        CheckpointError: the checkpoint is missing, incomplete, corrupt, or was written with
+            another parallel layout (resharding is not supported by this format).
+    """
+    root = Path(root)
+    if step is None:
+        step = latest_step(root)
+        if step is None:
+            return None
+    directory = root / step_dir_name(step)
+    if not directory.is_dir():
+        raise CheckpointError(f"no checkpoint for step {step}: {directory} does not exist")
+    meta = read_meta(directory)
+    if meta["step"] != step:
+        raise CheckpointError(f"{directory / META_FILE} records step {meta['step']}, expected {step}")
+    here = current_layout(optimizer)
+    saved = {key: meta["layout"].get(key) for key in here}
+    if saved != here:
+        raise CheckpointError(
+            f"{directory} was written with layout {_layout_text(saved)}; this run has {_layout_text(here)}. "
+            "Per-rank checkpoints cannot be resharded: export the global (HF) weights and start a "
+            "run with the new layout from them."
+        )
+    _check_files(directory, meta)
+    rank, _ = _world()
+    path = directory / rank_file_name(rank)
+    # Trusted files written by this module: optimizer/RNG states hold non-tensor Python objects.
+    shard = torch.load(path, map_location="cpu", weights_only=False)
+    if shard.get("rank") != rank:
+        raise CheckpointError(f"{path} holds the shard of rank {shard.get('rank')}, not {rank}")
+    model.load_state_dict(shard["model"], strict=True)
+    _load_optimizer_state(optimizer, shard["optimizer"], path)
+    scheduler.load_state_dict(shard["scheduler"])
+    restore_rng_state(shard["rng"])
+    return torch.load(directory / TRAINER_STATE_FILE, map_location="cpu", weights_only=False)

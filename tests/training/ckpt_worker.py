@@ -1,0 +1,74 @@
+"""Train the tiny run, checkpoint it, and either continue uninterrupted or resume in a new process.
+
+    python ckpt_worker.py full   --root R --out O [--save-at 3] [--steps 5] [--ep 2] [--distopt]
+    python ckpt_worker.py resume --root R --out O [--steps 5] [--ep 2] [--distopt]
+
+Under torchrun every rank writes `O.rank<r>.pt`: the metrics of the steps after the checkpoint,
+one draw from each RNG stream right after the save (full) or the load (resume), the final
+global weights and the trainer state at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from ckpt_common import build_run, draw_probes, train_step  # noqa: E402
+
+from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed  # noqa: E402
+from megatron_gspo.model.sharding import gather_global_state_dict  # noqa: E402
+from megatron_gspo.training.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["full", "resume"])
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--save-at", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--distopt", action="store_true")
+    args = parser.parse_args()
+    run = build_run(ParallelConfig(expert_parallel=args.ep, distributed_optimizer=args.distopt))
+    metrics, probes = [], None
+    if args.mode == "full":
+        while run.step < args.steps:
+            step_metrics = train_step(run)
+            if run.step > args.save_at:
+                metrics.append(step_metrics)
+            if run.step == args.save_at:
+                save_checkpoint(
+                    args.root,
+                    run.step,
+                    model=run.ddp,
+                    optimizer=run.optimizer,
+                    scheduler=run.scheduler,
+                    trainer_state=run.trainer_state(),
+                )
+                probes = draw_probes()
+    else:
+        state = load_checkpoint(args.root, model=run.ddp, optimizer=run.optimizer, scheduler=run.scheduler)
+        probes = draw_probes()
+        run.load_trainer_state(state)
+        while run.step < args.steps:
+            metrics.append(train_step(run))
+    result = {
+        "metrics": metrics,
+        "probes": probes,
+        "weights": gather_global_state_dict(run.model),
+        "trainer_state": run.trainer_state(),
+        "loss_std": run.stats.std,
+    }
+    torch.save(result, f"{args.out}.rank{dist.get_rank()}.pt")
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
