@@ -1,0 +1,48 @@
+"""Run one megatron scenario with one runtime patch left out; prints the failure it hits.
+
+    python tests/patches/reproduce.py <patch-name | -> [--tp T --ep E]   (or under torchrun)
+
+Exit status 0 means the scenario ran fine (the patch would no longer be needed); 3 means
+it failed, and the exception is printed as `FAILED: <type>: <message>`.
+"""
+
+import argparse
+import sys
+import traceback
+
+import torch
+
+
+def scenario(skip: str, tp: int, ep: int) -> None:
+    from megatron_gspo.model.builder import build_model
+    from megatron_gspo.model.config import tiny
+    from megatron_gspo.model.distributed import ParallelConfig, init_distributed
+    from megatron_gspo.model.logprobs import sequence_logprobs
+    from megatron_gspo.model.optim import OptimConfig, build_optimizer, optimizer_step, wrap_ddp
+    from megatron_gspo.patches import apply_patches
+
+    apply_patches(skip=() if skip == "-" else (skip,))
+    parallel = ParallelConfig(tensor_parallel=tp, expert_parallel=ep)
+    init_distributed(parallel)
+    model = build_model(tiny(vocab_size=64), parallel)
+    ddp = wrap_ddp(model)
+    optimizer, scheduler = build_optimizer(ddp, OptimConfig(lr=1e-3))
+    seqs = [torch.arange(3, 3 + n) for n in (5, 9, 12, 7)]
+    logprobs, _ = sequence_logprobs(ddp, seqs, pad_multiple=tp)
+    (-logprobs.sum()).backward()
+    optimizer_step(ddp, optimizer, scheduler)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("skip")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    args = parser.parse_args()
+    try:
+        scenario(args.skip, args.tp, args.ep)
+    except Exception as error:  # the point is to report whatever breaks
+        traceback.print_exc()
+        print(f"FAILED: {type(error).__name__}: {error}", flush=True)
+        sys.exit(3)
+    print("RAN FINE", flush=True)

@@ -1,0 +1,133 @@
+"""Every runtime patch: applies on this megatron-core, is refused or skipped elsewhere, and is still needed.
+
+The "still needed" tests run a small train step with one patch left out and expect the
+exact upstream failure the patch exists for. When upstream fixes one, its test fails
+loudly: then narrow the patch's version range (or delete it).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from packaging.version import Version
+
+from megatron_gspo.patches import PATCHES, PatchError, apply_patches
+
+REPRODUCE = Path(__file__).with_name("reproduce.py")
+BY_NAME = {patch.name: patch for patch in PATCHES}
+needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU patches only apply without CUDA")
+
+
+def start_without(patch: str, nproc: int = 1, tp: int = 1, ep: int = 1) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [str(REPRODUCE), patch, "--tp", str(tp), "--ep", str(ep)]
+    if nproc > 1:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            *args,
+        ]
+    else:
+        cmd = [sys.executable, *args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process: subprocess.Popen) -> tuple[int, str]:
+    output, _ = process.communicate(timeout=600)
+    return process.returncode, output
+
+
+@needs_cpu
+def test_every_patch_applies_on_the_pinned_version():
+    decisions = apply_patches()
+    assert set(decisions) == set(BY_NAME)
+    assert all(decision == "applied" for decision in decisions.values()), decisions
+
+
+@pytest.mark.parametrize("name", sorted(BY_NAME))
+def test_upstream_anchors_are_where_each_patch_expects_them(name):
+    BY_NAME[name].check()
+
+
+def test_version_outside_the_verified_range_is_refused():
+    with pytest.raises(PatchError, match="cuda_streams.*verified for megatron-core.*0.17.0 is installed"):
+        BY_NAME["cuda_streams"].decide(Version("0.17.0"), cpu=True, have_te=False)
+
+
+def test_patches_fixed_upstream_are_skipped():
+    decision = BY_NAME["te_general_gemm"].decide(Version("0.19.0"), cpu=True, have_te=False)
+    assert decision == "skipped: fixed upstream in megatron-core 0.19.0"
+
+
+def test_gpu_nodes_get_no_cpu_patch_and_te_nodes_no_te_patch():
+    version = Version("0.16.1")
+    for patch in PATCHES:
+        decision = patch.decide(version, cpu=False, have_te=True)
+        assert decision.startswith("skipped"), (patch.name, decision)
+    assert BY_NAME["te_general_gemm"].decide(version, cpu=False, have_te=False) == "apply"
+
+
+def test_anchor_check_fails_loudly_when_upstream_moves(monkeypatch):
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    monkeypatch.delattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream")
+    with pytest.raises(PatchError, match="cuda_streams.*upstream changed"):
+        BY_NAME["cuda_streams"].check()
+
+
+def test_unknown_patch_name_is_an_error():
+    with pytest.raises(PatchError, match="unknown patch names"):
+        from megatron_gspo import patches
+
+        saved, patches._decisions = patches._decisions, None
+        try:
+            apply_patches(skip=("no_such_patch",))
+        finally:
+            patches._decisions = saved
+
+
+@pytest.fixture(scope="module")
+def single_process_runs():
+    """The world-1 scenarios, started together (each needs a fresh process)."""
+    names = ["-"] + [row[0] for row in STILL_NEEDED if row[1] == 1]
+    running = {name: start_without(name) for name in names}
+    return {name: finish(process) for name, process in running.items()}
+
+
+@needs_cpu
+def test_control_the_scenario_runs_with_every_patch(single_process_runs):
+    returncode, output = single_process_runs["-"]
+    assert returncode == 0 and "RAN FINE" in output, output[-3000:]
+
+
+STILL_NEEDED = [
+    ("cuda_device", 1, 1, 1, "AssertionError: Torch not compiled with CUDA enabled"),
+    ("cuda_streams", 1, 1, 1, "torch.cuda.Stream requires CUDA support"),
+    ("rng_tracker", 1, 1, 1, "AssertionError: Torch not compiled with CUDA enabled"),
+    ("te_general_gemm", 1, 1, 1, "NameError: name 'te_general_gemm' is not defined"),
+    ("cuda_tensors_to_cpu", 1, 1, 1, "AssertionError: Torch not compiled with CUDA enabled"),
+    ("torch_norm_sequence_parallel", 2, 2, 1, "sequence parallel not supported by torch LayerNorm"),
+    ("alltoall_split_sizes", 2, 1, 2, "TypeError: all_to_all_single(): incompatible function arguments"),
+    ("gloo_uneven_collectives", 4, 2, 2, "ProcessGroupGloo::allgather: invalid tensor size"),
+]
+
+
+@needs_cpu
+@pytest.mark.parametrize("name,nproc,tp,ep,failure", STILL_NEEDED, ids=[row[0] for row in STILL_NEEDED])
+def test_patch_is_still_needed(name, nproc, tp, ep, failure, single_process_runs):
+    if nproc == 1:
+        returncode, output = single_process_runs[name]
+    else:
+        returncode, output = finish(start_without(name, nproc, tp, ep))
+    assert returncode != 0, f"{name}: scenario ran fine without the patch: upstream fixed it?"
+    assert failure in output, output[-3000:]
+
+
+def test_every_patch_has_a_still_needed_test():
+    assert {row[0] for row in STILL_NEEDED} == set(BY_NAME)
