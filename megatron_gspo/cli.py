@@ -15,11 +15,19 @@ def main(argv: list[str] | None = None) -> int:
 
     add_parity_args(sub.add_parser("parity", help="check a TP x EP layout against TP=EP=1"))
 
+    from megatron_gspo.training.launch import add_train_args
+
+    add_train_args(sub.add_parser("train", help="RL-train an MoE policy (GSPO/GRPO) from a YAML config"))
+
     args = parser.parse_args(argv)
     if args.command == "parity":
         from megatron_gspo.model.parity import run_parity
 
         return run_parity(args)
+    if args.command == "train":
+        from megatron_gspo.training.launch import run_train
+
+        return run_train(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -1,0 +1,65 @@
+"""`megatron-gspo train`: build the config, train, clean up.
+
+    megatron-gspo train --config configs/tiny_moe_cpu.yaml trainer.steps=3 algorithm.loss_type=grpo
+    megatron-gspo train --config configs/tiny_moe_cpu.yaml --resume
+    megatron-gspo train --config configs/tiny_moe_cpu.yaml parallel.expert_parallel=2 --nproc 2
+
+Under torchrun every worker runs the same command. On a CPU machine `--nproc N` re-launches
+the command under torchrun with N gloo workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `megatron-gspo train`."""
+    parser.add_argument("--config", default=None, help="YAML run config (see megatron_gspo/config.py)")
+    parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.steps=3")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument("--nproc", type=int, default=1, help="re-launch under torchrun with N CPU workers")
+
+
+def _relaunch(nproc: int) -> int:
+    argv = [a for a in sys.argv[1:]]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "megatron_gspo.cli", *argv]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.call(cmd, env=env)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Entry point; returns the exit status (2 for a configuration error)."""
+    from megatron_gspo.config import ConfigError, load_config
+
+    if args.nproc > 1 and "RANK" not in os.environ:
+        return _relaunch(args.nproc)
+    overrides = list(args.overrides) + (["trainer.resume=true"] if args.resume else [])
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as err:
+        print(f"megatron-gspo train: configuration error: {err}", file=sys.stderr)
+        return 2
+    rank0 = os.environ.get("RANK", "0") == "0"
+    logging.basicConfig(
+        level=cfg.logging.level.upper() if rank0 else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for noisy in ("httpx", "megatron"):  # per-request and per-bucket INFO lines drown the run's own log
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from megatron_gspo.training.trainer import train
+
+    try:
+        result = train(cfg)
+    except ConfigError as err:
+        print(f"megatron-gspo train: configuration error: {err}", file=sys.stderr)
+        return 2
+    if rank0:
+        for record in result["evals"]:
+            print(f"step {record['step']}: held-out accuracy {record['eval/accuracy']:.3f}", flush=True)
+    return 0

@@ -1,0 +1,208 @@
+"""Rollout stage of an RL step: prompts -> one batched /generate per server -> validated, scored batch.
+
+Only global rank 0 talks to the rollout engine. A step's prompts go out as one SGLang batch
+request per server (`input_ids` as a list of lists, per-row sampling params), which the
+engines batch far better than many single requests. Every row carries its own
+`sampling_seed` derived from (run seed, step, row), so a step's rollouts are reproducible,
+which an exact resume needs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megatron_gspo.config import RolloutConfig
+from megatron_gspo.rollout import (
+    MalformedResponseError,
+    RolloutBatch,
+    RolloutSample,
+    RolloutValidationError,
+    SGLangClient,
+    build_generate_request,
+    launch_embedded_server,
+    parse_generate_response,
+)
+from megatron_gspo.tasks import Problem, Task
+from megatron_gspo.tasks.tokenizer import encode_strict
+
+logger = logging.getLogger(__name__)
+
+
+def sampling_seed(seed: int, step: int, row: int) -> int:
+    """A 62-bit sampling seed that depends only on (run seed, step, row)."""
+    state = np.random.SeedSequence([seed, step, row]).generate_state(2, dtype=np.uint32)
+    return (int(state[0]) << 30) ^ int(state[1])
+
+
+def post_batched_generate(client: SGLangClient, bodies: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Send single-prompt request bodies as one batch request per server; responses in order.
+
+    SGLang accepts `input_ids` as a list of lists with per-row `sampling_params` and `rid`
+    and answers a JSON list. The bodies are merged into one such request per server, sent
+    with the client's retrying POST (its `generate` takes one-prompt bodies only).
+
+    Raises:
+        MalformedResponseError: a server did not answer one response per row.
+        RolloutServerError, RolloutRequestError: as `SGLangClient.generate`.
+    """
+    if not bodies:
+        return []
+    chunks = np.array_split(np.arange(len(bodies)), min(len(client.urls), len(bodies)))
+
+    def send(rows: np.ndarray) -> list[dict[str, Any]]:
+        part = [bodies[i] for i in rows]
+        merged = {
+            "input_ids": [b["input_ids"] for b in part],
+            "sampling_params": [b["sampling_params"] for b in part],
+            "rid": [b["rid"] for b in part],
+            "return_logprob": part[0]["return_logprob"],
+            "stream": False,
+        }
+        url, response = client._post("/generate", merged)  # noqa: SLF001 - the client's retrying POST
+        answer = response.json()
+        if not isinstance(answer, list) or len(answer) != len(part):
+            got = len(answer) if isinstance(answer, list) else type(answer).__name__
+            raise MalformedResponseError(
+                "response", f"{url}/generate answered {got} for a batch of {len(part)} rows, expected a list"
+            )
+        return answer
+
+    with cf.ThreadPoolExecutor(max_workers=len(chunks)) as pool:
+        parts = list(pool.map(send, chunks))
+    return [response for part in parts for response in part]
+
+
+class RolloutEngine:
+    """Rank 0's handle on the rollout servers: sample scored groups, greedy completions, weight sync.
+
+    Args:
+        client: connected to the servers.
+        task: supplies rewards.
+        tokenizer: encodes prompts and decodes completions.
+        cfg: sampling and validation settings.
+        vocab_size: the policy's vocabulary (token ids are checked against it).
+        add_bos: prepend BOS to prompts.
+    """
+
+    def __init__(self, client: SGLangClient, task: Task, tokenizer, cfg: RolloutConfig, *, vocab_size: int,
+                 add_bos: bool = True):  # fmt: skip
+        self.client, self.task, self.tokenizer, self.cfg = client, task, tokenizer, cfg
+        self.vocab_size = vocab_size
+        self.add_bos = add_bos
+
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        """Token ids of a prompt (BOS first when configured)."""
+        bos = [self.tokenizer.bos_token_id] if self.add_bos else []
+        return bos + encode_strict(self.tokenizer, problem.prompt)
+
+    def completion_text(self, sample: RolloutSample) -> str:
+        """The decoded response without special tokens."""
+        return self.tokenizer.decode(sample.response_ids.tolist(), skip_special_tokens=True)
+
+    def sample_groups(
+        self, problems: Sequence[Problem], *, seed: int, step: int, weight_version: int
+    ) -> RolloutBatch:
+        """G responses per problem from the engine, validated and scored.
+
+        Args:
+            problems: the step's prompts.
+            seed: run seed (sampling seeds derive from it, the step and the row).
+            step: RL step number.
+            weight_version: the version the engine must report (when `check_weight_version`).
+
+        Returns:
+            A batch whose `rewards` are filled; its `stats` add `unparseable_samples`.
+
+        Raises:
+            RolloutValidationError: a bad response with `on_invalid=raise`, or no group left.
+        """
+        g = self.cfg.group_size
+        bodies, prompts = [], []
+        for p, problem in enumerate(problems):
+            ids = self.prompt_ids(problem)
+            for j in range(g):
+                row = p * g + j
+                params = {
+                    "max_new_tokens": self.cfg.max_new_tokens,
+                    "temperature": self.cfg.temperature,
+                    "top_p": self.cfg.top_p,
+                    "top_k": self.cfg.top_k,
+                    "sampling_seed": sampling_seed(seed, step, row),
+                }
+                bodies.append(build_generate_request(ids, params, rid=f"step{step}-p{p}-r{j}"))
+                prompts.append(ids)
+        responses = post_batched_generate(self.client, bodies)
+        samples, unparseable = [], 0
+        for row, (ids, body, response) in enumerate(zip(prompts, bodies, responses)):
+            try:
+                sample = parse_generate_response(ids, response, vocab_size=self.vocab_size, rid=body["rid"])
+            except RolloutValidationError:
+                if self.cfg.on_invalid == "raise":
+                    raise
+                unparseable += 1  # its group becomes incomplete and is dropped with it
+                continue
+            problem = problems[row // g]
+            sample.group_index = row // g
+            sample.reward = float(self.task.reward(problem, self.completion_text(sample)))
+            samples.append(sample)
+        batch = RolloutBatch.from_samples(
+            samples,
+            g,
+            expected_weight_version=str(weight_version) if self.cfg.check_weight_version else None,
+            on_invalid=self.cfg.on_invalid,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+        batch.stats["unparseable_samples"] = unparseable
+        return batch
+
+    def greedy_completions(self, problems: Sequence[Problem]) -> list[str]:
+        """One greedy completion per problem (held-out evaluation)."""
+        params = {"max_new_tokens": self.cfg.max_new_tokens, "temperature": 0.0}
+        bodies = [
+            build_generate_request(self.prompt_ids(p), params, return_logprob=False, rid=f"eval-{i}")
+            for i, p in enumerate(problems)
+        ]
+        responses = post_batched_generate(self.client, bodies)
+        return [self.tokenizer.decode(r["output_ids"], skip_special_tokens=True) for r in responses]
+
+    def update_weights(self, path: str | Path, weight_version: int) -> None:
+        """Make every server load the exported checkpoint and report `weight_version`."""
+        self.client.update_weights_from_disk(str(path), weight_version=str(weight_version))
+
+
+@contextlib.contextmanager
+def rollout_servers(cfg: RolloutConfig, model_dir: str | Path, *, weight_version: int, seed: int) -> Iterator[
+    SGLangClient
+]:  # fmt: skip
+    """A client for the configured servers, or for an embedded server started on `model_dir`.
+
+    With `server_urls` given, the servers must already serve the policy's current weights
+    (the trainer pushes `model_dir` to them first). The embedded server is stopped on exit.
+    """
+    with contextlib.ExitStack() as stack:
+        urls = list(cfg.server_urls)
+        if not urls:
+            server = stack.enter_context(
+                launch_embedded_server(
+                    model_dir,
+                    extra_args=("--weight-version", str(weight_version), "--seed", str(seed)),
+                    num_threads=cfg.server_threads,
+                    timeout=cfg.server_start_timeout_s,
+                )
+            )
+            urls = [server.url]
+            logger.info("embedded rollout server on %s serving %s", server.url, model_dir)
+        client = stack.enter_context(
+            SGLangClient(urls, timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries)
+        )
+        client.wait_until_healthy(cfg.server_start_timeout_s)
+        if cfg.server_urls:
+            client.update_weights_from_disk(str(model_dir), weight_version=str(weight_version))
+        yield client

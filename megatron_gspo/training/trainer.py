@@ -1,0 +1,349 @@
+"""The RL loop: cold start, then per step rollout, reward, advantages, mini-batch updates, weight sync.
+
+Every rank trains; global rank 0 alone talks to the rollout engine and broadcasts each step's
+batch. One step (see /design: data flow):
+
+1. rank 0 samples `rollout_batch_size` prompts x G responses (one batch request per server),
+   validates them (`rollout.on_invalid`) and scores them; the batch goes to every rank;
+2. group advantages; a batch whose advantages are all zero is reported and not trained on;
+3. `num_mini_batches` optimizer steps (`update.py`); a non-finite loss or gradient skips that
+   optimizer step with the weights untouched and is counted;
+4. the weights are exported as an HF checkpoint (RAM-backed dir when available) and the
+   rollout engine reloads them as `weight_version + 1`;
+5. held-out evaluation every `eval.every` steps, metrics, checkpoints every `save_every`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.algorithms import RunningMeanStd, compute_group_advantages
+from megatron_gspo.config import RunConfig, build_model_config, build_task, to_yaml, validate
+from megatron_gspo.model.builder import build_model
+from megatron_gspo.model.convert import export_hf_checkpoint, load_hf_checkpoint
+from megatron_gspo.model.distributed import destroy_distributed, init_distributed
+from megatron_gspo.model.optim import build_optimizer, wrap_ddp
+from megatron_gspo.rollout import RolloutBatch
+from megatron_gspo.tasks import PromptStream, evaluate_accuracy
+from megatron_gspo.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
+from megatron_gspo.training.metrics import MetricsLogger
+from megatron_gspo.training.rollout_step import RolloutEngine, rollout_servers
+from megatron_gspo.training.sft import run_sft
+from megatron_gspo.training.update import (
+    DataLayout,
+    plan_mini_batches,
+    recompute_and_measure,
+    train_on_batch,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(cfg: RunConfig):
+    """The checkpoint's tokenizer (`model.hf_path`), else the character tokenizer of the demo tasks."""
+    if cfg.model.hf_path:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(cfg.model.hf_path)
+    from megatron_gspo.tasks.tokenizer import build_char_tokenizer
+
+    return build_char_tokenizer()
+
+
+def weight_sync_dir(cfg: RunConfig) -> Path:
+    """Where exported weights go: the configured dir, else RAM-backed /dev/shm, else the run dir."""
+    if cfg.trainer.weight_sync_dir:
+        return Path(cfg.trainer.weight_sync_dir)
+    if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
+        tag = hashlib.blake2b(str(Path(cfg.trainer.run_dir).resolve()).encode(), digest_size=6).hexdigest()
+        return Path("/dev/shm", f"megatron-gspo-{tag}", "policy")
+    return Path(cfg.trainer.run_dir, "weights", "policy")
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's object on every rank (an exception is re-raised everywhere)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        obj = box[0]
+    if isinstance(obj, BaseException):
+        raise obj
+    return obj
+
+
+def _on_rank0(fn, *args, **kwargs) -> Any:
+    """Run `fn` on global rank 0 and give its result (or its exception) to every rank."""
+    result = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as err:  # every rank must learn about it, or the others hang
+            result = err
+    return _broadcast(result)
+
+
+def _fit_layout(
+    batch: RolloutBatch, advantages: torch.Tensor, multiple: int
+) -> tuple[RolloutBatch, torch.Tensor]:
+    """Drop trailing groups (after dropped bad groups) so the rows split into mini-batches x DP."""
+    keep = batch.batch_size - batch.batch_size % math.lcm(multiple, batch.group_size)
+    if keep == batch.batch_size:
+        return batch, advantages
+    if not keep:
+        return None, advantages[:0]
+    trimmed = RolloutBatch.from_samples(
+        batch.samples[:keep], batch.group_size, pad_token_id=int(batch.tokens[0, -1])
+    )
+    trimmed.stats = {**batch.stats, "trimmed_samples": batch.batch_size - keep}
+    return trimmed, advantages[:keep]
+
+
+def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """Reward and length statistics of a rollout batch."""
+    lengths = batch.response_lengths.float()
+    return {
+        "rollout/reward_mean": float(batch.rewards.mean()),
+        "rollout/reward_std": float(batch.rewards.std()) if batch.batch_size > 1 else 0.0,
+        "rollout/response_length_mean": float(lengths.mean()),
+        "rollout/response_length_max": float(lengths.max()),
+        "rollout/finish_stop_frac": sum(r == "stop" for r in batch.finish_reasons) / batch.batch_size,
+        "rollout/dropped_groups": float(batch.stats.get("dropped_groups", 0)),
+        "rollout/unparseable_samples": float(batch.stats.get("unparseable_samples", 0)),
+        "rollout/samples": float(batch.batch_size),
+    }
+
+
+class Trainer:
+    """Builds everything one run needs from a validated `RunConfig`; `run()` trains."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        init_distributed(cfg.parallel, seed=cfg.trainer.seed)
+        self.rank0 = dist.get_rank() == 0
+        self.run_dir = Path(cfg.trainer.run_dir)
+        self.model_cfg = build_model_config(cfg)
+        self.task = build_task(cfg)
+        self.tokenizer = load_tokenizer(cfg)
+        if len(self.tokenizer) > self.model_cfg.vocab_size:
+            raise ValueError(
+                f"model vocab_size={self.model_cfg.vocab_size} is smaller than the tokenizer "
+                f"({len(self.tokenizer)} tokens); set model.overrides.vocab_size"
+            )
+        model = build_model(self.model_cfg, cfg.parallel, cfg.engine)
+        if cfg.model.hf_path:
+            load_hf_checkpoint(model, cfg.model.hf_path, self.model_cfg)
+        self.model = wrap_ddp(model, distributed_optimizer=cfg.parallel.distributed_optimizer)
+        sp_tp = cfg.parallel.tensor_parallel if cfg.parallel.use_sequence_parallel else 1
+        self.layout = DataLayout.from_megatron(cfg.trainer.micro_batch_size, sp_tp)
+        self.stream = PromptStream(self.task, cfg.rollout.rollout_batch_size, seed=cfg.trainer.seed)
+        self.running = RunningMeanStd() if cfg.algorithm.reward_norm == "running" else None
+        self.counters = {"skipped_steps": 0, "all_zero_adv_batches": 0, "dropped_groups": 0}
+        self.step, self.weight_version = 0, 0
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.sync_dir = weight_sync_dir(cfg)
+        self.heldout = self.task.heldout(cfg.eval.num_problems)
+
+    # ------------------------------------------------------------------ setup
+
+    def _restore_or_cold_start(self) -> dict[str, float]:
+        cfg = self.cfg
+        resume_step = latest_step(self.ckpt_root) if cfg.trainer.resume else None
+        start: dict[str, float] = {}
+        if resume_step is None and cfg.sft.steps > 0:
+            start = run_sft(
+                self.model, self.task, self.tokenizer, cfg.sft, self.layout, add_bos=cfg.task.add_bos
+            )
+        total = max(cfg.trainer.steps * cfg.algorithm.num_mini_batches, 1)
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model, cfg.optim, distributed_optimizer=cfg.parallel.distributed_optimizer, total_steps=total
+        )
+        if resume_step is not None:
+            state = load_checkpoint(
+                self.ckpt_root, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+            )
+            self.step, self.weight_version = int(state["step"]), int(state["weight_version"])
+            self.stream.load_state_dict(state["prompt_stream"])
+            self.counters = dict(state["counters"])
+            if self.running is not None:
+                self.running.load_state_dict(state["running_stats"])
+            logger.info("resumed from step %d (weight_version %d)", self.step, self.weight_version)
+        return start
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "weight_version": self.weight_version,
+            "prompt_stream": self.stream.state_dict(),
+            "running_stats": None if self.running is None else self.running.state_dict(),
+            "counters": dict(self.counters),
+            "config": to_yaml(self.cfg),
+        }
+
+    def _export(self) -> Path:
+        """Export the weights for the rollout engine (collective); the path on every rank."""
+        export_hf_checkpoint(self.model, self.sync_dir, self.model_cfg, self.tokenizer)
+        return self.sync_dir
+
+    # ------------------------------------------------------------------ one step
+
+    def _evaluate(self, engine: RolloutEngine | None) -> dict[str, float]:
+        def run() -> dict[str, float]:
+            completions = engine.greedy_completions(self.heldout)
+            result = evaluate_accuracy(self.task, self.heldout, completions)
+            return {"eval/accuracy": result["accuracy"], "eval/mean_reward": result["mean_reward"]}
+
+        start = time.perf_counter()
+        out = _on_rank0(run)
+        out["time/eval_s"] = time.perf_counter() - start
+        return out
+
+    def train_step(self, engine: RolloutEngine | None) -> dict[str, float]:
+        """One RL step (collective); returns its metrics."""
+        cfg, algo = self.cfg, self.cfg.algorithm
+        self.step += 1
+        t0 = time.perf_counter()
+        problems = self.stream.next_batch()  # every rank advances its stream (same state everywhere)
+        batch = _on_rank0(
+            lambda: engine.sample_groups(
+                problems, seed=cfg.trainer.seed, step=self.step, weight_version=self.weight_version
+            )
+        )
+        t1 = time.perf_counter()
+        metrics = rollout_metrics(batch)
+        self.counters["dropped_groups"] += batch.stats.get("dropped_groups", 0)
+        advantages, adv_metrics = compute_group_advantages(
+            batch.rewards,
+            batch.group_size,
+            eps=algo.advantage_eps,
+            reward_clip=algo.reward_clip,
+            reward_norm=algo.reward_norm,
+            whiten_advantages=algo.whiten_advantages,
+            advantage_clip=algo.advantage_clip,
+            running_stats=self.running,
+        )
+        metrics.update({k: float(v) for k, v in adv_metrics.items()})
+        batch, advantages = _fit_layout(batch, advantages, algo.num_mini_batches * self.layout.dp_size)
+        all_zero = batch is None or bool((advantages == 0).all())
+        metrics["train/all_zero_adv_batch"] = float(all_zero)
+        if all_zero:
+            self.counters["all_zero_adv_batches"] += 1
+            logger.warning("step %d: every advantage is zero; nothing to learn, update skipped", self.step)
+            train_tokens = 0
+        else:
+            plan = plan_mini_batches(batch, advantages, algo.num_mini_batches, self.layout)
+            if algo.old_logprobs == "recompute":
+                metrics.update(recompute_and_measure(self.model, plan, cfg.rollout.temperature))
+            metrics.update(
+                train_on_batch(
+                    self.model,
+                    self.optimizer,
+                    self.scheduler,
+                    plan,
+                    algo,
+                    temperature=cfg.rollout.temperature,
+                    max_response_length=cfg.rollout.max_new_tokens,
+                    nan_loss=cfg.debug.nan_loss_at_step == self.step,
+                )
+            )
+            self.counters["skipped_steps"] += int(metrics["train/skipped_steps"])
+            train_tokens = int((batch.prompt_lengths + batch.response_lengths).sum())
+        t2 = time.perf_counter()
+        path = self._export()
+        self.weight_version += 1
+        _on_rank0(lambda: engine.update_weights(path, self.weight_version))
+        t3 = time.perf_counter()
+        metrics.update(
+            {
+                "weight_version": float(self.weight_version),
+                "time/rollout_s": t1 - t0,
+                "time/train_s": t2 - t1,
+                "time/sync_s": t3 - t2,
+                "perf/train_tokens_per_s": train_tokens / max(t2 - t1, 1e-9),
+                "counters/skipped_steps": float(self.counters["skipped_steps"]),
+                "counters/all_zero_adv_batches": float(self.counters["all_zero_adv_batches"]),
+                "counters/dropped_groups": float(self.counters["dropped_groups"]),
+            }
+        )
+        return metrics
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> dict[str, Any]:
+        """Cold start (or resume), then RL steps; returns the last step's record plus the eval history."""
+        cfg = self.cfg
+        start_metrics = self._restore_or_cold_start()
+        if self.rank0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        log = MetricsLogger(
+            self.run_dir,
+            total_steps=cfg.trainer.steps,
+            first_step=self.step + 1 if self.step else 0,
+            enabled=self.rank0,
+            tensorboard=cfg.logging.tensorboard,
+            progress_bar=cfg.logging.progress_bar,
+        )
+        path = self._export()
+        servers = rollout_servers(
+            cfg.rollout, path, weight_version=self.weight_version, seed=cfg.trainer.seed
+        )
+        evals: list[dict[str, float]] = []
+        with servers if self.rank0 else contextlib.nullcontext() as client:
+            engine = (
+                RolloutEngine(client, self.task, self.tokenizer, cfg.rollout,
+                              vocab_size=self.model_cfg.vocab_size, add_bos=cfg.task.add_bos)
+                if self.rank0 else None
+            )  # fmt: skip
+            if self.step == 0 and cfg.eval.at_start:
+                record = {**start_metrics, **self._evaluate(engine), "weight_version": 0.0}
+                log.log(0, record)
+                evals.append({"step": 0, **record})
+                logger.info("cold-start held-out accuracy %.3f", record["eval/accuracy"])
+            while self.step < cfg.trainer.steps:
+                t0 = time.perf_counter()
+                metrics = self.train_step(engine)
+                last = self.step == cfg.trainer.steps
+                if (cfg.eval.every and self.step % cfg.eval.every == 0) or (last and cfg.eval.at_end):
+                    metrics.update(self._evaluate(engine))
+                    evals.append({"step": self.step, **metrics})
+                if (cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0) or last:
+                    save_checkpoint(
+                        self.ckpt_root,
+                        self.step,
+                        model=self.model,
+                        optimizer=self.optimizer,
+                        scheduler=self.scheduler,
+                        trainer_state=self._trainer_state(),
+                        keep_last=cfg.trainer.keep_last,
+                    )
+                metrics["time/step_s"] = time.perf_counter() - t0
+                log.log(self.step, metrics)
+        log.close()
+        return {"last": log.last, "evals": evals}
+
+    def close(self) -> None:
+        """Remove RAM-backed exported weights and tear down the process groups."""
+        if self.rank0 and str(self.sync_dir).startswith("/dev/shm/"):
+            shutil.rmtree(self.sync_dir.parent, ignore_errors=True)
+        destroy_distributed()
+
+
+def train(cfg: RunConfig) -> dict[str, Any]:
+    """Run one training job end to end (every rank calls it)."""
+    trainer = Trainer(cfg)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()

@@ -1,0 +1,253 @@
+"""Update stage of an RL step: rollout batch -> mini-batches -> micro-batches -> optimizer steps.
+
+The batch (rows group-major, identical on every rank) is cut into `num_mini_batches`
+contiguous mini-batches, one optimizer step each; data-parallel rank `r` of `D` takes rows
+`r, r + D, ...` of every mini-batch, cut into micro-batches packed once per step. The loss
+normaliser of a mini-batch is computed over all its rows (all-reduced over DP) and every
+micro-batch divides by it, so the summed gradient does not depend on the split; megatron's
+DDP averages gradients over DP, hence the `dp_loss_scale` factor.
+
+pi_old is the rollout engine's log-probs (`old_logprobs=rollout`) or a no-grad trainer forward
+with the rollout weights before the first update (`recompute`). The train/inference mismatch
+|log pi_trainer - log pi_rollout| on response tokens is measured either way while the weights
+still equal the rollout weights: in the recompute pass, or in the first mini-batch's forward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.algorithms import compute_loss_normalizer, compute_policy_loss
+from megatron_gspo.config import AlgorithmConfig
+from megatron_gspo.model.optim import dp_loss_scale, optimizer_step, zero_grads
+from megatron_gspo.rollout import RolloutBatch
+from megatron_gspo.training.forward import MicroBatch, forward_microbatch, pack_uniform
+
+
+@dataclass
+class DataLayout:
+    """Where this rank sits among the data-parallel ranks and how it cuts its rows.
+
+    Attributes:
+        dp_rank: this rank's data-parallel index.
+        dp_size: data-parallel ranks.
+        micro_batch_size: responses per forward/backward (0: the rank's whole mini-batch).
+        pad_multiple: packed row length multiple (TP size under sequence parallelism).
+    """
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    micro_batch_size: int = 0
+    pad_multiple: int = 1
+
+    @classmethod
+    def from_megatron(cls, micro_batch_size: int, sequence_parallel_tp: int) -> DataLayout:
+        """The layout of the current process from megatron's parallel state."""
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=ps.get_data_parallel_world_size(),
+            micro_batch_size=micro_batch_size,
+            pad_multiple=sequence_parallel_tp,
+        )
+
+
+def plan_mini_batches(
+    batch: RolloutBatch, advantages: torch.Tensor, num_mini_batches: int, layout: DataLayout
+) -> list[list[MicroBatch]]:
+    """This rank's micro-batches of every mini-batch, packed (collective over the EP group).
+
+    Args:
+        batch: the step's rollout batch ([B, S] tensors).
+        advantages: [B] one advantage per response.
+        num_mini_batches: optimizer steps of the step; B must split evenly into them x DP.
+        layout: this rank's place.
+    """
+    size = batch.batch_size // num_mini_batches
+    if size * num_mini_batches != batch.batch_size or size % layout.dp_size:
+        raise ValueError(
+            f"{batch.batch_size} responses do not split into {num_mini_batches} mini-batches x "
+            f"{layout.dp_size} data-parallel ranks"
+        )
+    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+    plan = []
+    for m in range(num_mini_batches):
+        rows = list(range(m * size, (m + 1) * size))[layout.dp_rank :: layout.dp_size]
+        step = layout.micro_batch_size or len(rows)
+        micro_batches = []
+        for start in range(0, len(rows), step):
+            idx = rows[start : start + step]
+            packed = pack_uniform(
+                [batch.tokens[i, : lengths[i]] for i in idx], pad_multiple=layout.pad_multiple
+            )
+            t = packed.max_len
+            rollout_logprobs = batch.rollout_logprobs[idx, :t]
+            micro_batches.append(
+                MicroBatch(
+                    indices=idx,
+                    packed=packed,
+                    response_mask=batch.response_mask[idx, :t].bool(),
+                    old_logprobs=rollout_logprobs.clone(),
+                    rollout_logprobs=rollout_logprobs,
+                    advantages=advantages[idx].float(),
+                )
+            )
+        plan.append(micro_batches)
+    return plan
+
+
+class _Mismatch:
+    """Accumulates |log pi_trainer - log pi_rollout| over response tokens."""
+
+    def __init__(self) -> None:
+        self.total = torch.zeros((), dtype=torch.float64)
+        self.count = torch.zeros((), dtype=torch.float64)
+        self.max = torch.zeros((), dtype=torch.float64)
+
+    def add(self, logprobs: torch.Tensor, micro: MicroBatch) -> None:
+        diff = (logprobs.detach().double() - micro.rollout_logprobs.double()).abs()[micro.response_mask]
+        self.total += diff.sum()
+        self.count += diff.numel()
+        self.max = torch.maximum(self.max, diff.max())
+
+    def reduce(self, group) -> dict[str, float]:
+        sums = torch.stack([self.total, self.count])
+        if dist.is_initialized():
+            dist.all_reduce(sums, group=group)
+            dist.all_reduce(self.max, op=dist.ReduceOp.MAX, group=group)
+        return {
+            "rollout/logprob_mismatch_mean": float(sums[0] / sums[1].clamp(min=1)),
+            "rollout/logprob_mismatch_max": float(self.max),
+        }
+
+
+@torch.no_grad()
+def recompute_old_logprobs(model, plan: list[list[MicroBatch]], temperature: float) -> None:
+    """Replace every micro-batch's `old_logprobs` by the trainer's own (weights = rollout weights)."""
+    for micro_batches in plan:
+        for micro in micro_batches:
+            logprobs, _ = forward_microbatch(model, micro.packed, temperature=temperature)
+            micro.old_logprobs = torch.where(micro.response_mask, logprobs.float(), 0.0)
+
+
+def _dp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group()
+
+
+def _reduce_metrics(per_micro: list[dict[str, torch.Tensor]], group) -> dict[str, float]:
+    """Means over micro-batches and DP ranks (min/max for *_min/*_max keys), one collective per kind."""
+    if not per_micro:
+        return {}
+    keys = sorted(per_micro[0])
+    stacked = {k: torch.stack([m[k].float() for m in per_micro]) for k in keys}
+    kinds = {"max": [k for k in keys if k.endswith("_max")], "min": [k for k in keys if k.endswith("_min")]}
+    kinds["mean"] = [k for k in keys if k not in kinds["max"] and k not in kinds["min"]]
+    out = {}
+    for kind, names in kinds.items():
+        if not names:
+            continue
+        reduce = {"max": torch.amax, "min": torch.amin, "mean": torch.mean}[kind]
+        values = torch.stack([reduce(stacked[k]) for k in names])
+        if dist.is_initialized():
+            op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "mean": dist.ReduceOp.SUM}[kind]
+            dist.all_reduce(values, op=op, group=group)
+            if kind == "mean":
+                values /= dist.get_world_size(group)
+        out.update({k: float(v) for k, v in zip(names, values)})
+    return out
+
+
+def train_on_batch(
+    model,
+    optimizer,
+    scheduler,
+    plan: list[list[MicroBatch]],
+    algo: AlgorithmConfig,
+    *,
+    temperature: float,
+    max_response_length: int,
+    nan_loss: bool = False,
+) -> dict[str, float]:
+    """One optimizer step per mini-batch of `plan`; returns the step's reduced metrics.
+
+    Args:
+        model: the DDP-wrapped policy.
+        optimizer: megatron optimizer.
+        scheduler: its LR scheduler.
+        plan: from `plan_mini_batches` (old log-probs already set).
+        algo: loss type, options and aggregation.
+        temperature: sampling temperature of the rollouts.
+        max_response_length: the constant L of `seq-mean-token-sum-norm`.
+        nan_loss: multiply the first mini-batch's loss by NaN (fault injection for tests).
+
+    Returns:
+        `actor/*` loss metrics, `train/grad_norm` (mean over taken steps), `train/lr`,
+        `train/optimizer_steps`, `train/skipped_steps` (non-finite, weights untouched) and,
+        unless pi_old was recomputed, the rollout/trainer log-prob mismatch.
+    """
+    group = _dp_group()
+    mode = algo.loss_agg_mode or "seq-mean-token-mean"
+    norm_kwargs = {"max_response_length": max_response_length} if mode == "seq-mean-token-sum-norm" else {}
+    mismatch = _Mismatch() if algo.old_logprobs == "rollout" else None
+    per_micro: list[dict[str, torch.Tensor]] = []
+    grad_norms, skipped = [], 0
+    for m, micro_batches in enumerate(plan):
+        normalizer = sum(
+            compute_loss_normalizer(mb.response_mask, mode, **norm_kwargs) for mb in micro_batches
+        ).to(torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(normalizer, group=group)
+        zero_grads(model, optimizer)
+        for micro in micro_batches:
+            logprobs, entropy = forward_microbatch(
+                model, micro.packed, temperature=temperature, with_entropy=True
+            )
+            if m == 0 and mismatch is not None:
+                mismatch.add(logprobs, micro)
+            loss, metrics = compute_policy_loss(
+                algo.loss_type,
+                logprobs,
+                micro.old_logprobs,
+                micro.advantages,
+                micro.response_mask,
+                loss_agg_mode=mode,
+                normalizer=normalizer,
+                allow_token_sum_for_gspo=algo.allow_token_sum_for_gspo,
+                **algo.loss_options,
+            )
+            if nan_loss and m == 0:
+                loss = loss * math.nan
+            metrics["actor/entropy"] = entropy[micro.response_mask].mean()
+            per_micro.append(metrics)
+            (loss * dp_loss_scale()).backward()
+        stepped, grad_norm = optimizer_step(model, optimizer, scheduler)
+        if stepped:
+            grad_norms.append(grad_norm)
+        else:
+            skipped += 1
+    out = _reduce_metrics(per_micro, group)
+    out["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
+    out["train/grad_norm_max"] = max(grad_norms) if grad_norms else math.nan
+    out["train/optimizer_steps"] = float(len(grad_norms))
+    out["train/skipped_steps"] = float(skipped)
+    out["train/lr"] = float(optimizer.param_groups[0]["lr"])
+    if mismatch is not None:
+        out.update(mismatch.reduce(group))
+    return out
+
+
+def recompute_and_measure(model, plan: list[list[MicroBatch]], temperature: float) -> dict[str, float]:
+    """`recompute_old_logprobs`, and the rollout/trainer mismatch it reveals (before any update)."""
+    recompute_old_logprobs(model, plan, temperature)
+    mismatch = _Mismatch()
+    for micro_batches in plan:
+        for micro in micro_batches:
+            mismatch.add(micro.old_logprobs, micro)
+    return mismatch.reduce(_dp_group())
