@@ -189,7 +189,22 @@ def _load_optimizer_state(optimizer, states: list[dict[str, Any]], path: Path) -
     for leaf, entry in zip(leaves, states):
         leaf.load_state_dict(entry["state_dict"])
         if _is_distributed_optimizer(leaf):
-            leaf.load_parameter_state_from_dp_reshardable(entry["parameter_shard"])
+            _unshare_step_counters(leaf.optimizer)
+            with torch.no_grad():  # copies into main params, which are views of leaf parameters
+                leaf.load_parameter_state_from_dp_reshardable(entry["parameter_shard"])
+
+
+def _unshare_step_counters(torch_optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter its own Adam `step` tensor.
+
+    Without apex / TransformerEngine, megatron-core's `DistributedOptimizer.load_state_dict`
+    (0.16.1) puts one shared `step` tensor into every parameter's state; torch's Adam then
+    increments that one counter once per parameter per step, and the bias correction of the
+    resumed run drifts from the uninterrupted one from the second step on.
+    """
+    for state in torch_optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].detach().clone()
 
 
 # --------------------------------------------------------------------------- files
@@ -442,13 +457,17 @@ def _check_files(directory: Path, meta: dict[str, Any]) -> None:
     world = meta["layout"]["world_size"]
     expected = {rank_file_name(r) for r in range(world)} | {TRAINER_STATE_FILE}
     if set(meta["files"]) != expected:
-        raise CheckpointError(f"{directory / META_FILE} lists files {sorted(meta['files'])}, expected {sorted(expected)}")
+        raise CheckpointError(
+            f"{directory / META_FILE} lists files {sorted(meta['files'])}, expected {sorted(expected)}"
+        )
     for name, size in sorted(meta["files"].items()):
         path = directory / name
         if not path.exists():
             raise CheckpointError(f"{path} is missing (checkpoint written by {world} ranks)")
         if path.stat().st_size != size:
-            raise CheckpointError(f"{path} has {path.stat().st_size} bytes, meta.json recorded {size}: truncated")
+            raise CheckpointError(
+                f"{path} has {path.stat().st_size} bytes, meta.json recorded {size}: truncated"
+            )
 
 
 def load_checkpoint(

@@ -8,6 +8,7 @@ and takes one optimizer step. Loss values also feed a `RunningMeanStd` (more tra
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 
@@ -30,6 +31,10 @@ from megatron_gspo.model.optim import (
 from megatron_gspo.tasks.arithmetic import AdditionTask
 from megatron_gspo.tasks.data import PromptStream
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
+
+# On CPU the tracker's streams are CPU generator states, so megatron's check that a fork leaves
+# the CPU generator alone always fires; it is expected here.
+logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
 
 TOKENIZER = build_char_tokenizer()
 BATCH = 8

@@ -1,0 +1,218 @@
+"""Checkpoint save/load in one process at world size 1: round trips, pruning, and every refusal."""
+
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from ckpt_common import build_run, draw_probes, train_step
+
+from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+from megatron_gspo.training.checkpoint import (
+    CheckpointError,
+    capture_rng_state,
+    latest_step,
+    list_steps,
+    load_checkpoint,
+    read_meta,
+    restore_rng_state,
+    save_checkpoint,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    init_distributed(ParallelConfig())
+    yield
+    destroy_distributed()
+
+
+def _save(run, root, **kwargs):
+    return save_checkpoint(
+        root,
+        run.step,
+        model=run.ddp,
+        optimizer=run.optimizer,
+        scheduler=run.scheduler,
+        trainer_state=run.trainer_state(),
+        **kwargs,
+    )
+
+
+def _load(run, root, **kwargs):
+    return load_checkpoint(root, model=run.ddp, optimizer=run.optimizer, scheduler=run.scheduler, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A run trained 2 steps and checkpointed at step 2 (plain Adam)."""
+    root = tmp_path_factory.mktemp("saved")
+    run = build_run(ParallelConfig(), init=False)
+    for _ in range(2):
+        train_step(run)
+    _save(run, root)
+    return root, run
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_resumed_run_continues_bit_exactly(tmp_path, distributed_optimizer):
+    parallel = ParallelConfig(distributed_optimizer=distributed_optimizer)
+    original = build_run(parallel, init=False)
+    for _ in range(3):
+        train_step(original)
+    _save(original, tmp_path)
+    expected_probes = draw_probes()
+    expected = [train_step(original) for _ in range(2)]
+
+    resumed = build_run(parallel, init=False)  # different initial weights: the RNG moved on
+    assert not torch.equal(
+        resumed.model.embedding.word_embeddings.weight, original.model.embedding.word_embeddings.weight
+    )
+    torch.manual_seed(99), np.random.seed(99), random.seed(99)  # scramble every stream
+    state = _load(resumed, tmp_path)
+    probes = draw_probes()
+    resumed.load_trainer_state(state)
+    assert state["step"] == 3 and state["data"]["batches_drawn"] == 3 and state["loss_stats"]["count"] == 3
+    assert [train_step(resumed) for _ in range(2)] == expected
+    for key in ("torch", "tracker"):
+        assert torch.equal(probes[key], expected_probes[key])
+    assert (
+        np.array_equal(probes["numpy"], expected_probes["numpy"])
+        and probes["python"] == expected_probes["python"]
+    )
+    a, b = original.ddp.state_dict(), resumed.ddp.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
+    assert resumed.scheduler.num_steps == original.scheduler.num_steps == 5
+    assert resumed.stats.state_dict() == original.stats.state_dict()
+
+
+def test_rng_state_round_trip_and_missing_stream():
+    state = capture_rng_state()
+    first = draw_probes()
+    restore_rng_state(state)
+    again = draw_probes()
+    assert torch.equal(first["torch"], again["torch"]) and torch.equal(first["tracker"], again["tracker"])
+    assert first["python"] == again["python"] and np.array_equal(first["numpy"], again["numpy"])
+    del state["numpy"]
+    with pytest.raises(ValueError, match=r"lacks \['numpy'\]"):
+        restore_rng_state(state)
+
+
+def test_layout_meta_and_latest(saved):
+    root, run = saved
+    assert latest_step(root) == 2 and list_steps(root) == [2]
+    assert (root / "latest").read_text() == "step_00000002\n"
+    meta = read_meta(root / "step_00000002")
+    assert meta["step"] == 2 and meta["weight_version"] == 2
+    assert meta["layout"] == {
+        "world_size": 1,
+        "tensor_parallel": 1,
+        "expert_parallel": 1,
+        "expert_tensor_parallel": 1,
+        "data_parallel": 1,
+        "distributed_optimizer": False,
+    }
+    assert meta["versions"]["megatron-core"] == "0.16.1"
+    assert meta["trainer_state"] == run.trainer_state()
+    assert set(meta["files"]) == {"rank_00000.pt", "trainer_state.pt"}
+    assert sorted(p.name for p in (root / "step_00000002").iterdir()) == [
+        "meta.json",
+        "rank_00000.pt",
+        "trainer_state.pt",
+    ]
+
+
+def test_empty_root_has_nothing_to_resume(tmp_path):
+    run = build_run(ParallelConfig(), init=False)
+    assert latest_step(tmp_path) is None and list_steps(tmp_path / "absent") == []
+    assert _load(run, tmp_path) is None
+    with pytest.raises(CheckpointError, match="no checkpoint for step 4"):
+        _load(run, tmp_path, step=4)
+
+
+def test_keep_last_prunes_old_checkpoints_and_explicit_step_loads(tmp_path):
+    run = build_run(ParallelConfig(), init=False)
+    weights = {}
+    for _ in range(4):
+        train_step(run)
+        _save(run, tmp_path, keep_last=2)
+        weights[run.step] = run.model.embedding.word_embeddings.weight.detach().clone()
+    assert list_steps(tmp_path) == [3, 4] and latest_step(tmp_path) == 4
+    state = _load(run, tmp_path, step=3)
+    assert state["step"] == 3
+    assert torch.equal(run.model.embedding.word_embeddings.weight, weights[3])
+    with pytest.raises(CheckpointError, match="already the latest checkpoint"):
+        save_checkpoint(
+            tmp_path, 4, model=run.ddp, optimizer=run.optimizer, scheduler=run.scheduler, trainer_state={}
+        )
+    with pytest.raises(ValueError, match="keep_last must be >= 1"):
+        _save(run, tmp_path, keep_last=0)
+    with pytest.raises(ValueError, match="trainer_state must be a dict"):
+        save_checkpoint(
+            tmp_path, 5, model=run.ddp, optimizer=run.optimizer, scheduler=run.scheduler, trainer_state=[]
+        )
+
+
+def test_stale_temporary_directories_are_removed_by_the_next_save(tmp_path):
+    run = build_run(ParallelConfig(), init=False)
+    train_step(run)
+    (tmp_path / "step_00000007.tmp-abc123").mkdir(parents=True)
+    (tmp_path / "step_00000007.tmp-abc123" / "rank_00000.pt").write_bytes(b"partial")
+    (tmp_path / "step_00000001").mkdir()  # complete-looking leftover that `latest` never named
+    (tmp_path / "step_00000001" / "junk").write_text("x")
+    _save(run, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
+    assert not (tmp_path / "step_00000001" / "junk").exists() and _load(run, tmp_path)["step"] == 1
+
+
+def _copy(saved, tmp_path):
+    root, _ = saved
+    shutil.copytree(root, tmp_path / "ckpt")
+    return tmp_path / "ckpt", tmp_path / "ckpt" / "step_00000002"
+
+
+def test_corrupt_meta_is_refused(saved, tmp_path):
+    root, directory = _copy(saved, tmp_path)
+    run = build_run(ParallelConfig(), init=False)
+    (directory / "meta.json").write_text('{"step": 2, "layo')
+    with pytest.raises(CheckpointError, match=r"meta.json is corrupt \(not valid JSON"):
+        _load(run, root)
+    (directory / "meta.json").write_text('{"step": 2}')
+    with pytest.raises(CheckpointError, match=r"meta.json is corrupt: needs fields"):
+        _load(run, root)
+    (directory / "meta.json").unlink()
+    with pytest.raises(CheckpointError, match="meta.json is missing"):
+        _load(run, root)
+
+
+def test_missing_or_truncated_rank_file_is_refused(saved, tmp_path):
+    root, directory = _copy(saved, tmp_path)
+    run = build_run(ParallelConfig(), init=False)
+    data = (directory / "rank_00000.pt").read_bytes()
+    (directory / "rank_00000.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(
+        CheckpointError, match=rf"rank_00000.pt has {len(data) // 2} bytes, meta.json recorded {len(data)}"
+    ):
+        _load(run, root)
+    (directory / "rank_00000.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"rank_00000.pt is missing \(checkpoint written by 1 ranks\)"):
+        _load(run, root)
+
+
+def test_layout_mismatch_names_both_layouts(saved, tmp_path):
+    root, directory = _copy(saved, tmp_path)
+    run = build_run(ParallelConfig(distributed_optimizer=True), init=False)
+    with pytest.raises(
+        CheckpointError, match="distributed_optimizer=False; this run has .*distributed_optimizer=True"
+    ):
+        _load(run, root)
+    meta = json.loads((directory / "meta.json").read_text())
+    meta["layout"].update(world_size=4, expert_parallel=2, data_parallel=4)
+    (directory / "meta.json").write_text(json.dumps(meta))
+    plain = build_run(ParallelConfig(), init=False)
+    with pytest.raises(
+        CheckpointError, match=r"world=4 TP=1 EP=2 .* this run has world=1 TP=1 EP=1 .*export the global"
+    ):
+        _load(plain, root)
