@@ -414,12 +414,14 @@ def export_hf_checkpoint(
 
     All ranks iterate `iter_global_tensors` together: tensors are gathered over TP and EP one at
     a time, so a non-zero rank never holds more than one global tensor (x EP size for expert
-    tensors). Rank 0 converts each to HF names as it arrives and keeps the HF state dict until
-    `save_hf_state_dict` writes it (temp dir + rename, so the rollout server's
-    `/update_weights_from_disk` never sees a partial checkpoint). Rank 0's peak is therefore
-    one full copy of the weights: fine for the tiny and medium models; for 30B+ models the
-    writer should instead flush a safetensors shard whenever `max_shard_bytes` accumulate and
-    write the index at the end (same iteration order, bounded memory).
+    tensors). Rank 0 converts each to HF names as it arrives, keeps the HF state dict in host
+    memory and hands it to `save_hf_state_dict` (temp dir + rename, so the rollout server's
+    `/update_weights_from_disk` never sees a partial checkpoint).
+
+    Memory limit: rank 0's host peak is one full copy of the weights (tiny/medium models; about
+    61 GB for Qwen3-30B-A3B in bf16, 470 GB for 235B-A22B). For 30B+ the writer should stream:
+    write a safetensors shard to the temp dir whenever `max_shard_bytes` have accumulated, drop
+    it, and write the index and rename at the end (same iteration order, peak one shard).
 
     Args:
         model: This rank's shard (or a DDP wrapper of it).
@@ -443,7 +445,8 @@ def export_hf_checkpoint(
             continue
         if name not in table:
             raise ConversionError(f"model tensor {name!r} has no HF counterpart in the name table")
-        hf_state.update(_megatron_tensor_to_hf(table.pop(name), tensor, model_cfg))
+        # To host memory as it arrives: on GPUs rank 0 would otherwise keep a second device copy.
+        hf_state.update(_megatron_tensor_to_hf(table.pop(name), tensor.to("cpu"), model_cfg))
     path = None
     if is_writer:
         if table:
