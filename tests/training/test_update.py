@@ -1,0 +1,142 @@
+"""The update stage on a real tiny Megatron MoE in a world of one: guards, split invariance, mismatch."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_gspo.algorithms import compute_group_advantages
+from megatron_gspo.config import AlgorithmConfig
+from megatron_gspo.model.builder import build_model
+from megatron_gspo.model.config import tiny
+from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+from megatron_gspo.model.logprobs import sequence_logprobs
+from megatron_gspo.model.optim import OptimConfig, build_optimizer, wrap_ddp
+from megatron_gspo.rollout import RolloutBatch, RolloutSample
+from megatron_gspo.training.update import DataLayout, plan_mini_batches, recompute_and_measure, train_on_batch
+
+G, GROUPS, T = 4, 4, 0.7
+
+
+@pytest.fixture(scope="module")
+def model():
+    init_distributed(ParallelConfig(), seed=11)
+    ddp = wrap_ddp(build_model(tiny(vocab_size=32), ParallelConfig()))
+    yield ddp
+    destroy_distributed()
+
+
+def snapshot(model):
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items() if torch.is_tensor(v)}
+
+
+def restore(model, state):
+    with torch.no_grad():
+        current = model.module.state_dict()
+        for k, v in state.items():
+            current[k].copy_(v)
+
+
+def make_batch(model, shift=0.0, seed=0):
+    """Random groups whose rollout log-probs are the model's own (at temperature T) minus `shift`."""
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for g in range(GROUPS):
+        prompt = torch.randint(3, 32, (int(torch.randint(2, 5, (1,), generator=gen)),), generator=gen)
+        for _ in range(G):
+            response = torch.randint(3, 32, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen)
+            samples.append(
+                RolloutSample(
+                    prompt,
+                    response,
+                    torch.zeros(len(response)),
+                    "stop",
+                    "0",
+                    group_index=g,
+                    reward=float(torch.rand((), generator=gen) > 0.5),
+                )
+            )
+    with torch.no_grad():
+        own, _ = sequence_logprobs(
+            model, [torch.cat([s.prompt_ids, s.response_ids]) for s in samples], temperature=T
+        )
+    for b, s in enumerate(samples):
+        p, r = s.prompt_length, s.response_length
+        s.rollout_logprobs = own[b, p : p + r].float() - shift
+    batch = RolloutBatch.from_samples(samples, G)
+    advantages, _ = compute_group_advantages(batch.rewards, G)
+    assert (advantages != 0).any()
+    return batch, advantages
+
+
+def run(model, batch, advantages, *, mini=1, micro=0, nan_loss=False, old="rollout", lr=1e-2, opt="adam"):
+    optimizer, scheduler = build_optimizer(model, OptimConfig(optimizer=opt, lr=lr, clip_grad=0.0))
+    algo = AlgorithmConfig(loss_type="gspo", num_mini_batches=mini, old_logprobs=old)
+    plan = plan_mini_batches(batch, advantages, mini, DataLayout(micro_batch_size=micro))
+    extra = recompute_and_measure(model, plan, T) if old == "recompute" else {}
+    metrics = train_on_batch(
+        model, optimizer, scheduler, plan, algo, temperature=T, max_response_length=4, nan_loss=nan_loss
+    )
+    return {**metrics, **extra}
+
+
+def test_non_finite_loss_skips_the_step_with_weights_untouched(model):
+    batch, adv = make_batch(model)
+    before = snapshot(model)
+    metrics = run(model, batch, adv, nan_loss=True)
+    assert metrics["train/skipped_steps"] == 1 and metrics["train/optimizer_steps"] == 0
+    assert math.isnan(metrics["train/grad_norm"])
+    after = snapshot(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # The same batch without the fault does change the weights: the guard, not a no-op, kept them.
+    metrics = run(model, batch, adv)
+    assert metrics["train/skipped_steps"] == 0 and metrics["train/optimizer_steps"] == 1
+    assert any(not torch.equal(before[k], v) for k, v in snapshot(model).items())
+    restore(model, before)
+
+
+def test_nan_only_in_first_mini_batch_skips_one_of_four(model):
+    batch, adv = make_batch(model, seed=3)
+    before = snapshot(model)
+    metrics = run(model, batch, adv, mini=4, nan_loss=True)
+    assert metrics["train/skipped_steps"] == 1 and metrics["train/optimizer_steps"] == 3
+    restore(model, before)
+
+
+def test_micro_batch_split_does_not_change_the_update(model):
+    batch, adv = make_batch(model, seed=1)
+    before = snapshot(model)
+    # SGD: the update is linear in the gradient (Adam's first step is ~lr * sign(g), which flips on
+    # rounding for near-zero gradient entries).
+    whole = run(model, batch, adv, micro=0, opt="sgd")
+    after_whole = snapshot(model)
+    restore(model, before)
+    split = run(model, batch, adv, micro=3, opt="sgd")  # 16 rows -> micro-batches of 3, 3, 3, 3, 3, 1
+    after_split = snapshot(model)
+    restore(model, before)
+    assert split["train/grad_norm"] == pytest.approx(whole["train/grad_norm"], rel=1e-5)
+    for k in after_whole:
+        torch.testing.assert_close(after_split[k], after_whole[k], rtol=1e-5, atol=1e-6)
+
+
+def test_mismatch_and_gspo_ratio_against_a_known_shift(model):
+    # Rollout log-probs = the trainer's own minus 0.1 on every response token, so before any update
+    # |diff| = 0.1 everywhere and every GSPO sequence ratio is exp(mean(0.1)) = exp(0.1).
+    batch, adv = make_batch(model, shift=0.1, seed=2)
+    before = snapshot(model)
+    metrics = run(model, batch, adv, lr=1e-6)
+    restore(model, before)
+    assert metrics["rollout/logprob_mismatch_mean"] == pytest.approx(0.1, abs=1e-5)
+    assert metrics["rollout/logprob_mismatch_max"] == pytest.approx(0.1, abs=1e-5)
+    assert metrics["actor/ratio_mean"] == pytest.approx(math.exp(0.1), rel=1e-5)
+    assert metrics["actor/clipfrac_seq"] > 0  # exp(0.1) is far outside GSPO's 4e-4 trust region
+
+
+def test_recompute_uses_the_trainer_as_pi_old(model):
+    batch, adv = make_batch(model, shift=0.1, seed=2)
+    before = snapshot(model)
+    metrics = run(model, batch, adv, old="recompute", lr=1e-6)
+    restore(model, before)
+    assert metrics["rollout/logprob_mismatch_mean"] == pytest.approx(0.1, abs=1e-5)
+    assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # pi_theta == pi_old before the update
+    assert metrics["actor/clipfrac_seq"] == 0.0
