@@ -59,11 +59,19 @@ def main() -> None:
     from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
     from megatron_gspo.model.hf_checkpoint import load_hf_state_dict
 
-    parallel = ParallelConfig(tensor_parallel=args.tp, expert_parallel=args.ep)
-    init_distributed(parallel, seed=7)
     results = {}
-    for case, cfg in CASES.items():
-        src = args.work / case
+    # Experts split over TP like attention (megatron's default), then experts kept whole (ETP=1).
+    runs = [(case, None) for case in CASES] + [("default", 1)]
+    for case, expert_tp in runs:
+        parallel = ParallelConfig(
+            tensor_parallel=args.tp, expert_parallel=args.ep, expert_tensor_parallel=expert_tp
+        )
+        init_distributed(parallel, seed=7)
+        cfg, src, name = (
+            CASES[case],
+            args.work / case,
+            case if expert_tp is None else f"{case}@etp{expert_tp}",
+        )
         model = build_model(cfg, parallel).eval()
         stats = load_hf_checkpoint(model, src, cfg)
         hf_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
@@ -71,12 +79,12 @@ def main() -> None:
         worst, mean = logprob_diff(
             model, lambda t, m=hf_model: hf_token_logprobs(m, t), tokens, pad_multiple=args.tp
         )
-        exported = export_hf_checkpoint(model, args.work / f"{case}-export", cfg)
+        exported = export_hf_checkpoint(model, args.work / f"{name}-export", cfg)
         bytes_read = [0] * dist.get_world_size()
         dist.all_gather_object(bytes_read, stats.bytes_read)
         if dist.get_rank() == 0:
             original, written = load_hf_state_dict(src), load_hf_state_dict(exported)
-            results[case] = {
+            results[name] = {
                 "max": worst,
                 "mean": mean,
                 "same_keys": original.keys() == written.keys(),

@@ -32,7 +32,7 @@ def test_tp2_ep2_load_matches_transformers_and_export_is_bit_identical(tmp_path)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(result.read_text())
-    assert results.keys() == CASES.keys()
+    assert results.keys() == {*CASES, "default@etp1"}
     for case, r in results.items():
         print(
             f"TP2xEP2 {case}: per-token |dlogprob| max={r['max']:.3e} mean={r['mean']:.3e}; "
@@ -40,5 +40,5 @@ def test_tp2_ep2_load_matches_transformers_and_export_is_bit_identical(tmp_path)
         )
         assert r["max"] <= 1e-4
         assert r["same_keys"] and r["unequal"] == []
-        # Each rank reads half the experts and half of every TP-split tensor: well under half the file.
-        assert max(r["bytes_read"]) < 0.4 * r["checkpoint_bytes"]
+        # Each rank reads half the experts and half of every TP-split tensor (experts whole at ETP=1).
+        assert max(r["bytes_read"]) < (0.6 if "etp1" in case else 0.4) * r["checkpoint_bytes"]
