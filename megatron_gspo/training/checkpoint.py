@@ -45,6 +45,7 @@ TRAINER_STATE_FILE = "trainer_state.pt"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _TMP_DIR = re.compile(r"^step_\d{8}\.(tmp|old)-[0-9a-f]+$")
+_TMP_LATEST = re.compile(r"^\.latest\.tmp-[0-9a-f]+$")
 
 
 class CheckpointError(RuntimeError):
@@ -412,10 +413,12 @@ def _meta(step: int, optimizer, trainer_state: dict[str, Any], sizes: dict[str, 
 
 
 def _remove_stale(root: Path) -> None:
-    """Delete temporary directories of saves that never completed."""
+    """Delete temporary directories and `latest` files of saves that never completed."""
     for path in root.iterdir():
         if path.is_dir() and _TMP_DIR.match(path.name):
             shutil.rmtree(path, ignore_errors=True)
+        elif path.is_file() and _TMP_LATEST.match(path.name):
+            path.unlink(missing_ok=True)
 
 
 def _prune(root: Path, step: int, keep_last: int) -> None:
