@@ -1,0 +1,125 @@
+"""`megatron-gspo train` end to end on the tiny MoE with the embedded rollout server.
+
+One uninterrupted 4-step run (checkpoints at steps 2 and 4, a NaN injected into step 2's first
+mini-batch) is checked for its metrics records, and compared with a run killed by SIGKILL
+after its step-2 checkpoint and resumed with --resume: the per-step metrics must be identical.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_gspo.training.checkpoint import latest_step
+from megatron_gspo.training.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = [
+    "--config",
+    str(REPO / "configs" / "tiny_moe_cpu.yaml"),
+    "trainer.steps=4",
+    "trainer.save_every=2",
+    "sft.steps=30",
+    "task.options.format_reward=0.5",  # partial credit, so a barely trained policy still gets signal
+    "eval.num_problems=20",
+    "rollout.rollout_batch_size=8",
+    "rollout.group_size=4",
+    "algorithm.num_mini_batches=2",
+    "debug.nan_loss_at_step=2",
+    "logging.progress_bar=false",
+]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+REQUIRED = [
+    "rollout/reward_mean",
+    "rollout/response_length_mean",
+    "rollout/logprob_mismatch_mean",
+    "rollout/logprob_mismatch_max",
+    "advantages/zero_adv_group_frac",
+    "actor/pg_loss",
+    "actor/clipfrac_tokens",
+    "actor/clipfrac_seq",
+    "actor/ratio_mean",
+    "actor/ratio_min",
+    "actor/ratio_max",
+    "actor/entropy",
+    "train/grad_norm",
+    "train/lr",
+    "train/skipped_steps",
+    "train/all_zero_adv_batch",
+    "counters/skipped_steps",
+    "perf/train_tokens_per_s",
+    "time/rollout_s",
+    "time/train_s",
+    "time/sync_s",
+    "time/step_s",
+    "weight_version",
+]
+COMPARED = ["rollout/reward_mean", "actor/pg_loss", "train/grad_norm", "actor/ratio_mean", "eval/accuracy"]
+
+
+def train_cmd(run_dir, *extra):
+    return [sys.executable, "-m", "megatron_gspo.cli", "train", *TINY, f"trainer.run_dir={run_dir}", *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    done = subprocess.run(train_cmd(run_dir), env=ENV, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return run_dir, done
+
+
+def test_metrics_records(reference):
+    run_dir, done = reference
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert 0.0 <= records[0]["eval/accuracy"] <= 1.0 and records[0]["weight_version"] == 0
+    for r in records[1:]:
+        missing = [k for k in REQUIRED if k not in r]
+        assert not missing, f"step {r['step']} lacks {missing}"
+        assert r["weight_version"] == r["step"]
+        assert r["train/all_zero_adv_batch"] == 0.0
+    assert "eval/accuracy" in records[4]
+    # The NaN injected into step 2's first mini-batch skipped that optimizer step only.
+    assert [r["train/skipped_steps"] for r in records[1:]] == [0, 1, 0, 0]
+    assert [r["counters/skipped_steps"] for r in records[1:]] == [0, 1, 1, 1]
+    assert records[2]["train/optimizer_steps"] == 1
+    # Before any update the trainer reproduces the rollout engine's log-probs (same weights).
+    assert records[1]["rollout/logprob_mismatch_max"] < 1e-3
+    assert any(Path(run_dir, "tensorboard").iterdir())
+    assert latest_step(run_dir / "checkpoints") == 4
+    assert "held-out accuracy" in done.stdout
+
+
+def test_kill_and_resume_reproduces_the_uninterrupted_run(reference, tmp_path):
+    ref_dir, _ = reference
+    run_dir = tmp_path / "killed"
+    log = open(tmp_path / "killed.log", "w")
+    proc = subprocess.Popen(train_cmd(run_dir), env=ENV, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 400
+        while latest_step(run_dir / "checkpoints") is None:
+            assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "no checkpoint written in time"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the trainer and the rollout server it started
+        proc.wait()
+    assert latest_step(run_dir / "checkpoints") == 2
+    done = subprocess.run(
+        train_cmd(run_dir, "--resume"), env=ENV, capture_output=True, text=True, timeout=400
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    resumed = read_metrics(run_dir / "metrics.jsonl")
+    expected = read_metrics(ref_dir / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [r["step"] for r in expected]
+    for got, want in zip(resumed, expected):
+        for key in COMPARED:
+            assert got.get(key) == want.get(key), (
+                f"step {got['step']} {key}: {got.get(key)} != {want.get(key)}"
+            )
