@@ -31,16 +31,34 @@ class EngineConfig:
     """Grouped GEMM, fused permute and RoPE fusion; default: same as use_te (GPU only)."""
     recompute_activations: bool = False
     """Full activation recomputation of every layer (saves memory on large models)."""
+    router_fusion: bool = False
+    """Fused router top-k (GPU). It bypasses megatron's routing replay, so replay refuses it."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"engine.dtype must be fp32 or bf16, got {self.dtype!r}")
-        if self.dtype == "bf16" and not torch.cuda.is_available():
-            raise ValueError("engine.dtype=bf16 needs a GPU; use fp32 on CPU")
-        if self.resolved_use_te and not torch.cuda.is_available():
-            raise ValueError("engine.use_te needs CUDA (TransformerEngine kernels are GPU-only)")
-        if self.resolved_fused_kernels and not self.resolved_use_te:
+        if self.fused_kernels and self.use_te is False:
             raise ValueError("engine.fused_kernels needs the TransformerEngine spec (use_te)")
+        if self.router_fusion and self.use_te is False:
+            raise ValueError("engine.router_fusion needs TransformerEngine (use_te)")
+
+    def check_hardware(self) -> None:
+        """Refuse GPU-only settings on a machine without CUDA (called when a model is built).
+
+        Kept out of `__post_init__` so GPU configs can be loaded and validated on a CPU box.
+        """
+        cuda = torch.cuda.is_available()
+        if self.dtype == "bf16" and not cuda:
+            raise ValueError("engine.dtype=bf16 needs a GPU; use fp32 on CPU")
+        if (self.resolved_use_te or self.router_fusion) and not cuda:
+            raise ValueError(
+                "engine.use_te / router_fusion need CUDA (TransformerEngine kernels are GPU-only)"
+            )
+        if self.resolved_use_te:
+            from megatron_gspo.patches import transformer_engine_available
+
+            if not transformer_engine_available():
+                raise ValueError("engine.use_te=true but transformer_engine does not import")
 
     @property
     def resolved_use_te(self) -> bool:
@@ -110,7 +128,7 @@ def transformer_config(
         moe_token_dispatcher_type=parallel.token_dispatcher,
         moe_grouped_gemm=fused,
         moe_permute_fusion=fused,
-        moe_router_fusion=False,  # the fused top-k bypasses routing replay; never worth that risk
+        moe_router_fusion=engine.router_fusion,
         moe_enable_routing_replay=routing_replay,
         apply_rope_fusion=fused,
         gradient_accumulation_fusion=fused,
@@ -160,6 +178,9 @@ def build_model(
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     engine = engine or EngineConfig()
+    engine.check_hardware()
+    if routing_replay and engine.router_fusion:
+        raise ValueError("routing replay with engine.router_fusion: the fused top-k silently bypasses replay")
     RouterReplay.clear_global_router_replay_instances()
     config = transformer_config(model, parallel, engine, routing_replay=routing_replay)
     gpt = GPTModel(
