@@ -1,35 +1,57 @@
-"""`megatron-gspo` command line: one sub-command per job; each only builds its config and runs."""
+"""`megatron-gspo` command line: one sub-command per job; each only builds its config and runs.
+
+megatron-gspo train  --config configs/tiny_moe_cpu.yaml [section.key=value ...] [--resume]
+megatron-gspo serve  --model DIR [--port P]          embedded SGLang-protocol rollout server (CPU)
+megatron-gspo parity --tp 2 --ep 2                   check a TP x EP layout against TP=EP=1
+megatron-gspo plan   --config C --world-size N       dry-run a GPU layout: validation + memory
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+# name -> (help, module, function adding the arguments, function running the command)
+COMMANDS = {
+    "train": (
+        "RL-train an MoE policy (GSPO/GRPO) from a YAML config",
+        "megatron_gspo.training.launch",
+        "add_train_args",
+        "run_train",
+    ),
+    "parity": (
+        "check a TP x EP layout against TP=EP=1",
+        "megatron_gspo.model.parity",
+        "add_parity_args",
+        "run_parity",
+    ),
+    "plan": (
+        "validate a config for a world size and estimate per-GPU memory",
+        "megatron_gspo.plan",
+        "add_plan_args",
+        "run_plan",
+    ),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the sub-command and run it; returns the process exit status."""
-    parser = argparse.ArgumentParser(prog="megatron-gspo", description=__doc__)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # the server owns its arguments (also `python -m megatron_gspo.rollout.server`)
+        from megatron_gspo.rollout.server import main as serve
+
+        return serve(argv[1:])
+    parser = argparse.ArgumentParser(
+        prog="megatron-gspo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-
-    from megatron_gspo.model.parity import add_parity_args
-
-    add_parity_args(sub.add_parser("parity", help="check a TP x EP layout against TP=EP=1"))
-
-    from megatron_gspo.training.launch import add_train_args
-
-    add_train_args(sub.add_parser("train", help="RL-train an MoE policy (GSPO/GRPO) from a YAML config"))
-
+    sub.add_parser("serve", help="embedded SGLang-protocol rollout server (see `megatron-gspo serve -h`)")
+    for name, (help_text, module, add_args, _) in COMMANDS.items():
+        getattr(importlib.import_module(module), add_args)(sub.add_parser(name, help=help_text))
     args = parser.parse_args(argv)
-    if args.command == "parity":
-        from megatron_gspo.model.parity import run_parity
-
-        return run_parity(args)
-    if args.command == "train":
-        from megatron_gspo.training.launch import run_train
-
-        return run_train(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    _, module, _, run = COMMANDS[args.command]
+    return getattr(importlib.import_module(module), run)(args)
 
 
 if __name__ == "__main__":
