@@ -51,7 +51,13 @@ def main(argv: list[str] | None = None) -> int:
         getattr(importlib.import_module(module), add_args)(sub.add_parser(name, help=help_text))
     args = parser.parse_args(argv)
     _, module, _, run = COMMANDS[args.command]
-    return getattr(importlib.import_module(module), run)(args)
+    from megatron_gspo.config import ConfigError
+
+    try:
+        return getattr(importlib.import_module(module), run)(args)
+    except ConfigError as err:  # a bad config is the user's to fix: say what, no traceback
+        print(f"megatron-gspo {args.command}: config error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

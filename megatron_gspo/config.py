@@ -355,18 +355,11 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         raise ConfigError(f"algorithm.kl_estimator={algo.kl_estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
     if algo.num_mini_batches < 1:
         raise ConfigError(f"algorithm.num_mini_batches must be >= 1, got {algo.num_mini_batches}")
-    if algo.routing_replay != "none":
-        if cfg.engine.resolved_fused_kernels:
-            raise ConfigError(
-                "algorithm.routing_replay with engine.fused_kernels: fused routing kernels bypass the "
-                "replayed expert choice; turn fused_kernels off"
-            )
+    if algo.routing_replay != "none" and cfg.engine.router_fusion:
         raise ConfigError(
-            f"algorithm.routing_replay={algo.routing_replay!r} is not available in this trainer yet; "
-            "use 'none'"
+            "algorithm.routing_replay with engine.router_fusion: the fused router top-k silently bypasses "
+            "the replayed expert choice; set engine.router_fusion=false"
         )
-    if cfg.drift.enabled:
-        raise ConfigError("drift.enabled: drift measurement is not available in this trainer yet")
 
     if rollout.group_size < 2:
         raise ConfigError(
