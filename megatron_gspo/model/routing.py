@@ -299,16 +299,28 @@ class Recording:
 class RoutingCapture:
     """Capture the routing every `TopKRouter` of a model used, with forward hooks.
 
-    Works with or without replay (a replayed forward reports the replayed experts). Passes
-    run during a backward (activation recompute) are ignored, so each forward counts once.
+    `source="used"` records the experts the forward actually used (under replay: the replayed
+    ones); `source="router"` records the router's own choice, the top-k of its logits, even
+    while replay overrides it (one extra [tokens, H] x [H, E] product per layer) - what drift
+    measurement needs. Passes run during a backward (activation recompute) are ignored, so
+    each forward counts once.
 
         with RoutingCapture(model) as capture:
             forward(model, batch)
         routing = capture.routing()   # LayerRouting, tokens of all captured forwards in order
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, source: str = "used") -> None:
+        if source not in ("used", "router"):
+            raise ValueError(f"RoutingCapture source must be 'used' or 'router', got {source!r}")
         routers = moe_routers(model)
+        config = routers[0].config
+        if source == "router" and (config.moe_router_enable_expert_bias or config.moe_router_group_topk):
+            raise RoutingError(
+                "RoutingCapture(source='router') takes the top-k of the router logits; it does not model "
+                "expert bias or group-limited routing"
+            )
+        self.source = source
         self.topk: int = routers[0].topk
         self.num_experts: int = routers[0].config.num_moe_experts
         self._routers = routers
@@ -319,8 +331,14 @@ class RoutingCapture:
         def hook(module, inputs, output):
             if torch._C._current_graph_task_id() != -1:  # recompute inside a backward pass
                 return
-            _, routing_map = output
-            self._layers[layer].append(routing_map_to_indices(routing_map, self.topk))
+            if self.source == "router":
+                with torch.no_grad():
+                    logits = module.gating(inputs[0]).view(-1, self.num_experts)
+                    # softmax is monotonic: top-k of logits == top-k of scores (no expert bias here)
+                    chosen = logits.topk(self.topk, dim=-1).indices.sort(dim=-1).values
+            else:
+                chosen = routing_map_to_indices(output[1], self.topk)
+            self._layers[layer].append(chosen)
 
         return hook
 

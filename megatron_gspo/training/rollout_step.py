@@ -65,6 +65,9 @@ def post_batched_generate(client: SGLangClient, bodies: Sequence[dict[str, Any]]
             "return_logprob": part[0]["return_logprob"],
             "stream": False,
         }
+        for key in ("return_routed_experts", "routed_experts_start_len"):  # R3 / drift requests
+            if key in part[0]:
+                merged[key] = part[0][key]
         url, response = client._post("/generate", merged)  # noqa: SLF001 - the client's retrying POST
         answer = response.json()
         if not isinstance(answer, list) or len(answer) != len(part):
@@ -89,13 +92,15 @@ class RolloutEngine:
         cfg: sampling and validation settings.
         vocab_size: the policy's vocabulary (token ids are checked against it).
         add_bos: prepend BOS to prompts.
+        routed_experts: (layers, k, experts): ask for and validate routed experts (R3, drift).
     """
 
     def __init__(self, client: SGLangClient, task: Task, tokenizer, cfg: RolloutConfig, *, vocab_size: int,
-                 add_bos: bool = True):  # fmt: skip
+                 add_bos: bool = True, routed_experts: tuple[int, int, int] | None = None):  # fmt: skip
         self.client, self.task, self.tokenizer, self.cfg = client, task, tokenizer, cfg
         self.vocab_size = vocab_size
         self.add_bos = add_bos
+        self.routed_experts = routed_experts
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         """Token ids of a prompt (BOS first when configured)."""
@@ -136,13 +141,28 @@ class RolloutEngine:
                     "top_k": self.cfg.top_k,
                     "sampling_seed": sampling_seed(seed, step, row),
                 }
-                bodies.append(build_generate_request(ids, params, rid=f"step{step}-p{p}-r{j}"))
+                bodies.append(
+                    build_generate_request(
+                        ids,
+                        params,
+                        rid=f"step{step}-p{p}-r{j}",
+                        return_routed_experts=bool(self.routed_experts),
+                    )
+                )
                 prompts.append(ids)
         responses = post_batched_generate(self.client, bodies)
         samples, unparseable = [], 0
         for row, (ids, body, response) in enumerate(zip(prompts, bodies, responses)):
             try:
-                sample = parse_generate_response(ids, response, vocab_size=self.vocab_size, rid=body["rid"])
+                layout = dict(zip(("num_layers", "topk", "num_experts"), self.routed_experts or ()))
+                sample = parse_generate_response(
+                    ids,
+                    response,
+                    vocab_size=self.vocab_size,
+                    rid=body["rid"],
+                    expect_routed_experts=bool(self.routed_experts),
+                    **layout,
+                )
             except RolloutValidationError:
                 if self.cfg.on_invalid == "raise":
                     raise

@@ -39,11 +39,13 @@ from megatron_gspo.tasks import PromptStream, evaluate_accuracy
 from megatron_gspo.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from megatron_gspo.training.metrics import MetricsLogger
 from megatron_gspo.training.rollout_step import RolloutEngine, rollout_servers
+from megatron_gspo.training.routing_step import StepRouting
 from megatron_gspo.training.sft import run_sft
 from megatron_gspo.training.update import (
     DataLayout,
     plan_mini_batches,
     recompute_and_measure,
+    recompute_old_logprobs,
     train_on_batch,
 )
 
@@ -141,11 +143,22 @@ class Trainer:
                 f"model vocab_size={self.model_cfg.vocab_size} is smaller than the tokenizer "
                 f"({len(self.tokenizer)} tokens); set model.overrides.vocab_size"
             )
-        model = build_model(self.model_cfg, cfg.parallel, cfg.engine)
+        replay = cfg.algorithm.routing_replay
+        model = build_model(self.model_cfg, cfg.parallel, cfg.engine, routing_replay=replay != "none")
         if cfg.model.hf_path:
             load_hf_checkpoint(model, cfg.model.hf_path, self.model_cfg)
         self.model = wrap_ddp(model, distributed_optimizer=cfg.parallel.distributed_optimizer)
         sp_tp = cfg.parallel.tensor_parallel if cfg.parallel.use_sequence_parallel else 1
+        from megatron.core import parallel_state as ps
+
+        self.routing = StepRouting(
+            self.model,
+            mode=replay,
+            drift=cfg.drift.enabled,
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=sp_tp,
+            sequence_parallel=cfg.parallel.use_sequence_parallel,
+        )
         self.layout = DataLayout.from_megatron(cfg.trainer.micro_batch_size, sp_tp)
         self.stream = PromptStream(self.task, cfg.rollout.rollout_batch_size, seed=cfg.trainer.seed)
         self.running = RunningMeanStd() if cfg.algorithm.reward_norm == "running" else None
@@ -243,8 +256,17 @@ class Trainer:
             train_tokens = 0
         else:
             plan = plan_mini_batches(batch, advantages, algo.num_mini_batches, self.layout)
+            routing = self.routing if self.routing.active else None
+            if routing is not None:
+                routing.begin_step(batch)
             if algo.old_logprobs == "recompute":
-                metrics.update(recompute_and_measure(self.model, plan, cfg.rollout.temperature))
+                metrics.update(
+                    recompute_and_measure(self.model, plan, cfg.rollout.temperature, routing=routing)
+                )
+            elif self.routing.needs_old_pass:  # pi_old's routing only (R2 targets, drift reference)
+                recompute_old_logprobs(
+                    self.model, plan, cfg.rollout.temperature, routing=routing, set_logprobs=False
+                )
             metrics.update(
                 train_on_batch(
                     self.model,
@@ -255,6 +277,7 @@ class Trainer:
                     temperature=cfg.rollout.temperature,
                     max_response_length=cfg.rollout.max_new_tokens,
                     nan_loss=cfg.debug.nan_loss_at_step == self.step,
+                    routing=routing,
                 )
             )
             self.counters["skipped_steps"] += int(metrics["train/skipped_steps"])
@@ -303,7 +326,8 @@ class Trainer:
         with servers if self.rank0 else contextlib.nullcontext() as client:
             engine = (
                 RolloutEngine(client, self.task, self.tokenizer, cfg.rollout,
-                              vocab_size=self.model_cfg.vocab_size, add_bos=cfg.task.add_bos)
+                              vocab_size=self.model_cfg.vocab_size, add_bos=cfg.task.add_bos,
+                              routed_experts=self._routed_experts_layout())
                 if self.rank0 else None
             )  # fmt: skip
             if self.step == 0 and cfg.eval.at_start:
@@ -333,8 +357,15 @@ class Trainer:
         log.close()
         return {"last": log.last, "evals": evals}
 
+    def _routed_experts_layout(self) -> tuple[int, int, int] | None:
+        """(layers, k, experts) when rollouts must carry routed experts (R3, drift), else None."""
+        if self.cfg.algorithm.routing_replay != "r3" and not self.cfg.drift.enabled:
+            return None
+        return self.model_cfg.num_layers, self.model_cfg.moe_topk, self.model_cfg.num_experts
+
     def close(self) -> None:
         """Remove RAM-backed exported weights and tear down the process groups."""
+        self.routing.close()
         if self.rank0 and str(self.sync_dir).startswith("/dev/shm/"):
             shutil.rmtree(self.sync_dir.parent, ignore_errors=True)
         destroy_distributed()

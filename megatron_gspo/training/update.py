@@ -15,6 +15,7 @@ still equal the rollout weights: in the recompute pass, or in the first mini-bat
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -127,12 +128,24 @@ class _Mismatch:
 
 
 @torch.no_grad()
-def recompute_old_logprobs(model, plan: list[list[MicroBatch]], temperature: float) -> None:
-    """Replace every micro-batch's `old_logprobs` by the trainer's own (weights = rollout weights)."""
+def recompute_old_logprobs(
+    model, plan: list[list[MicroBatch]], temperature: float, *, routing=None, set_logprobs: bool = True
+) -> None:
+    """The pi_old pass (weights = rollout weights): the trainer's own `old_logprobs` and routing.
+
+    Args:
+        model: the DDP-wrapped policy, still holding the rollout weights.
+        plan: from `plan_mini_batches`.
+        temperature: sampling temperature of the rollouts.
+        routing: a `StepRouting` that records / captures pi_old's routing in this pass.
+        set_logprobs: replace `old_logprobs` (False: the pass only serves `routing`).
+    """
     for micro_batches in plan:
         for micro in micro_batches:
-            logprobs, _ = forward_microbatch(model, micro.packed, temperature=temperature)
-            micro.old_logprobs = torch.where(micro.response_mask, logprobs.float(), 0.0)
+            with routing.old_pass(micro) if routing is not None else contextlib.nullcontext():
+                logprobs, _ = forward_microbatch(model, micro.packed, temperature=temperature)
+            if set_logprobs:
+                micro.old_logprobs = torch.where(micro.response_mask, logprobs.float(), 0.0)
 
 
 def _dp_group():
@@ -174,6 +187,7 @@ def train_on_batch(
     temperature: float,
     max_response_length: int,
     nan_loss: bool = False,
+    routing=None,
 ) -> dict[str, float]:
     """One optimizer step per mini-batch of `plan`; returns the step's reduced metrics.
 
@@ -186,6 +200,7 @@ def train_on_batch(
         temperature: sampling temperature of the rollouts.
         max_response_length: the constant L of `seq-mean-token-sum-norm`.
         nan_loss: multiply the first mini-batch's loss by NaN (fault injection for tests).
+        routing: a `StepRouting` (routing replay and drift capture around each forward/backward).
 
     Returns:
         `actor/*` loss metrics, `train/grad_norm` (mean over taken steps), `train/lr`,
@@ -206,27 +221,29 @@ def train_on_batch(
             dist.all_reduce(normalizer, group=group)
         zero_grads(model, optimizer)
         for micro in micro_batches:
-            logprobs, entropy = forward_microbatch(
-                model, micro.packed, temperature=temperature, with_entropy=True
-            )
-            if m == 0 and mismatch is not None:
-                mismatch.add(logprobs, micro)
-            loss, metrics = compute_policy_loss(
-                algo.loss_type,
-                logprobs,
-                micro.old_logprobs,
-                micro.advantages,
-                micro.response_mask,
-                loss_agg_mode=mode,
-                normalizer=normalizer,
-                allow_token_sum_for_gspo=algo.allow_token_sum_for_gspo,
-                **algo.loss_options,
-            )
-            if nan_loss and m == 0:
-                loss = loss * math.nan
-            metrics["actor/entropy"] = entropy[micro.response_mask].mean()
-            per_micro.append(metrics)
-            (loss * dp_loss_scale()).backward()
+            passing = routing.train_pass(m, micro) if routing is not None else contextlib.nullcontext()
+            with passing:  # the backward inside: recompute replays the same experts
+                logprobs, entropy = forward_microbatch(
+                    model, micro.packed, temperature=temperature, with_entropy=True
+                )
+                if m == 0 and mismatch is not None:
+                    mismatch.add(logprobs, micro)
+                loss, metrics = compute_policy_loss(
+                    algo.loss_type,
+                    logprobs,
+                    micro.old_logprobs,
+                    micro.advantages,
+                    micro.response_mask,
+                    loss_agg_mode=mode,
+                    normalizer=normalizer,
+                    allow_token_sum_for_gspo=algo.allow_token_sum_for_gspo,
+                    **algo.loss_options,
+                )
+                if nan_loss and m == 0:
+                    loss = loss * math.nan
+                metrics["actor/entropy"] = entropy[micro.response_mask].mean()
+                per_micro.append(metrics)
+                (loss * dp_loss_scale()).backward()
         stepped, grad_norm = optimizer_step(model, optimizer, scheduler)
         if stepped:
             grad_norms.append(grad_norm)
@@ -240,12 +257,16 @@ def train_on_batch(
     out["train/lr"] = float(optimizer.param_groups[0]["lr"])
     if mismatch is not None:
         out.update(mismatch.reduce(group))
+    if routing is not None:
+        out.update(routing.step_metrics())
     return out
 
 
-def recompute_and_measure(model, plan: list[list[MicroBatch]], temperature: float) -> dict[str, float]:
+def recompute_and_measure(
+    model, plan: list[list[MicroBatch]], temperature: float, *, routing=None
+) -> dict[str, float]:
     """`recompute_old_logprobs`, and the rollout/trainer mismatch it reveals (before any update)."""
-    recompute_old_logprobs(model, plan, temperature)
+    recompute_old_logprobs(model, plan, temperature, routing=routing)
     mismatch = _Mismatch()
     for micro_batches in plan:
         for micro in micro_batches:

@@ -1,0 +1,173 @@
+"""Routing in the RL step: Routing Replay (R2 / R3) and expert-activation drift metrics.
+
+`StepRouting` is created by the trainer with the model and lives as long as it does.
+
+- R2 (`routing_replay: r2`): the pi_old pass - a no-grad forward of every micro-batch with the
+  rollout weights, before the first update (the same pass as `old_logprobs: recompute` when
+  that is on) - records the routing, and every training forward replays it.
+- R3 (`routing_replay: r3`): every training forward replays the routing the rollout engine
+  returned (`routed_experts`, converted to the packed token order of this rank); no extra pass.
+- Drift (`drift.enabled`): the pi_old pass captures the router's choice on every token; each
+  training forward captures the router's own choice again (even under replay, where it is
+  overridden), giving old->new drift per mini-batch (mini-batch m runs after m updates, so m = 0
+  measures nothing but numerics); when the rollouts carry routed experts, the pi_old pass is
+  also compared with them: inference->training drift on identical weights.
+
+Metrics (keys): `drift/old_new/{mean,layer_i,tokens_changed,load_shift_mean}` over mini-batches
+1..M-1 together, `drift/old_new_mb{m}/mean` per mini-batch, `drift/infer_train/...`, and
+`routing/replay_bytes_per_token`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.algorithms.drift import DriftCounts, drift_counts
+from megatron_gspo.model.routing import (
+    LayerRouting,
+    RoutingCapture,
+    RoutingReplay,
+    moe_routers,
+    routing_from_rollout,
+    routing_token_mask,
+)
+from megatron_gspo.rollout import RolloutBatch
+from megatron_gspo.training.forward import MicroBatch
+
+
+class StepRouting:
+    """Replay targets and drift sums of the current step, for one model.
+
+    Args:
+        model: the (DDP-wrapped) policy; built with `routing_replay=True` unless `mode` is none.
+        mode: none, r2 or r3.
+        drift: measure drift every step.
+        tp_rank: tensor-parallel rank.
+        tp_size: tensor-parallel size.
+        sequence_parallel: positions split over TP ranks.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        mode: str,
+        drift: bool,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        sequence_parallel: bool = False,
+    ) -> None:
+        if mode not in ("none", "r2", "r3"):
+            raise ValueError(f"routing_replay must be none, r2 or r3, got {mode!r}")
+        self.model, self.mode, self.drift = model, mode, drift
+        self.replay = RoutingReplay(model) if mode != "none" else None
+        router = moe_routers(model)[0]
+        self.num_experts, self.num_layers = router.config.num_moe_experts, len(moe_routers(model))
+        self.tp = {"tp_rank": tp_rank, "tp_size": tp_size, "sequence_parallel": sequence_parallel}
+        self._batch: RolloutBatch | None = None
+        self._old: dict[int, LayerRouting] = {}
+        self._targets: dict[int, LayerRouting] = {}
+        self._old_new: dict[int, DriftCounts] = {}
+        self._infer: DriftCounts | None = None
+
+    @property
+    def needs_old_pass(self) -> bool:
+        """Whether a no-grad pi_old forward must run before the first update."""
+        return self.mode == "r2" or self.drift
+
+    @property
+    def active(self) -> bool:
+        """Whether anything routing-related happens in a step."""
+        return self.mode != "none" or self.drift
+
+    def begin_step(self, batch: RolloutBatch) -> None:
+        """Forget the last step; keep the batch's routed experts (R3 targets, inference drift)."""
+        if self.mode == "r3" and batch.routed_experts is None:
+            raise ValueError("routing_replay=r3 needs rollouts with routed_experts (return_routed_experts)")
+        self._batch = batch
+        self._old, self._targets, self._old_new, self._infer = {}, {}, {}, None
+
+    def _rollout_routing(self, micro: MicroBatch) -> LayerRouting:
+        routes = [self._batch.routed_experts[i] for i in micro.indices]
+        return routing_from_rollout(micro.packed, routes, num_experts=self.num_experts, **self.tp)
+
+    def _mask(self, micro: MicroBatch) -> torch.Tensor:
+        return routing_token_mask(micro.packed, **self.tp)
+
+    @contextlib.contextmanager
+    def old_pass(self, micro: MicroBatch) -> Iterator[None]:
+        """Wrap the pi_old forward of `micro`: record (R2) and capture (drift) its routing."""
+        with contextlib.ExitStack() as stack:
+            recording = stack.enter_context(self.replay.recording()) if self.mode == "r2" else None
+            capture = stack.enter_context(RoutingCapture(self.model, source="router")) if self.drift else None
+            yield
+        if recording is not None:
+            self._targets[id(micro)] = recording.routing
+        if capture is not None:
+            old = capture.routing()
+            self._old[id(micro)] = old
+            if self._batch is not None and self._batch.routed_experts is not None:
+                counts = drift_counts(
+                    self._rollout_routing(micro).stacked(),
+                    old.stacked(),
+                    num_experts=self.num_experts,
+                    mask=self._mask(micro),
+                )
+                self._infer = counts if self._infer is None else self._infer + counts
+
+    @contextlib.contextmanager
+    def train_pass(self, mini_batch: int, micro: MicroBatch) -> Iterator[None]:
+        """Wrap the training forward and backward of `micro`: replay, and capture for drift."""
+        with contextlib.ExitStack() as stack:
+            if self.mode == "r2":
+                stack.enter_context(self.replay.replaying(self._targets[id(micro)]))
+            elif self.mode == "r3":
+                stack.enter_context(self.replay.replaying(self._rollout_routing(micro)))
+            capture = stack.enter_context(RoutingCapture(self.model, source="router")) if self.drift else None
+            yield
+        if capture is not None and id(micro) in self._old:
+            counts = drift_counts(
+                self._old[id(micro)].stacked(),
+                capture.routing().stacked(),
+                num_experts=self.num_experts,
+                mask=self._mask(micro),
+            )
+            previous = self._old_new.get(mini_batch)
+            self._old_new[mini_batch] = counts if previous is None else previous + counts
+
+    def _reduce(self, counts: DriftCounts) -> DriftCounts:
+        flat = counts.as_tensor()
+        if dist.is_initialized():
+            dist.all_reduce(flat)  # every (token, layer) lives on exactly one rank
+        return DriftCounts.from_tensor(flat, self.num_layers, self.num_experts)
+
+    def step_metrics(self) -> dict[str, float]:
+        """The step's drift metrics, reduced over all ranks (collective; same keys everywhere)."""
+        out: dict[str, float] = {}
+        if self.replay is not None:
+            out["routing/replay_bytes_per_token"] = float(self.replay.bytes_per_token)
+        if not self.drift:
+            return out
+        later = None
+        for m in sorted(self._old_new):
+            reduced = self._reduce(self._old_new[m])
+            out[f"drift/old_new_mb{m}/mean"] = reduced.summary().mean
+            if m > 0:
+                later = reduced if later is None else later + reduced
+        if later is not None:
+            out.update(later.summary().metrics("drift/old_new"))
+        has_rollout = torch.tensor(float(self._infer is not None))
+        if dist.is_initialized():
+            dist.all_reduce(has_rollout, op=dist.ReduceOp.MIN)
+        if has_rollout:
+            out.update(self._reduce(self._infer).summary().metrics("drift/infer_train"))
+        return out
+
+    def close(self) -> None:
+        """Clear megatron's replay state for this model."""
+        if self.replay is not None:
+            self.replay.close()
