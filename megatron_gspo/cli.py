@@ -4,6 +4,7 @@ megatron-gspo train  --config configs/tiny_moe_cpu.yaml [section.key=value ...] 
 megatron-gspo serve  --model DIR [--port P]          embedded SGLang-protocol rollout server (CPU)
 megatron-gspo parity --tp 2 --ep 2                   check a TP x EP layout against TP=EP=1
 megatron-gspo plan   --config C --world-size N       dry-run a GPU layout: validation + memory
+megatron-gspo drift  --a CKPT (--b CKPT | --dump F)  expert-activation drift tables, plots, summary
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ COMMANDS = {
         "megatron_gspo.plan",
         "add_plan_args",
         "run_plan",
+    ),
+    "drift": (
+        "expert-activation drift between two checkpoints or a checkpoint and a rollout dump",
+        "megatron_gspo.analysis.drift_cli",
+        "add_drift_args",
+        "run_drift",
     ),
 }
 

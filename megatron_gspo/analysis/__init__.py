@@ -1,0 +1,1 @@
+"""Analysis behind `tools/` and `megatron-gspo drift`: expert-activation drift and log-prob mismatch."""
