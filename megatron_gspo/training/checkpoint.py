@@ -264,15 +264,6 @@ def list_steps(root: str | os.PathLike) -> list[int]:
     return sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
 
 
-def _all_ok(ok: bool) -> bool:
-    """Whether `ok` holds on every rank (collective)."""
-    if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 def _broadcast(value: Any) -> Any:
     if not dist.is_initialized():
         return value
