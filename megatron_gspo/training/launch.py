@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import subprocess
 import sys
 
@@ -26,7 +27,16 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _relaunch(nproc: int) -> int:
-    argv = [a for a in sys.argv[1:]]
+    # Workers must not see --nproc: torchrun's own parser would take it for --nproc-per-node.
+    argv, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip or arg.startswith("--nproc="):
+            skip = False
+            continue
+        if arg == "--nproc":
+            skip = True
+            continue
+        argv.append(arg)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "megatron_gspo.cli", *argv]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -45,6 +55,8 @@ def run_train(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"megatron-gspo train: configuration error: {err}", file=sys.stderr)
         return 2
+    # SIGTERM unwinds like Ctrl-C, so the embedded rollout server and exported weights are cleaned up.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     rank0 = os.environ.get("RANK", "0") == "0"
     logging.basicConfig(
         level=cfg.logging.level.upper() if rank0 else logging.WARNING,

@@ -154,23 +154,48 @@ def _dp_group():
     return ps.get_data_parallel_group()
 
 
-def _reduce_metrics(per_micro: list[dict[str, torch.Tensor]], group) -> dict[str, float]:
-    """Means over micro-batches and DP ranks (min/max for *_min/*_max keys), one collective per kind."""
+# Globally normalised losses: a mini-batch's loss is the SUM of its micro-batch losses over DP ranks.
+_SUMMED_KEYS = frozenset({"actor/pg_loss", "actor/kl_loss"})
+
+
+def _reduce_metrics(
+    per_micro: list[dict[str, torch.Tensor]], num_mini_batches: int, group
+) -> dict[str, float]:
+    """One value per metric for the step, one collective per kind.
+
+    Losses (`_SUMMED_KEYS`) are summed over micro-batches and DP ranks and averaged over
+    mini-batches; `*_max` / `*_min` keys take the max / min; the rest are means of the
+    micro-batch statistics over micro-batches and DP ranks.
+    """
     if not per_micro:
         return {}
     keys = sorted(per_micro[0])
     stacked = {k: torch.stack([m[k].float() for m in per_micro]) for k in keys}
-    kinds = {"max": [k for k in keys if k.endswith("_max")], "min": [k for k in keys if k.endswith("_min")]}
-    kinds["mean"] = [k for k in keys if k not in kinds["max"] and k not in kinds["min"]]
+    kinds = {
+        "max": [k for k in keys if k.endswith("_max")],
+        "min": [k for k in keys if k.endswith("_min")],
+        "sum": [k for k in keys if k in _SUMMED_KEYS],
+    }
+    kinds["mean"] = [k for k in keys if not any(k in names for names in kinds.values())]
+    reducers = {
+        "max": torch.amax,
+        "min": torch.amin,
+        "sum": lambda v: v.sum() / num_mini_batches,
+        "mean": torch.mean,
+    }
+    ops = {
+        "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN,
+        "sum": dist.ReduceOp.SUM,
+        "mean": dist.ReduceOp.SUM,
+    }
     out = {}
     for kind, names in kinds.items():
         if not names:
             continue
-        reduce = {"max": torch.amax, "min": torch.amin, "mean": torch.mean}[kind]
-        values = torch.stack([reduce(stacked[k]) for k in names])
+        values = torch.stack([reducers[kind](stacked[k]) for k in names])
         if dist.is_initialized():
-            op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "mean": dist.ReduceOp.SUM}[kind]
-            dist.all_reduce(values, op=op, group=group)
+            dist.all_reduce(values, op=ops[kind], group=group)
             if kind == "mean":
                 values /= dist.get_world_size(group)
         out.update({k: float(v) for k, v in zip(names, values)})
@@ -249,7 +274,7 @@ def train_on_batch(
             grad_norms.append(grad_norm)
         else:
             skipped += 1
-    out = _reduce_metrics(per_micro, group)
+    out = _reduce_metrics(per_micro, len(plan), group)
     out["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
     out["train/grad_norm_max"] = max(grad_norms) if grad_norms else math.nan
     out["train/optimizer_steps"] = float(len(grad_norms))

@@ -115,6 +115,7 @@ def test_micro_batch_split_does_not_change_the_update(model):
     after_split = snapshot(model)
     restore(model, before)
     assert split["train/grad_norm"] == pytest.approx(whole["train/grad_norm"], rel=1e-5)
+    assert split["actor/pg_loss"] == pytest.approx(whole["actor/pg_loss"], rel=1e-5, abs=1e-7)
     for k in after_whole:
         torch.testing.assert_close(after_split[k], after_whole[k], rtol=1e-5, atol=1e-6)
 
