@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The CPU demo: set up ./.venv, then cold-start SFT + GSPO on a tiny Megatron MoE with rollouts
+# from the embedded SGLang-protocol server. Extra arguments are config overrides, e.g.
+#   launch/demo_cpu.sh trainer.steps=10 trainer.seed=2
+# Under torchrun with gloo instead (TP2 or EP2 on CPU):
+#   OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node 2 -m megatron_gspo.cli train \
+#     --config configs/tiny_moe_cpu.yaml parallel.expert_parallel=2
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash launch/setup_cpu.sh
+exec .venv/bin/megatron-gspo train --config configs/tiny_moe_cpu.yaml "$@"

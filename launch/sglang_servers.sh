@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Start one SGLang rollout server on this GPU node (run on each rollout node); prints its URL
+# for the trainer's SGLANG_URLS. Routed experts are returned (needed by Routing Replay R3 and
+# the inference->training drift metrics); the weight version is what the trainer syncs.
+#
+#   MODEL=/ckpt/Qwen3-30B-A3B TP=4 DP=2 PORT=30000 launch/sglang_servers.sh [extra sglang args ...]
+set -euo pipefail
+MODEL=${MODEL:?set MODEL to the HF checkpoint directory}
+TP=${TP:-8}
+DP=${DP:-1}
+EP=${EP:-1}
+PORT=${PORT:-30000}
+HOST=${HOST:-0.0.0.0}
+MEM_FRACTION=${MEM_FRACTION:-0.85}
+
+CMD=(python -m sglang.launch_server --model-path "$MODEL" --host "$HOST" --port "$PORT"
+     --tp-size "$TP" --dp-size "$DP" --ep-size "$EP" --mem-fraction-static "$MEM_FRACTION"
+     --enable-return-routed-experts --enable-memory-saver --weight-version 0 "$@")
+echo "rollout server URL: http://$(hostname -f):${PORT}"
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  echo "would run: ${CMD[*]}"
+  exit 0
+fi
+exec "${CMD[@]}"

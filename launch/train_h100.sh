@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Launch `megatron-gspo train` on H100 nodes with torchrun (run once on every node).
+#
+#   MODEL=/ckpt/Qwen3-30B-A3B DATA=/data/math.jsonl SGLANG_URLS=http://sgl-0:30000,http://sgl-1:30000 \
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=trainer-0 launch/train_h100.sh configs/qwen3_30b_a3b_gspo.yaml [key=value ...]
+#
+# DRY_RUN=1 prints the torchrun command and runs `megatron-gspo plan` (config validation and a
+# per-GPU memory estimate for the world size) instead of training; it works on a CPU machine.
+set -euo pipefail
+CONFIG=${1:?usage: launch/train_h100.sh CONFIG [section.key=value ...]}
+shift
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+WORLD_SIZE=$((NNODES * GPUS_PER_NODE))
+
+OVERRIDES=()
+[ -n "${MODEL:-}" ] && OVERRIDES+=("model.hf_path=${MODEL}")
+[ -n "${DATA:-}" ] && OVERRIDES+=("task.options.path=${DATA}")
+[ -n "${SGLANG_URLS:-}" ] && OVERRIDES+=("rollout.server_urls=[${SGLANG_URLS}]")
+OVERRIDES+=("$@")
+
+# NCCL / megatron settings that matter on H100 + InfiniBand; all overridable from the environment.
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}  # SP/TP comm-compute overlap ordering
+export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+export TORCH_NCCL_AVOID_RECORD_STREAMS=${TORCH_NCCL_AVOID_RECORD_STREAMS:-1}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+
+CMD=(torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS_PER_NODE"
+     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
+     -m megatron_gspo.cli train --config "$CONFIG" "${OVERRIDES[@]}")
+
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  echo "would run on node ${NODE_RANK}/${NNODES}: ${CMD[*]}"
+  exec megatron-gspo plan --config "$CONFIG" --world-size "$WORLD_SIZE" "${OVERRIDES[@]}"
+fi
+exec "${CMD[@]}"
