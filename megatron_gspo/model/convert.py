@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from megatron_gspo.model.config import MoEModelConfig
 from megatron_gspo.model.hf_checkpoint import SAFE_WEIGHTS_INDEX_NAME, save_hf_state_dict
+from megatron_gspo.model.sharding import local_shard_plan
 
 _COPY, _QKV, _FC1 = "copy", "qkv", "fc1"
 # Megatron's TP split (partition_dim, partition_stride) each reshape is written for.
@@ -318,27 +319,6 @@ class _SafetensorsReader:
         return tensor
 
 
-def _local_shard_plan(model: torch.nn.Module):
-    """(global name, local tensor, TP rank, TP world) for every tensor of this rank's shard."""
-    from megatron_gspo.model.sharding import (
-        _expert_layout,
-        _named_tensors,
-        _num_local_experts,
-        _tp_group,
-        to_global_name,
-    )
-
-    named = _named_tensors(model)
-    ep_rank, _ = _expert_layout()
-    n_local = _num_local_experts(named)
-    for local_name, tensor in named.items():
-        tp_rank, tp_world = 0, 1
-        if getattr(tensor, "tensor_model_parallel", False):
-            group = _tp_group(tensor)
-            tp_rank, tp_world = group.rank(), group.size()
-        yield to_global_name(local_name, ep_rank, n_local), tensor, tp_rank, tp_world
-
-
 @torch.no_grad()
 def load_hf_checkpoint(
     model: torch.nn.Module, hf_dir: str | os.PathLike, model_cfg: MoEModelConfig | None = None
@@ -374,7 +354,7 @@ def load_hf_checkpoint(
     with contextlib.ExitStack() as stack:
         reader = _SafetensorsReader(hf_dir, stack)
         _check_names(reader.handles, (n for t in table.values() for n in t.hf), f"checkpoint {hf_dir}", cfg)
-        for global_name, target, tp_rank, tp_world in _local_shard_plan(model):
+        for global_name, target, tp_rank, tp_world in local_shard_plan(model):
             mapping = table.get(global_name)
             if mapping is None:
                 raise ConversionError(f"model tensor {global_name!r} has no HF counterpart in the name table")

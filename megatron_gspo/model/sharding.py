@@ -6,17 +6,31 @@ every tensor-parallel parameter with `tensor_model_parallel`, `partition_dim` an
 `partition_stride` (2 for SwiGLU fc1, whose shards are [gate_r; up_r]); expert parameters
 (`allreduce=False`) are split over the expert-TP group, the rest over the TP group. Under
 EP, global expert `ep_rank * num_local_experts + i` is local expert i.
+
+Names are those of megatron's local layer spec; the TransformerEngine spec's names (input
+norm fused into `linear_qkv.layer_norm_weight`, grouped-GEMM experts `experts.linear_fc1.weight{e}`)
+are mapped to them by `canonical_name`, so global state dicts and HF conversion are the same
+whichever spec built the model.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 _LOCAL_EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..*)")
+# TransformerEngine layer-spec names -> local-spec names.
+_TE_NAMES = (
+    (re.compile(r"(.*)\.self_attention\.linear_qkv\.layer_norm_weight$"), r"\1.input_layernorm.weight"),
+    (
+        re.compile(r"(.*)\.mlp\.experts\.linear_fc([12])\.weight(\d+)$"),
+        r"\1.mlp.experts.local_experts.\3.linear_fc\2.weight",
+    ),
+)
 
 
 class ShardingError(ValueError):
@@ -41,13 +55,51 @@ def _expert_layout() -> tuple[int, int]:
     return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
 
 
+def canonical_name(name: str) -> str:
+    """A parameter's local-layer-spec name (TransformerEngine spec names are translated)."""
+    for pattern, replacement in _TE_NAMES:
+        if pattern.match(name):
+            return pattern.sub(replacement, name)
+    return name
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):  # megatron DDP / Float16Module wrappers
+        model = model.module
+    return model
+
+
 def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers, without TE/megatron `_extra_state` entries."""
-    named = dict(model.named_parameters())
+    """Parameters and persistent buffers by canonical name, without `_extra_state` entries."""
+    model = _unwrap(model)
+    named = {canonical_name(n): p for n, p in model.named_parameters()}
     for name, value in model.state_dict(keep_vars=True).items():
+        name = canonical_name(name)
         if name not in named and torch.is_tensor(value) and not name.endswith("_extra_state"):
             named[name] = value
     return named
+
+
+class LocalTensor(NamedTuple):
+    """One tensor of this rank's shard and where it sits in the global state dict."""
+
+    global_name: str
+    tensor: torch.Tensor
+    tp_rank: int
+    tp_world: int
+
+
+def local_shard_plan(model: torch.nn.Module) -> Iterator[LocalTensor]:
+    """Every tensor of this rank's shard with its global name and TP position (no communication)."""
+    named = _named_tensors(model)
+    ep_rank, _ = _expert_layout()
+    n_local = _num_local_experts(named)
+    for local_name, tensor in named.items():
+        tp_rank, tp_world = 0, 1
+        if getattr(tensor, "tensor_model_parallel", False):
+            group = _tp_group(tensor)
+            tp_rank, tp_world = group.rank(), group.size()
+        yield LocalTensor(to_global_name(local_name, ep_rank, n_local), tensor, tp_rank, tp_world)
 
 
 def _num_local_experts(names) -> int:
