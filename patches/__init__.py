@@ -19,6 +19,7 @@ from . import (
     cuda_device,
     cuda_streams,
     cuda_tensors_to_cpu,
+    distributed_optimizer_step,
     gloo_uneven_collectives,
     rng_tracker,
     te_general_gemm,
@@ -41,6 +42,7 @@ PATCHES: tuple[Patch, ...] = tuple(
         alltoall_split_sizes,
         gloo_uneven_collectives,
         cuda_tensors_to_cpu,
+        distributed_optimizer_step,
     )
 )
 

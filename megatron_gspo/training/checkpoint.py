@@ -190,22 +190,8 @@ def _load_optimizer_state(optimizer, states: list[dict[str, Any]], path: Path) -
     for leaf, entry in zip(leaves, states):
         leaf.load_state_dict(entry["state_dict"])
         if _is_distributed_optimizer(leaf):
-            _unshare_step_counters(leaf.optimizer)
             with torch.no_grad():  # copies into main params, which are views of leaf parameters
                 leaf.load_parameter_state_from_dp_reshardable(entry["parameter_shard"])
-
-
-def _unshare_step_counters(torch_optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter its own Adam `step` tensor.
-
-    Without apex / TransformerEngine, megatron-core's `DistributedOptimizer.load_state_dict`
-    (0.16.1) puts one shared `step` tensor into every parameter's state; torch's Adam then
-    increments that one counter once per parameter per step, and the bias correction of the
-    resumed run drifts from the uninterrupted one from the second step on.
-    """
-    for state in torch_optimizer.state.values():
-        if torch.is_tensor(state.get("step")):
-            state["step"] = state["step"].detach().clone()
 
 
 # --------------------------------------------------------------------------- files

@@ -25,12 +25,16 @@ def scenario(skip: str, tp: int, ep: int) -> None:
     parallel = ParallelConfig(tensor_parallel=tp, expert_parallel=ep)
     init_distributed(parallel)
     model = build_model(tiny(vocab_size=64), parallel)
-    ddp = wrap_ddp(model)
-    optimizer, scheduler = build_optimizer(ddp, OptimConfig(lr=1e-3))
+    ddp = wrap_ddp(model, distributed_optimizer=True)
+    optimizer, scheduler = build_optimizer(ddp, OptimConfig(lr=1e-3), distributed_optimizer=True)
     seqs = [torch.arange(3, 3 + n) for n in (5, 9, 12, 7)]
     logprobs, _ = sequence_logprobs(ddp, seqs, pad_multiple=tp)
     (-logprobs.sum()).backward()
     optimizer_step(ddp, optimizer, scheduler)
+    optimizer.load_state_dict(optimizer.state_dict())  # as a resume does
+    steps = [s["step"] for opt in optimizer.chained_optimizers for s in opt.optimizer.state.values()]
+    if len({id(step) for step in steps}) < len(steps):
+        raise AssertionError("Adam step counters are shared between parameters after load_state_dict")
 
 
 if __name__ == "__main__":
