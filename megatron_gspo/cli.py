@@ -5,6 +5,7 @@ megatron-gspo serve  --model DIR [--port P]          embedded SGLang-protocol ro
 megatron-gspo parity --tp 2 --ep 2                   check a TP x EP layout against TP=EP=1
 megatron-gspo plan   --config C --world-size N       dry-run a GPU layout: validation + memory
 megatron-gspo drift  --a CKPT (--b CKPT | --dump F)  expert-activation drift tables, plots, summary
+megatron-gspo mismatch --checkpoint CKPT [--server-url U]  rollout vs trainer log-prob mismatch report
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ COMMANDS = {
         "megatron_gspo.analysis.drift_cli",
         "add_drift_args",
         "run_drift",
+    ),
+    "mismatch": (
+        "train/inference log-prob mismatch: rollout server vs Megatron on the same weights",
+        "megatron_gspo.analysis.mismatch_cli",
+        "add_mismatch_args",
+        "run_mismatch_command",
     ),
 }
 
