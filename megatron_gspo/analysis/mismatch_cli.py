@@ -55,12 +55,16 @@ def plot_per_position(summary: dict, path: Path) -> None:
 
 def plot_ratio_spread(report: MismatchReport, path: Path) -> None:
     """Per comparison: histograms of token log-ratios (GRPO) vs sequence log-ratios (GSPO)."""
+    import numpy as np
+
     plt = _plt()
     n = len(report.comparisons)
     fig, axes = plt.subplots(n, 1, figsize=(6.5, 2.6 * n), squeeze=False)
     for ax, c in zip(axes[:, 0], report.comparisons):
-        ax.hist(c.log_token_ratios().numpy(), bins=40, alpha=0.6, density=True, label="token (GRPO)")
-        ax.hist(c.log_seq_ratios().numpy(), bins=40, alpha=0.6, density=True, label="sequence mean (GSPO)")
+        tokens, seqs = c.log_token_ratios().numpy(), c.log_seq_ratios().numpy()
+        bins = np.histogram_bin_edges(np.concatenate([tokens, seqs]), bins=40)  # shared, so widths compare
+        ax.hist(tokens, bins=bins, alpha=0.6, density=True, label="token (GRPO)")
+        ax.hist(seqs, bins=bins, alpha=0.6, density=True, label="sequence mean (GSPO)")
         ax.set(xlabel="log(pi_train / pi_rollout)", ylabel="density", title=c.name)
         ax.legend(fontsize=7)
     fig.tight_layout()
