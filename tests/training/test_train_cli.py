@@ -25,6 +25,7 @@ TINY = [
     "trainer.save_every=2",
     "sft.steps=30",
     "task.options.format_reward=0.5",  # partial credit, so a barely trained policy still gets signal
+    "rollout.temperature=1.0",  # diverse groups: no all-zero-advantage step in these 4
     "eval.num_problems=20",
     "rollout.rollout_batch_size=8",
     "rollout.group_size=4",
