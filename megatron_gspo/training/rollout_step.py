@@ -9,18 +9,15 @@ which an exact resume needs.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from megatron_gspo.config import RolloutConfig
 from megatron_gspo.rollout import (
-    MalformedResponseError,
     RolloutBatch,
     RolloutSample,
     RolloutValidationError,
@@ -39,47 +36,6 @@ def sampling_seed(seed: int, step: int, row: int) -> int:
     """A 62-bit sampling seed that depends only on (run seed, step, row)."""
     state = np.random.SeedSequence([seed, step, row]).generate_state(2, dtype=np.uint32)
     return (int(state[0]) << 30) ^ int(state[1])
-
-
-def post_batched_generate(client: SGLangClient, bodies: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Send single-prompt request bodies as one batch request per server; responses in order.
-
-    SGLang accepts `input_ids` as a list of lists with per-row `sampling_params` and `rid`
-    and answers a JSON list. The bodies are merged into one such request per server, sent
-    with the client's retrying POST (its `generate` takes one-prompt bodies only).
-
-    Raises:
-        MalformedResponseError: a server did not answer one response per row.
-        RolloutServerError, RolloutRequestError: as `SGLangClient.generate`.
-    """
-    if not bodies:
-        return []
-    chunks = np.array_split(np.arange(len(bodies)), min(len(client.urls), len(bodies)))
-
-    def send(rows: np.ndarray) -> list[dict[str, Any]]:
-        part = [bodies[i] for i in rows]
-        merged = {
-            "input_ids": [b["input_ids"] for b in part],
-            "sampling_params": [b["sampling_params"] for b in part],
-            "rid": [b["rid"] for b in part],
-            "return_logprob": part[0]["return_logprob"],
-            "stream": False,
-        }
-        for key in ("return_routed_experts", "routed_experts_start_len"):  # R3 / drift requests
-            if key in part[0]:
-                merged[key] = part[0][key]
-        url, response = client._post("/generate", merged)  # noqa: SLF001 - the client's retrying POST
-        answer = response.json()
-        if not isinstance(answer, list) or len(answer) != len(part):
-            got = len(answer) if isinstance(answer, list) else type(answer).__name__
-            raise MalformedResponseError(
-                "response", f"{url}/generate answered {got} for a batch of {len(part)} rows, expected a list"
-            )
-        return answer
-
-    with cf.ThreadPoolExecutor(max_workers=len(chunks)) as pool:
-        parts = list(pool.map(send, chunks))
-    return [response for part in parts for response in part]
 
 
 class RolloutEngine:
@@ -150,7 +106,7 @@ class RolloutEngine:
                     )
                 )
                 prompts.append(ids)
-        responses = post_batched_generate(self.client, bodies)
+        responses = self.client.generate_batched(bodies)
         samples, unparseable = [], 0
         for row, (ids, body, response) in enumerate(zip(prompts, bodies, responses)):
             try:
@@ -189,7 +145,7 @@ class RolloutEngine:
             build_generate_request(self.prompt_ids(p), params, return_logprob=False, rid=f"eval-{i}")
             for i, p in enumerate(problems)
         ]
-        responses = post_batched_generate(self.client, bodies)
+        responses = self.client.generate_batched(bodies)
         return [self.tokenizer.decode(r["output_ids"], skip_special_tokens=True) for r in responses]
 
     def update_weights(self, path: str | Path, weight_version: int) -> None:

@@ -20,7 +20,12 @@ import pytest
 
 from megatron_gspo.rollout import contract
 from megatron_gspo.rollout.client import SGLangClient, build_generate_request
-from megatron_gspo.rollout.errors import RolloutRequestError, RolloutServerError, WeightUpdateError
+from megatron_gspo.rollout.errors import (
+    MalformedResponseError,
+    RolloutRequestError,
+    RolloutServerError,
+    WeightUpdateError,
+)
 from megatron_gspo.rollout.types import RolloutBatch
 from megatron_gspo.rollout.validation import parse_generate_response
 
@@ -454,3 +459,14 @@ def test_client_arguments_are_checked():
         SGLangClient(["http://a:1", "http://b:1"]) as client,
     ):
         client.init_weights_update_group(master_address="x", master_port=1, world_size=3)
+
+
+def test_generate_batched_refuses_an_answer_that_is_not_one_object_per_row(servers, monkeypatch):
+    server = servers()
+    # A server that answers a batch body with a single object instead of one per row.
+    monkeypatch.setattr(
+        server, "respond", lambda request, body: {"text": "", "output_ids": [], "meta_info": {}}
+    )
+    with client_for(server.url) as client:
+        with pytest.raises(MalformedResponseError, match="for a batch of 2 rows, expected a list of objects"):
+            client.generate_batched(requests_for(2))

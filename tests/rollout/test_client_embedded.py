@@ -92,3 +92,23 @@ def test_server_errors_surface_through_the_client(client):
     with pytest.raises(RolloutRequestError, match="unknown field `temprature`"):
         client.generate([{"input_ids": [1, 2], "sampling_params": {"temprature": 1.0}}])
     assert client.pause_generation() and client.flush_cache() and client.continue_generation()
+
+
+def test_generate_batched_equals_single_requests_and_keeps_order(client):
+    prompts = [TOKENIZER.encode(p) for p in ("1+2=", "33+4=", "9+9=", "50+50=")]
+    requests = [
+        build_generate_request(
+            p, {"max_new_tokens": 4, "temperature": 1.0, "sampling_seed": 10 + i}, rid=f"r{i}"
+        )
+        for i, p in enumerate(prompts)
+    ]
+    batched = client.generate_batched(requests)
+    single = client.generate(requests)
+    assert [r["meta_info"]["id"] for r in batched] == ["r0", "r1", "r2", "r3"]
+    for request, a, b in zip(requests, batched, single):
+        assert a["output_ids"] == b["output_ids"]  # same seeds: same samples, batched or not
+        sample = parse_generate_response(
+            request["input_ids"], a, vocab_size=len(TOKENIZER), rid=request["rid"]
+        )
+        assert sample.response_length == len(a["output_ids"]) >= 1
+    assert client.generate_batched([]) == []
