@@ -57,3 +57,30 @@ def encode_strict(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
     if tokenizer.convert_ids_to_tokens(ids) != list(text):
         raise ValueError(f"{text!r} does not encode to one token per character (special-token text?): {ids}")
     return ids
+
+
+def is_char_tokenizer(tokenizer) -> bool:
+    """Whether `tokenizer` is (a saved copy of) the one `build_char_tokenizer` makes."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return (
+        backend is not None
+        and type(backend.model).__name__ == "WordLevel"
+        and all(token in tokenizer.get_vocab() for token in SPECIAL_TOKENS)
+    )
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of task text: per character for the demo tokenizer, the tokenizer's own BPE otherwise.
+
+    Special tokens are never added here; with a BPE tokenizer (real checkpoints) an unknown
+    token in the result is an error rather than a silent `<unk>`.
+    """
+    if is_char_tokenizer(tokenizer):
+        return encode_strict(tokenizer, text)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is not None and unk in ids:
+        raise ValueError(f"{text[:80]!r} encodes to the unknown token {unk} at position {ids.index(unk)}")
+    if not ids:
+        raise ValueError("empty text encodes to no tokens")
+    return ids

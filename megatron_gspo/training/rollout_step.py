@@ -27,7 +27,7 @@ from megatron_gspo.rollout import (
     parse_generate_response,
 )
 from megatron_gspo.tasks import Problem, Task
-from megatron_gspo.tasks.tokenizer import encode_strict
+from megatron_gspo.tasks.tokenizer import encode_text
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class RolloutEngine:
     def prompt_ids(self, problem: Problem) -> list[int]:
         """Token ids of a prompt (BOS first when configured)."""
         bos = [self.tokenizer.bos_token_id] if self.add_bos else []
-        return bos + encode_strict(self.tokenizer, problem.prompt)
+        return bos + encode_text(self.tokenizer, problem.prompt)
 
     def completion_text(self, sample: RolloutSample) -> str:
         """The decoded response without special tokens."""

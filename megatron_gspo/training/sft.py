@@ -16,7 +16,7 @@ import torch
 from megatron_gspo.config import SFTConfig
 from megatron_gspo.model.optim import OptimConfig, build_optimizer, dp_loss_scale, optimizer_step, zero_grads
 from megatron_gspo.tasks import PromptStream, Task, sft_batches
-from megatron_gspo.tasks.tokenizer import encode_strict
+from megatron_gspo.tasks.tokenizer import encode_text
 from megatron_gspo.training.forward import forward_microbatch, pack_uniform
 from megatron_gspo.training.update import DataLayout
 
@@ -27,8 +27,8 @@ def sft_example_ids(
     tokenizer, prompt: str, target: str, *, add_bos: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [N], target mask [N] bool) of BOS + prompt + target + EOS; the mask covers target + EOS."""
-    head = ([tokenizer.bos_token_id] if add_bos else []) + encode_strict(tokenizer, prompt)
-    tail = encode_strict(tokenizer, target) + [tokenizer.eos_token_id]
+    head = ([tokenizer.bos_token_id] if add_bos else []) + encode_text(tokenizer, prompt)
+    tail = encode_text(tokenizer, target) + [tokenizer.eos_token_id]
     tokens = torch.tensor(head + tail, dtype=torch.long)
     mask = torch.zeros(len(tokens), dtype=torch.bool)
     mask[len(head) :] = True

@@ -55,3 +55,29 @@ def test_special_token_text_is_rejected_even_when_its_characters_are_in_the_alph
     assert encode_strict(tokenizer, "<a>") == tokenizer.convert_tokens_to_ids(["<", "a", ">"])
     with pytest.raises(ValueError, match="one token per character"):
         encode_strict(tokenizer, "x</s>")
+
+
+def test_encode_text_is_strict_for_the_char_tokenizer_and_plain_bpe_otherwise(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from megatron_gspo.tasks.tokenizer import encode_text, is_char_tokenizer
+
+    char = build_char_tokenizer()
+    char.save_pretrained(tmp_path / "char")
+    reloaded = AutoTokenizer.from_pretrained(tmp_path / "char")
+    assert is_char_tokenizer(char) and is_char_tokenizer(reloaded)
+    assert encode_text(reloaded, "12+3=") == encode_strict(char, "12+3=")
+    with pytest.raises(ValueError, match="not in the tokenizer's alphabet"):
+        encode_text(reloaded, "12+3=!")
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<eos>"])
+    backend.train_from_iterator(["what is one plus one"] * 10, trainer)
+    bpe = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
+    assert not is_char_tokenizer(bpe)
+    ids = encode_text(bpe, "what is one")
+    assert bpe.decode(ids).replace(" ", "") == "whatisone" and len(ids) < len("what is one")
+    with pytest.raises(ValueError, match="unknown token"):
+        encode_text(bpe, "what is zebra")
