@@ -66,6 +66,7 @@ def test_load_errors_name_the_key(overrides, message):
         (["algorithm.loss_type=ppo"], 1, "supported: grpo, gspo, gspo_token, sapo"),
         (["algorithm.loss_type=sapo"], 1, "do not apply to loss 'sapo'"),
         (["algorithm.routing_replay=r3", "engine.fused_kernels=true", "engine.use_te=false"], 1, None),
+        (["algorithm.routing_replay=r2", "engine.router_fusion=true"], 1, "silently bypasses"),
         (["rollout.temperature=0"], 1, "temperature > 0"),
         (["rollout.max_new_tokens=600"], 1, "exceeds the model's max_position_embeddings=512"),
         (["task.name=chess"], 1, "available: addition"),
