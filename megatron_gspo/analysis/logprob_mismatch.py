@@ -234,7 +234,7 @@ def collect_rollouts(
     Returns:
         Validated samples, prompt-major (`samples_per_prompt` consecutive responses per prompt).
     """
-    from megatron_gspo.rollout.client import build_generate_request
+    from megatron_gspo.rollout.requests import build_generate_request
     from megatron_gspo.rollout.validation import parse_generate_response
 
     bodies, inputs = [], []

@@ -1,7 +1,6 @@
 """SGLang side: rollout client, batch schema and validation, and the embedded SGLang-protocol server."""
 
 from megatron_gspo.rollout.client import SGLangClient as SGLangClient
-from megatron_gspo.rollout.client import build_generate_request as build_generate_request
 from megatron_gspo.rollout.errors import BatchLayoutError as BatchLayoutError
 from megatron_gspo.rollout.errors import EmptyBatchError as EmptyBatchError
 from megatron_gspo.rollout.errors import EmptyResponseError as EmptyResponseError
@@ -18,6 +17,7 @@ from megatron_gspo.rollout.errors import StaleRolloutError as StaleRolloutError
 from megatron_gspo.rollout.errors import TokenIdError as TokenIdError
 from megatron_gspo.rollout.errors import WeightUpdateError as WeightUpdateError
 from megatron_gspo.rollout.errors import WeightVersionError as WeightVersionError
+from megatron_gspo.rollout.requests import build_generate_request as build_generate_request
 from megatron_gspo.rollout.server_launch import EmbeddedServer as EmbeddedServer
 from megatron_gspo.rollout.server_launch import launch_embedded_server as launch_embedded_server
 from megatron_gspo.rollout.types import RolloutBatch as RolloutBatch

@@ -25,7 +25,6 @@ from typing import Any
 import httpx
 import tenacity
 
-from megatron_gspo.rollout import contract
 from megatron_gspo.rollout.errors import (
     MalformedResponseError,
     RolloutRequestError,
@@ -34,64 +33,6 @@ from megatron_gspo.rollout.errors import (
 )
 
 _RETRYABLE_4XX = (408, 429)  # timeouts and back-pressure are transient, unlike other 4xx
-
-
-def build_generate_request(
-    prompt_ids: Sequence[int],
-    sampling_params: Mapping[str, Any],
-    *,
-    return_logprob: bool = True,
-    return_routed_experts: bool = False,
-    rid: str | None = None,
-) -> dict[str, Any]:
-    """A non-streaming ``/generate`` body for one prompt, in SGLang's request contract.
-
-    Routed experts are requested from position 0 (``routed_experts_start_len=0``) so their rows
-    cover positions ``[0, P + R - 1)``, as `parse_generate_response` assumes. Log-probs cover the
-    generated tokens only (SGLang's default ``logprob_start_len=-1``).
-
-    Args:
-        prompt_ids: prompt token ids ``[P]``.
-        sampling_params: SGLang sampling params (``max_new_tokens``, ``temperature``, ``top_p``,
-            ``top_k``, ``stop``, ``ignore_eos``, ``sampling_seed``, ...).
-        return_logprob: ask for per-token log-probs of the generated tokens.
-        return_routed_experts: ask for the experts each token was routed to (MoE only; the
-            server must run with ``--enable-return-routed-experts``).
-        rid: request id, echoed by the server as ``meta_info.id``.
-
-    Returns:
-        The JSON-ready body.
-
-    Raises:
-        ValueError: an empty prompt, a non-integer token id, or sampling params that SGLang's
-            contract rejects (when the contract types are installed; the message is SGLang's).
-    """
-    ids = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)
-    if not ids:
-        raise ValueError("prompt_ids is empty")
-    bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0), None)
-    if bad is not None:
-        raise ValueError(f"prompt_ids must be non-negative integers, found {bad!r}")
-    if not isinstance(sampling_params, Mapping):
-        raise ValueError(f"sampling_params must be a mapping, got {type(sampling_params).__name__}")
-    api = contract.load()
-    if api is not None:
-        try:
-            api.SamplingParams.from_json_value(dict(sampling_params))
-        except api.JsonContractError as err:
-            raise ValueError(f"sampling_params rejected by SGLang's contract: {err}") from None
-    body: dict[str, Any] = {
-        "input_ids": ids,
-        "sampling_params": dict(sampling_params),
-        "return_logprob": bool(return_logprob),
-        "stream": False,
-    }
-    if return_routed_experts:
-        body["return_routed_experts"] = True
-        body["routed_experts_start_len"] = 0
-    if rid is not None:
-        body["rid"] = rid
-    return body
 
 
 class _TransientError(Exception):

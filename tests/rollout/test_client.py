@@ -19,13 +19,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from megatron_gspo.rollout import contract
-from megatron_gspo.rollout.client import SGLangClient, build_generate_request
+from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.errors import (
     MalformedResponseError,
     RolloutRequestError,
     RolloutServerError,
     WeightUpdateError,
 )
+from megatron_gspo.rollout.requests import build_generate_request
 from megatron_gspo.rollout.types import RolloutBatch
 from megatron_gspo.rollout.validation import parse_generate_response
 
