@@ -8,6 +8,8 @@ LOCAL_RANK variables that torchrun sets; a plain `python` process becomes a worl
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import tempfile
 import warnings
@@ -116,9 +118,16 @@ def _init_process_group(timeout_s: float) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
         dist.init_process_group(backend, timeout=timeout)
         return
-    # A plain process: a world of one, rendezvous through a private file (no port to collide on).
+    # A plain process: a world of one, rendezvous through a private file (no port to collide on),
+    # removed when the process group goes away or the process exits.
     store = tempfile.NamedTemporaryFile(prefix="megatron-gspo-rdzv-", delete=False).name
+    atexit.register(_remove, store)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
 
 
 def destroy_distributed() -> None:
