@@ -7,6 +7,7 @@ by the number of parameters each step, and the bias correction of the resumed ru
 from the uninterrupted one from its second step on.
 """
 
+import functools
 import inspect
 
 import torch
@@ -18,7 +19,7 @@ from ._base import Patch, require
 def _check() -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    source = inspect.getsource(DistributedOptimizer.load_state_dict)
+    source = inspect.getsource(inspect.unwrap(DistributedOptimizer.load_state_dict))
     require(
         's["step"] = step' in source, "distributed_optimizer_step", "load_state_dict no longer shares step"
     )
@@ -29,6 +30,7 @@ def _apply() -> None:
 
     original = DistributedOptimizer.load_state_dict
 
+    @functools.wraps(original)
     def load_state_dict(self, state_dict):
         original(self, state_dict)
         for state in self.optimizer.state.values():
