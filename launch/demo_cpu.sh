@@ -8,4 +8,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup_cpu.sh
-exec .venv/bin/megatron-gspo train --config configs/tiny_moe_cpu.yaml "$@"
+# A new run directory per invocation (a later trainer.run_dir=... argument wins).
+exec .venv/bin/megatron-gspo train --config configs/tiny_moe_cpu.yaml \
+  "trainer.run_dir=runs/tiny_moe_cpu/$(date +%Y%m%d-%H%M%S)" "$@"

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.algorithms import RunningMeanStd, compute_group_advantages
-from megatron_gspo.config import RunConfig, build_model_config, build_task, to_yaml, validate
+from megatron_gspo.config import ConfigError, RunConfig, build_model_config, build_task, to_yaml, validate
 from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.convert import export_hf_checkpoint, load_hf_checkpoint
 from megatron_gspo.model.distributed import destroy_distributed, init_distributed
@@ -172,7 +172,14 @@ class Trainer:
 
     def _restore_or_cold_start(self) -> dict[str, float]:
         cfg = self.cfg
-        resume_step = latest_step(self.ckpt_root) if cfg.trainer.resume else None
+        existing = latest_step(self.ckpt_root)
+        if existing is not None and not cfg.trainer.resume:
+            # Fail before any work: a fresh run would end by refusing to overwrite these checkpoints.
+            raise ConfigError(
+                f"trainer.run_dir={self.run_dir} already holds checkpoints up to step {existing}: "
+                "pass --resume to continue that run, or choose a new trainer.run_dir"
+            )
+        resume_step = existing if cfg.trainer.resume else None
         start: dict[str, float] = {}
         if resume_step is None and cfg.sft.steps > 0:
             start = run_sft(

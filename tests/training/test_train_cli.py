@@ -124,3 +124,13 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(reference, tmp_path):
             assert got.get(key) == want.get(key), (
                 f"step {got['step']} {key}: {got.get(key)} != {want.get(key)}"
             )
+
+
+def test_a_fresh_run_refuses_a_run_dir_with_checkpoints_before_doing_any_work(reference):
+    run_dir, _ = reference
+    before = (run_dir / "metrics.jsonl").read_text()
+    done = subprocess.run(train_cmd(run_dir), env=ENV, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "already holds checkpoints up to step 4: pass --resume" in done.stderr
+    assert (run_dir / "metrics.jsonl").read_text() == before  # nothing of the finished run touched
+    assert "SFT step" not in done.stderr + done.stdout  # refused at start-up, before any training
