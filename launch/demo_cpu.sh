@@ -8,6 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup_cpu.sh
-# A new run directory per invocation (a later trainer.run_dir=... argument wins).
-exec .venv/bin/megatron-gspo train --config configs/tiny_moe_cpu.yaml \
-  "trainer.run_dir=runs/tiny_moe_cpu/$(date +%Y%m%d-%H%M%S)" "$@"
+# A new run directory per invocation, unless one is given (e.g. `--resume trainer.run_dir=runs/...`).
+RUN_DIR=("trainer.run_dir=runs/tiny_moe_cpu/$(date +%Y%m%d-%H%M%S)")
+for arg in "$@"; do
+  case "$arg" in trainer.run_dir=*) RUN_DIR=() ;; esac
+done
+exec .venv/bin/megatron-gspo train --config configs/tiny_moe_cpu.yaml "$@" "${RUN_DIR[@]}"
