@@ -82,6 +82,17 @@ class ParallelConfig:
         return world_size // self.tensor_parallel
 
 
+def compute_device() -> torch.device:
+    """The device every compute-path tensor lives on: the current CUDA device, else the CPU.
+
+    Collectives on the default (NCCL on GPU) group and everything the loss touches must be
+    created here; control-plane traffic uses the gloo group instead.
+    """
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def init_distributed(parallel: ParallelConfig, *, seed: int = 1234, timeout_s: float = 600.0) -> int:
     """Start torch.distributed and megatron's parallel groups for `parallel`; returns the DP size.
 
