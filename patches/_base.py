@@ -52,7 +52,8 @@ class Patch:
         if version not in self.verified:
             raise PatchError(
                 f"patch {self.name!r} ({self.fixes}) is verified for megatron-core {self.verified}, "
-                f"but {version} is installed; pin megatron-core==0.16.1 or re-verify the patch"
+                f"but {version} is installed; install a megatron-core in the range pyproject.toml pins "
+                "or re-verify the patch (tests/patches/)"
             )
         self.check()
         return "apply"

@@ -43,7 +43,7 @@ def _apply() -> None:
 PATCH = Patch(
     name="alltoall_split_sizes",
     fixes="EP>1 alltoall dispatcher passes tensor split sizes that gloo rejects",
-    verified=SpecifierSet(">=0.16.1,<0.17"),
+    verified=SpecifierSet(">=0.16.1,<0.20"),
     needed_when="cpu",
     check=_check,
     apply=_apply,

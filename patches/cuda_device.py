@@ -24,7 +24,7 @@ def _apply() -> None:
 PATCH = Patch(
     name="cuda_device",
     fixes="torch.cuda.current_device() used as the device for buffers and router weights",
-    verified=SpecifierSet(">=0.16.1,<0.17"),
+    verified=SpecifierSet(">=0.16.1,<0.20"),
     needed_when="cpu",
     check=_check,
     apply=_apply,

@@ -69,7 +69,7 @@ def _apply() -> None:
 PATCH = Patch(
     name="cuda_streams",
     fixes="torch.cuda.Stream/Event/synchronize used for compute/communication overlap",
-    verified=SpecifierSet(">=0.16.1,<0.17"),
+    verified=SpecifierSet(">=0.16.1,<0.20"),
     needed_when="cpu",
     check=_check,
     apply=_apply,

@@ -59,7 +59,7 @@ def _apply() -> None:
 PATCH = Patch(
     name="cuda_tensors_to_cpu",
     fixes="optimizer / DDP / causal-mask code allocates on device='cuda' and asserts cuda tensor types",
-    verified=SpecifierSet(">=0.16.1,<0.17"),
+    verified=SpecifierSet(">=0.16.1,<0.20"),
     needed_when="cpu",
     check=_check,
     apply=_apply,

@@ -1,6 +1,6 @@
 """Give every parameter its own Adam `step` after `DistributedOptimizer.load_state_dict`.
 
-Without apex / TransformerEngine, megatron-core 0.16's `DistributedOptimizer.load_state_dict`
+Without apex / TransformerEngine, `DistributedOptimizer.load_state_dict` (megatron-core 0.16 to 0.19)
 puts ONE `step` tensor into every parameter's torch-Adam state. Torch's Adam increments
 `state["step"]` in place once per parameter, so after a resume the shared counter runs ahead
 by the number of parameters each step, and the bias correction of the resumed run drifts
@@ -43,7 +43,7 @@ def _apply() -> None:
 PATCH = Patch(
     name="distributed_optimizer_step",
     fixes="DistributedOptimizer.load_state_dict shares one Adam step tensor between all parameters",
-    verified=SpecifierSet(">=0.16.1,<0.17"),
+    verified=SpecifierSet(">=0.16.1,<0.20"),
     needed_when="no_te",
     check=_check,
     apply=_apply,

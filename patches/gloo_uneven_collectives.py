@@ -62,7 +62,7 @@ def _apply() -> None:
 PATCH = Patch(
     name="gloo_uneven_collectives",
     fixes="TP x EP alltoall dispatch gathers uneven shards, which gloo cannot",
-    verified=SpecifierSet(">=0.16.1,<0.17"),
+    verified=SpecifierSet(">=0.16.1,<0.20"),
     needed_when="cpu",
     check=_check,
     apply=_apply,

@@ -47,7 +47,7 @@ def _apply() -> None:
 PATCH = Patch(
     name="rng_tracker",
     fixes="model_parallel_cuda_manual_seed / rng tracker fork read CUDA RNG states",
-    verified=SpecifierSet(">=0.16.1,<0.17"),
+    verified=SpecifierSet(">=0.16.1,<0.20"),
     needed_when="cpu",
     check=_check,
     apply=_apply,

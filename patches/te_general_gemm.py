@@ -2,7 +2,8 @@
 
 `RouterGatingLinearFunction` tests `te_general_gemm is not None`, but `moe_utils` only
 defines that name inside its TransformerEngine import block. Defining it as None selects
-the torch matmul path the code already has. Fixed upstream in 0.19.
+the torch matmul path the code already has. Fixed upstream in 0.17.0 (the name is defined
+as None without TransformerEngine; checked on 0.17.0, 0.17.1, 0.18.2, 0.19.0 and 0.19.2).
 """
 
 import inspect
@@ -30,8 +31,8 @@ def _apply() -> None:
 PATCH = Patch(
     name="te_general_gemm",
     fixes="NameError: te_general_gemm in RouterGatingLinearFunction when TransformerEngine is absent",
-    verified=SpecifierSet(">=0.16.1,<0.19"),
-    fixed_in=Version("0.19.0"),
+    verified=SpecifierSet(">=0.16.1,<0.17"),
+    fixed_in=Version("0.17.0"),
     needed_when="no_te",
     check=_check,
     apply=_apply,

@@ -44,7 +44,7 @@ def _apply() -> None:
 PATCH = Patch(
     name="torch_norm_sequence_parallel",
     fixes="WrappedTorchNorm asserts not sequence_parallel (MoE + TP needs SP)",
-    verified=SpecifierSet(">=0.16.1,<0.17"),
+    verified=SpecifierSet(">=0.16.1,<0.20"),
     needed_when="no_te",
     check=_check,
     apply=_apply,
