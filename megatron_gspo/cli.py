@@ -11,7 +11,9 @@ megatron-gspo mismatch --checkpoint CKPT [--server-url U]  rollout vs trainer lo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
 
 # name -> (help, module, function adding the arguments, function running the command)
@@ -61,8 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="embedded SGLang-protocol rollout server (see `megatron-gspo serve -h`)")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show the traceback of user errors too")
     for name, (help_text, module, add_args, _) in COMMANDS.items():
-        getattr(importlib.import_module(module), add_args)(sub.add_parser(name, help=help_text))
+        getattr(importlib.import_module(module), add_args)(
+            sub.add_parser(name, help=help_text, parents=[common])
+        )
     args = parser.parse_args(argv)
     _, module, _, run = COMMANDS[args.command]
     from megatron_gspo.config import ConfigError
@@ -70,8 +76,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return getattr(importlib.import_module(module), run)(args)
     except ConfigError as err:  # a bad config is the user's to fix: say what, no traceback
-        print(f"megatron-gspo {args.command}: config error: {err}", file=sys.stderr)
+        if args.debug:
+            raise
+        report_user_error(f"megatron-gspo {args.command}: config error: {err}")
         return 2
+
+
+# Set by `train --nproc N` for its workers: the first worker to report a user error creates it,
+# so the message is printed once and the launcher knows not to dump torchrun's failure report.
+USER_ERROR_FILE_ENV = "MEGATRON_GSPO_USER_ERROR_FILE"
+
+
+def report_user_error(message: str) -> None:
+    """Print a user error on stderr; under `train --nproc N` hand it to the launcher instead (once)."""
+    path = os.environ.get(USER_ERROR_FILE_ENV)
+    if not path:
+        print(message, file=sys.stderr, flush=True)
+        return
+    with contextlib.suppress(FileExistsError), open(path, "x") as f:  # the first worker wins
+        f.write(message + "\n")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -191,7 +192,13 @@ class LoggingConfig:
     progress_bar: bool = True
     """Show a tqdm progress bar with the key numbers."""
     level: str = "INFO"
-    """Python logging level of the text log."""
+    """Python logging level of the text log (DEBUG, INFO, WARNING, ERROR, CRITICAL)."""
+
+    def __post_init__(self) -> None:
+        if self.level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError(
+                f"logging.level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got {self.level!r}"
+            )
 
 
 @dataclass
@@ -247,9 +254,7 @@ def load_config(
     try:
         layers = [schema]
         if path is not None:
-            if not Path(path).is_file():
-                raise ConfigError(f"config file {path} does not exist")
-            layers.append(OmegaConf.load(path))  # yaml.SafeLoader underneath
+            layers.append(_load_yaml(Path(path)))
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"overrides must look like section.key=value, got {bad}")
@@ -263,6 +268,24 @@ def load_config(
             raise
         raise ConfigError(str(err)) from None
     return cfg
+
+
+def _load_yaml(path: Path):
+    """One YAML config layer; a missing file, a directory or bad YAML is a `ConfigError`."""
+    if path.is_dir():
+        raise ConfigError(
+            f"--config {path} is a directory; give a YAML file such as configs/tiny_moe_cpu.yaml"
+        )
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        return OmegaConf.load(path)  # yaml.SafeLoader underneath: unknown tags are refused
+    except yaml.YAMLError as err:  # syntax errors, unknown tags
+        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(err).split())}") from None
+    except RecursionError:  # self-referencing aliases
+        raise ConfigError(f"config file {path}: recursive YAML alias") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text: {err}") from None
 
 
 def _describe(err: OmegaConfBaseException) -> str:

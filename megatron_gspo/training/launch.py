@@ -16,6 +16,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
+
+from megatron_gspo.cli import USER_ERROR_FILE_ENV
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
@@ -39,22 +43,39 @@ def _relaunch(nproc: int) -> int:
         argv.append(arg)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "megatron_gspo.cli", *argv]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.call(cmd, env=env)
+    with tempfile.TemporaryDirectory(prefix="megatron-gspo-launch-") as tmp:
+        error_file = os.path.join(tmp, "user_error")
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            USER_ERROR_FILE_ENV: error_file,
+        }
+        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
+        silenced = False
+        for line in proc.stderr:
+            # A worker reported a user error (once, exit 2): torchrun's ChildFailedError report
+            # that follows is noise about our own exit code, not news to the user.
+            silenced = silenced or os.path.exists(error_file)
+            if not silenced:
+                sys.stderr.write(line)
+        code = proc.wait()
+        if os.path.exists(error_file):
+            sys.stderr.write(Path(error_file).read_text())
+            return 2
+        return code
 
 
 def run_train(args: argparse.Namespace) -> int:
     """Entry point; returns the exit status (2 for a configuration error)."""
-    from megatron_gspo.config import ConfigError, load_config
+    from megatron_gspo.config import ConfigError, load_config, validate
 
-    if args.nproc > 1 and "RANK" not in os.environ:
-        return _relaunch(args.nproc)
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     overrides = list(args.overrides) + (["trainer.resume=true"] if args.resume else [])
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as err:
-        print(f"megatron-gspo train: configuration error: {err}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, overrides)  # a ConfigError is reported by the CLI (exit 2)
+    if args.nproc > 1 and "RANK" not in os.environ:
+        validate(cfg, world_size=args.nproc)  # before starting any worker
+        return _relaunch(args.nproc)
     # SIGTERM unwinds like Ctrl-C, so the embedded rollout server and exported weights are cleaned up.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     rank0 = os.environ.get("RANK", "0") == "0"
@@ -66,11 +87,7 @@ def run_train(args: argparse.Namespace) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from megatron_gspo.training.trainer import train
 
-    try:
-        result = train(cfg)
-    except ConfigError as err:
-        print(f"megatron-gspo train: configuration error: {err}", file=sys.stderr)
-        return 2
+    result = train(cfg)  # a ConfigError raised after start-up is reported by the CLI (exit 2)
     if rank0:
         for record in result["evals"]:
             print(f"step {record['step']}: held-out accuracy {record['eval/accuracy']:.3f}", flush=True)

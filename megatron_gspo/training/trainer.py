@@ -132,6 +132,10 @@ class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        try:
+            cfg.engine.check_hardware()  # bf16 / TransformerEngine asked for where unavailable
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         init_distributed(cfg.parallel, seed=cfg.trainer.seed)
         self.rank0 = dist.get_rank() == 0
         self.run_dir = Path(cfg.trainer.run_dir)
@@ -139,7 +143,7 @@ class Trainer:
         self.task = build_task(cfg)
         self.tokenizer = load_tokenizer(cfg)
         if len(self.tokenizer) > self.model_cfg.vocab_size:
-            raise ValueError(
+            raise ConfigError(
                 f"model vocab_size={self.model_cfg.vocab_size} is smaller than the tokenizer "
                 f"({len(self.tokenizer)} tokens); set model.overrides.vocab_size"
             )

@@ -1,0 +1,100 @@
+"""User errors through the CLI as a user meets them: one named line on stderr, exit 2, no traceback.
+
+Each case runs `megatron-gspo train` in a subprocess; `--debug` brings the traceback back.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny_moe_cpu.yaml")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_gspo.cli", *args],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=timeout,
+        cwd=REPO,
+    )
+
+
+def assert_user_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "Traceback" not in output, output
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("trainer: {steps: 3\n", "is not valid YAML"),  # syntax error
+        ("trainer: !!python/object:os.system {}\n", "is not valid YAML"),  # unsafe tag refused
+        ("trainer: !custom {steps: 3}\n", "is not valid YAML"),  # unknown tag
+        ("a: &x [*x]\n", "recursive aliases"),
+        (b"trainer: {run_dir: \xff}\n", "UTF-8"),
+    ],
+)
+def test_bad_yaml_is_one_named_line(tmp_path, text, needle):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    assert_user_error(run_cli("train", "--config", str(path)), str(path), needle)
+
+
+def test_config_directory_is_named(tmp_path):
+    assert_user_error(run_cli("train", "--config", str(tmp_path)), "is a directory")
+
+
+def test_unknown_logging_level():
+    assert_user_error(run_cli("train", "--config", TINY, "logging.level=LOUD"), "logging.level", "LOUD")
+
+
+def test_nproc_below_one():
+    assert_user_error(run_cli("train", "--config", TINY, "--nproc", "0"), "--nproc must be >= 1")
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = run_cli("train", "--debug", "--config", str(tmp_path))
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr and "is a directory" in result.stderr
+
+
+def test_error_after_startup_is_named(tmp_path):
+    """vocab smaller than the tokenizer is found after distributed start-up: still exit 2, one line."""
+    result = run_cli(
+        "train", "--config", TINY, "model.overrides.vocab_size=8", f"trainer.run_dir={tmp_path}/run"
+    )
+    assert_user_error(result, "vocab_size=8 is smaller than the tokenizer")
+
+
+def test_nproc_layout_error_before_workers_start(tmp_path):
+    result = run_cli(
+        "train", "--config", TINY, "--nproc", "3", "parallel.expert_parallel=2", f"trainer.run_dir={tmp_path}"
+    )
+    assert_user_error(result)
+    assert "ChildFailedError" not in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_nproc_worker_error_reported_once(tmp_path):
+    """An error raised inside the torchrun workers: the message once, no torchrun failure dump."""
+    result = run_cli(
+        "train",
+        "--config",
+        TINY,
+        "--nproc",
+        "2",
+        "model.overrides.vocab_size=8",
+        f"trainer.run_dir={tmp_path}/run",
+    )
+    assert_user_error(result, "vocab_size=8 is smaller than the tokenizer")
+    assert result.stderr.count("vocab_size=8") == 1, result.stderr
+    assert "ChildFailedError" not in result.stderr, result.stderr
