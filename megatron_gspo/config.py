@@ -21,6 +21,13 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megatron_gspo.config_checks import (
+    ValueCheckError,
+    check_eval,
+    check_finite,
+    check_model_sizes,
+    check_rollout,
+)
 from megatron_gspo.model.builder import EngineConfig
 from megatron_gspo.model.config import MoEModelConfig, preset
 from megatron_gspo.model.distributed import ParallelConfig
@@ -178,7 +185,9 @@ class TrainerConfig:
     keep_last: int = 2
     """Checkpoints kept."""
     resume: bool = False
-    """Continue from the latest checkpoint in run_dir/checkpoints."""
+    """Continue from the latest checkpoint in run_dir/checkpoints (an error when there is none)."""
+    resume_or_start: bool = False
+    """With `resume`: start a fresh run when run_dir holds no checkpoint yet (job schedulers' restarts)."""
     weight_sync_dir: str | None = None
     """Where weights are exported for the rollout engine (default: /dev/shm when present)."""
 
@@ -326,6 +335,16 @@ def build_model_config(cfg: RunConfig) -> MoEModelConfig:
         raise ConfigError(f"model: {err}") from None
 
 
+def _dry_run_loss(loss_type: str, options: dict[str, Any]) -> None:
+    """The policy loss on one two-token response, so bad option values fail at start-up."""
+    import torch
+
+    from megatron_gspo.algorithms import compute_policy_loss
+
+    zeros, mask = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool)
+    compute_policy_loss(loss_type, zeros, zeros, torch.zeros(1), mask, **options)
+
+
 def validate(cfg: RunConfig, world_size: int = 1) -> None:
     """Check what spans several fields or depends on the world size; raises `ConfigError` naming the field."""
     from megatron_gspo.algorithms import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, REWARD_NORMS
@@ -336,6 +355,13 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     if cfg.model.hf_path and cfg.model.overrides:
         raise ConfigError("model.overrides only apply to a preset; with model.hf_path the checkpoint decides")
     model_cfg = build_model_config(cfg)
+    try:
+        check_finite(cfg)
+        check_model_sizes(model_cfg)
+        check_rollout(cfg.rollout)
+        check_eval(cfg.eval)
+    except ValueCheckError as err:
+        raise ConfigError(str(err)) from None
     try:
         dp = cfg.parallel.check_world_size(world_size)
     except ValueError as err:
@@ -363,6 +389,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             f"algorithm.loss_options {unknown} do not apply to loss {algo.loss_type!r}; "
             f"its options: {', '.join(spec.options) or 'none'}"
         )
+    try:  # option values (types, ranges) are the loss's own to check: run it once on a dummy batch
+        _dry_run_loss(algo.loss_type, algo.loss_options)
+    except ValueError as err:
+        raise ConfigError(f"algorithm.loss_options of {algo.loss_type!r}: {err}") from None
     mode = algo.loss_agg_mode or spec.default_agg_mode
     if mode not in LOSS_AGG_MODES:
         raise ConfigError(f"algorithm.loss_agg_mode={mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")

@@ -98,3 +98,61 @@ def test_nproc_worker_error_reported_once(tmp_path):
     assert_user_error(result, "vocab_size=8 is smaller than the tokenizer")
     assert result.stderr.count("vocab_size=8") == 1, result.stderr
     assert "ChildFailedError" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("rollout.temperature=nan", "rollout.temperature=nan: every number in the config must be finite"),
+        ("optim.lr=inf", "optim.lr=inf"),
+        ("algorithm.loss_options.clip_low=nan", "option clip_low must be a real number"),
+        ("rollout.top_k=0", "rollout.top_k=0"),
+        ("rollout.max_retries=-1", "rollout.max_retries must be >= 0"),
+        ("rollout.request_timeout_s=-5", "rollout.request_timeout_s must be > 0"),
+        ("rollout.server_threads=0", "rollout.server_threads must be >= 1"),
+        ("rollout.server_urls=[ftp://host:1]", "is not an http(s) URL"),
+        ("rollout.server_urls=[localhost:30000]", "is not an http(s) URL"),
+        ("model.overrides.hidden_size=0", "model hidden_size=0 must be >= 1"),
+        ("model.overrides.num_experts=-8", "num_experts=-8"),
+        ("model.overrides.num_layers=100000", "model num_layers=100000 exceeds 1024"),
+        ("rollout.rollout_batch_size=10000000", "responses per step exceeds"),
+        ("eval.num_problems=100000000", "eval.num_problems=100000000 exceeds"),
+    ],
+)
+def test_values_refused_at_startup(tmp_path, override, needle):
+    result = run_cli("train", "--config", TINY, override, f"trainer.run_dir={tmp_path}/run")
+    assert_user_error(result, needle)
+    assert not (tmp_path / "run").exists(), "refused before creating the run dir"
+
+
+def test_unwritable_run_dir_refused_before_sft(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = run_cli("train", "--config", TINY, f"trainer.run_dir={blocker}/run")
+    assert_user_error(result, "cannot be written")
+    assert "SFT" not in result.stderr
+
+
+def test_resume_without_checkpoint(tmp_path):
+    run_dir = f"trainer.run_dir={tmp_path}/run"
+    assert_user_error(run_cli("train", "--config", TINY, "--resume", run_dir), "holds no checkpoint")
+
+
+def test_resume_or_start_starts_fresh(tmp_path):
+    result = run_cli(
+        "train",
+        "--config",
+        TINY,
+        "--resume-or-start",
+        f"trainer.run_dir={tmp_path}/run",
+        "trainer.steps=1",
+        "sft.steps=2",
+        "eval.num_problems=4",
+        "eval.at_start=false",
+        "rollout.rollout_batch_size=4",
+        "rollout.group_size=2",
+        "algorithm.num_mini_batches=1",
+        "logging.progress_bar=false",
+    )
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "run" / "checkpoints").is_dir()

@@ -27,6 +27,11 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="YAML run config (see megatron_gspo/config.py)")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.steps=3")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument(
+        "--resume-or-start",
+        action="store_true",
+        help="continue from the latest checkpoint, or start fresh when there is none",
+    )
     parser.add_argument("--nproc", type=int, default=1, help="re-launch under torchrun with N CPU workers")
 
 
@@ -68,13 +73,24 @@ def _relaunch(nproc: int) -> int:
 def run_train(args: argparse.Namespace) -> int:
     """Entry point; returns the exit status (2 for a configuration error)."""
     from megatron_gspo.config import ConfigError, load_config, validate
+    from megatron_gspo.config_checks import ValueCheckError, check_run_dir_writable
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    overrides = list(args.overrides) + (["trainer.resume=true"] if args.resume else [])
+    overrides = list(args.overrides)
+    if args.resume or args.resume_or_start:
+        overrides.append("trainer.resume=true")
+    if args.resume_or_start:
+        overrides.append("trainer.resume_or_start=true")
     cfg = load_config(args.config, overrides)  # a ConfigError is reported by the CLI (exit 2)
-    if args.nproc > 1 and "RANK" not in os.environ:
-        validate(cfg, world_size=args.nproc)  # before starting any worker
+    relaunch = args.nproc > 1 and "RANK" not in os.environ
+    # Everything checkable is checked before any worker starts and before the run dir is made.
+    validate(cfg, world_size=args.nproc if relaunch else int(os.environ.get("WORLD_SIZE", "1")))
+    try:
+        check_run_dir_writable(cfg.trainer.run_dir)  # before SFT, not at the first checkpoint
+    except ValueCheckError as err:
+        raise ConfigError(str(err)) from None
+    if relaunch:
         return _relaunch(args.nproc)
     # SIGTERM unwinds like Ctrl-C, so the embedded rollout server and exported weights are cleaned up.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -1,0 +1,120 @@
+"""Start-up checks of single values in a `RunConfig`, before any heavy work.
+
+`validate` (config.py) checks what spans several fields; this module checks what each value
+must be on its own: finite floats everywhere, positive sizes and timeouts, http(s) server URLs,
+and sizes so large they cannot be meant (refused with the limit and why). Each error names
+the field as `section.key`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from megatron_gspo.model.config import MoEModelConfig
+
+# Beyond these a value is a typo, not a plan: the largest public MoE models stay far below them.
+MODEL_LIMITS = {
+    "vocab_size": 2_000_000,
+    "hidden_size": 65_536,
+    "num_layers": 1_024,
+    "num_attention_heads": 1_024,
+    "num_query_groups": 1_024,
+    "head_dim": 1_024,
+    "num_experts": 4_096,
+    "moe_topk": 256,
+    "moe_ffn_hidden_size": 262_144,
+    "max_position_embeddings": 4_194_304,
+}
+# Responses per RL step and held-out problems: past these, rank 0 would hold the batch in host memory.
+MAX_RESPONSES_PER_STEP = 1_048_576
+MAX_EVAL_PROBLEMS = 1_000_000
+
+
+class ValueCheckError(ValueError):
+    """A single config value is out of range (the config module turns it into a ConfigError)."""
+
+
+def _walk(obj: Any, prefix: str = ""):
+    """(dotted name, value) of every leaf of nested dataclasses, dicts and lists."""
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from _walk(getattr(obj, f.name), f"{prefix}{f.name}.")
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _walk(value, f"{prefix}{key}.")
+    elif isinstance(obj, list | tuple):
+        for i, value in enumerate(obj):
+            yield from _walk(value, f"{prefix}{i}.")
+    else:
+        yield prefix.rstrip("."), obj
+
+
+def check_finite(cfg: Any) -> None:
+    """Refuse NaN / inf anywhere in the config tree."""
+    for name, value in _walk(cfg):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueCheckError(f"{name}={value}: every number in the config must be finite")
+
+
+def check_rollout(rollout: Any) -> None:
+    """Sampling, retry, timeout, thread and server-URL values of `rollout`."""
+    if rollout.top_k == 0 or rollout.top_k < -1:
+        raise ValueCheckError(f"rollout.top_k={rollout.top_k}: use -1 (off) or a positive k")
+    if rollout.max_retries < 0:
+        raise ValueCheckError(f"rollout.max_retries must be >= 0, got {rollout.max_retries}")
+    for name in ("request_timeout_s", "server_start_timeout_s"):
+        if getattr(rollout, name) <= 0:
+            raise ValueCheckError(f"rollout.{name} must be > 0 seconds, got {getattr(rollout, name)}")
+    if rollout.server_threads < 1:
+        raise ValueCheckError(f"rollout.server_threads must be >= 1, got {rollout.server_threads}")
+    for url in rollout.server_urls:
+        parts = urlsplit(str(url))
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueCheckError(
+                f"rollout.server_urls: {url!r} is not an http(s) URL such as http://10.0.0.5:30000"
+            )
+    responses = rollout.rollout_batch_size * rollout.group_size
+    if responses > MAX_RESPONSES_PER_STEP:
+        raise ValueCheckError(
+            f"rollout.rollout_batch_size x group_size = {responses} responses per step exceeds "
+            f"{MAX_RESPONSES_PER_STEP}: rank 0 holds a step's batch in host memory"
+        )
+
+
+def check_model_sizes(model: MoEModelConfig) -> None:
+    """Every architecture size positive and below `MODEL_LIMITS`."""
+    for name, limit in MODEL_LIMITS.items():
+        value = getattr(model, name)
+        if value < 1:
+            raise ValueCheckError(f"model {name}={value} must be >= 1")
+        if value > limit:
+            raise ValueCheckError(f"model {name}={value} exceeds {limit}, larger than any model this trains")
+    if model.moe_topk > model.num_experts:
+        raise ValueCheckError(f"model moe_topk={model.moe_topk} exceeds num_experts={model.num_experts}")
+
+
+def check_eval(eval_cfg: Any) -> None:
+    """Held-out evaluation size."""
+    if eval_cfg.num_problems > MAX_EVAL_PROBLEMS:
+        raise ValueCheckError(
+            f"eval.num_problems={eval_cfg.num_problems} exceeds {MAX_EVAL_PROBLEMS} "
+            "(every evaluation generates a greedy answer for each)"
+        )
+
+
+def check_run_dir_writable(run_dir: str | os.PathLike) -> None:
+    """Create `run_dir` and write a probe file in it, so an unwritable dir fails before any training."""
+    path = Path(run_dir)
+    probe = path / f".write-probe-{uuid.uuid4().hex}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ValueCheckError(f"trainer.run_dir={run_dir} cannot be written: {err.strerror or err}") from None
