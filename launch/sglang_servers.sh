@@ -4,6 +4,13 @@
 # the inference->training drift metrics); the weight version is what the trainer syncs.
 #
 #   MODEL=/ckpt/Qwen3-30B-A3B TP=4 DP=2 PORT=30000 launch/sglang_servers.sh [extra sglang args ...]
+#
+# Security: HOST defaults to 0.0.0.0 (every interface) because the trainer runs on other nodes
+# and must reach this server over the network. SGLang's HTTP API has no authentication here:
+# whoever can reach PORT can generate, pause the engine, and make it load weights from any path
+# on this node (/update_weights_from_disk). Run it only on a trusted, private network, or
+# firewall PORT to the trainer nodes; HOST=<private address> binds one interface,
+# HOST=127.0.0.1 keeps it on this node (trainer on the same node).
 set -euo pipefail
 MODEL=${MODEL:?set MODEL to the HF checkpoint directory}
 TP=${TP:-8}
@@ -12,6 +19,13 @@ EP=${EP:-1}
 PORT=${PORT:-30000}
 HOST=${HOST:-0.0.0.0}
 MEM_FRACTION=${MEM_FRACTION:-0.85}
+if [ "$HOST" = 0.0.0.0 ] || [ "$HOST" = "::" ]; then
+  {
+    echo "WARNING: binding SGLang to ${HOST}:${PORT}, every network interface, with no authentication."
+    echo "WARNING: anyone who can reach this port can generate and replace the served weights."
+    echo "WARNING: use a trusted private network or a firewall; HOST=<private address> binds one interface."
+  } >&2
+fi
 
 CMD=(python -m sglang.launch_server --model-path "$MODEL" --host "$HOST" --port "$PORT"
      --tp-size "$TP" --dp-size "$DP" --ep-size "$EP" --mem-fraction-static "$MEM_FRACTION"

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.model import control_plane
 from megatron_gspo.model.config import MoEModelConfig
 from megatron_gspo.model.hf_checkpoint import SAFE_WEIGHTS_INDEX_NAME, save_hf_state_dict
 from megatron_gspo.model.sharding import local_shard_plan
@@ -433,8 +434,7 @@ def export_hf_checkpoint(
             raise ConversionError(f"model lacks {len(table)} tensor(s), e.g. {sorted(table)[:3]}")
         kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
         path = save_hf_state_dict(out_dir, hf_state, model_cfg, tokenizer, **kwargs)
-    if dist.is_initialized():
-        dist.barrier()  # the checkpoint is published before any rank moves on
+    control_plane.barrier()  # the checkpoint is published before any rank moves on
     return path
 
 

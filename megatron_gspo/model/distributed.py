@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
+import math
 import os
 import tempfile
 import warnings
@@ -18,6 +20,8 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+
+from megatron_gspo.model.control_plane import destroy_control_group, init_control_group
 
 # Expected on CPU: megatron falls back to torch optimizers and local kernels without TE/apex.
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
@@ -43,6 +47,10 @@ class ParallelConfig:
     """MoE token dispatcher. `flex` (DeepEP) is GPU-only and not offered here."""
     distributed_optimizer: bool = False
     """Shard optimizer states across data-parallel ranks (ZeRO-1)."""
+    timeout_minutes: float = 120.0
+    """How long a collective may wait before the job is aborted (the process group and the gloo
+    control group; megatron's `--distributed-timeout-minutes`). Long: rank 0 may wait this long
+    for rollouts or an export while the other ranks block."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "expert_parallel"):
@@ -51,6 +59,10 @@ class ParallelConfig:
         if self.token_dispatcher not in ("alltoall", "allgather"):
             raise ValueError(
                 f"parallel.token_dispatcher must be alltoall or allgather, got {self.token_dispatcher!r}"
+            )
+        if not math.isfinite(self.timeout_minutes) or self.timeout_minutes <= 0:
+            raise ValueError(
+                f"parallel.timeout_minutes must be a finite number > 0, got {self.timeout_minutes!r}"
             )
         if self.sequence_parallel is False and self.tensor_parallel > 1:
             raise ValueError(
@@ -93,10 +105,11 @@ def compute_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(parallel: ParallelConfig, *, seed: int = 1234, timeout_s: float = 600.0) -> int:
+def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> int:
     """Start torch.distributed and megatron's parallel groups for `parallel`; returns the DP size.
 
-    Safe to call once per process. Applies the runtime patches first (CPU / no-TE fixes).
+    Safe to call once per process. Applies the runtime patches first (CPU / no-TE fixes). The
+    process group and the gloo control group (`control_plane`) both get `parallel.timeout_minutes`.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -104,25 +117,25 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234, timeout_s: f
     from megatron_gspo.patches import apply_patches
 
     apply_patches()
+    timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
     if not dist.is_initialized():
-        _init_process_group(timeout_s)
+        _init_process_group(timeout)
     dp = parallel.check_world_size(dist.get_world_size())
+    init_control_group(parallel.timeout_minutes)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_parallel,
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.expert_tp,
+        distributed_timeout_minutes=math.ceil(parallel.timeout_minutes),  # megatron's own groups too
     )
     model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)  # CPU initialisation draws weights from the default generator
     return dp
 
 
-def _init_process_group(timeout_s: float) -> None:
-    import datetime
-
-    timeout = datetime.timedelta(seconds=timeout_s)
+def _init_process_group(timeout: datetime.timedelta) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -147,5 +160,6 @@ def destroy_distributed() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    destroy_control_group()
     if dist.is_initialized():
         dist.destroy_process_group()

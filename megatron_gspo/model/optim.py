@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.model.distributed import compute_device
+
 
 @dataclass
 class OptimConfig:
@@ -119,14 +121,17 @@ def zero_grads(ddp_model: torch.nn.Module, optimizer) -> None:
 
 
 def grads_are_finite(ddp_model: torch.nn.Module) -> bool:
-    """Whether every gradient on every rank is finite (collective over the world)."""
-    bad = torch.zeros(1)
+    """Whether every gradient on every rank is finite (collective over the world).
+
+    The flag lives on the compute device (NCCL reduces device tensors only) and is read once,
+    after the reduction: no host sync per parameter.
+    """
+    bad = torch.zeros(1, device=compute_device())
     for param in ddp_model.parameters():
         grad = getattr(param, "main_grad", None)
         grad = param.grad if grad is None else grad
-        if grad is not None and not torch.isfinite(grad).all():
-            bad.fill_(1.0)
-            break
+        if grad is not None:
+            bad += (~torch.isfinite(grad)).any()
     if dist.is_initialized():
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return bad.item() == 0.0

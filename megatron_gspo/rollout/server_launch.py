@@ -4,7 +4,9 @@
         httpx.post(f"{server.url}/generate", json={...})
 
 The child binds port 0 (the OS picks a free port, no race) unless a port is given, and
-announces the port on its first stdout line; the launcher then polls GET /health.
+announces the port on its first stdout line; the launcher then polls GET /health. The child
+runs under `parent_watch`, so it exits by itself when the launching process dies, even by
+SIGKILL (no orphaned server holding memory and a port).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def launch_embedded_server(
     extra_args: Sequence[str] = (),
     num_threads: int | None = 1,
     timeout: float = 120.0,
+    exit_with_parent: bool = True,
 ) -> EmbeddedServer:
     """Start `python -m megatron_gspo.rollout.server` on `model_dir` and wait until /health answers.
 
@@ -72,6 +75,9 @@ def launch_embedded_server(
         extra_args: More `serve` arguments, e.g. ("--return-original-logprob", "--check-responses").
         num_threads: torch intra-op threads of the server (OMP_NUM_THREADS); None inherits.
         timeout: Seconds to wait for health.
+        exit_with_parent: the server exits when this process dies (a parent watch, plus Linux's
+            parent-death signal when called from the main thread: that signal fires when the
+            launching *thread* ends).
 
     Returns:
         The running server; `.url` is its base URL.
@@ -81,7 +87,12 @@ def launch_embedded_server(
     """
     if not Path(model_dir, "config.json").exists():
         raise FileNotFoundError(f"{model_dir} is not an HF checkpoint directory (no config.json)")
-    cmd = [sys.executable, "-m", "megatron_gspo.rollout.server", "--model", str(model_dir)]
+    cmd = [sys.executable]
+    if exit_with_parent:
+        cmd += ["-m", "megatron_gspo.rollout.parent_watch", "--parent-pid", str(os.getpid())]
+        if threading.current_thread() is threading.main_thread():
+            cmd.append("--death-signal")
+    cmd += ["-m", "megatron_gspo.rollout.server", "--model", str(model_dir)]
     cmd += ["--host", host, "--port", str(port if port is not None else 0), *extra_args]
     env = dict(os.environ)
     if num_threads is not None:

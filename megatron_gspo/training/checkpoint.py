@@ -5,7 +5,8 @@ Layout of a checkpoint root::
     root/
       latest                  name of the newest complete checkpoint directory (one line)
       step_00000003/
-        meta.json             step, weight_version, parallel layout, versions, file sizes
+        meta.json             step, weight_version, parallel layout, versions, file sizes and
+                              SHA-256 checksums, and a checksum of meta.json itself
         trainer_state.pt      the trainer's own state (data position, running stats, counters, config)
         rank_00000.pt         this rank's model shard, optimizer, scheduler and RNG states
         rank_00001.pt
@@ -22,11 +23,18 @@ files; once every rank has succeeded, rank 0 renames the directory to `step_N/` 
 replaces `latest` through a temporary file and `os.replace`. A crash at any point leaves
 `latest` naming either the previous complete checkpoint or the new one; directories a crash
 left behind are removed by the next save.
+
+Integrity: each file's checksum is computed while it is written and recorded in `meta.json`.
+Loading verifies the files every rank reads (each rank its own shard, rank 0 also the trainer
+state) and names a damaged file. With `fallback=True` (what `--resume` uses) a damaged
+checkpoint is skipped with a warning for the newest older intact one, and `latest` is pointed
+at it; only when none is intact does loading fail, listing what was wrong with each.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -39,10 +47,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.model.control_plane import all_gather_objects, broadcast_from_rank0
+from megatron_gspo.training.checkpoint_files import (
+    CHECKSUM_ALGORITHM,
+    file_checksum,
+    fsync_dir,
+    meta_checksum,
+    save_durably,
+    write_meta,
+    write_text_atomically,
+)
+
+logger = logging.getLogger(__name__)
+
 LATEST_FILE = "latest"
 META_FILE = "meta.json"
 TRAINER_STATE_FILE = "trainer_state.pt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)  # version 1: no checksums (sizes are still checked)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _TMP_DIR = re.compile(r"^step_\d{8}\.(tmp|old)-[0-9a-f]+$")
 _TMP_LATEST = re.compile(r"^\.latest\.tmp-[0-9a-f]+$")
@@ -50,6 +72,10 @@ _TMP_LATEST = re.compile(r"^\.latest\.tmp-[0-9a-f]+$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt or was written for another layout."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint is missing, incomplete or damaged (as opposed to written for another layout)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -197,42 +223,13 @@ def _load_optimizer_state(optimizer, states: list[dict[str, Any]], path: Path) -
 # --------------------------------------------------------------------------- files
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _save_durably(obj: Any, path: Path) -> int:
-    torch.save(obj, path)
-    _fsync_file(path)
-    return path.stat().st_size
-
-
-def _write_text_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def _read_latest_name(root: Path) -> str | None:
     latest = root / LATEST_FILE
     if not latest.exists():
         return None
-    name = latest.read_text().strip()
+    name = latest.read_bytes().decode("utf-8", errors="replace").strip()
     if not _STEP_DIR.match(name):
-        raise CheckpointError(f"{latest} names {name!r}, not a step_NNNNNNNN checkpoint directory")
+        raise CheckpointCorruptError(f"{latest} names {name!r}, not a step_NNNNNNNN checkpoint directory")
     return name
 
 
@@ -240,6 +237,17 @@ def latest_step(root: str | os.PathLike) -> int | None:
     """Step of the newest complete checkpoint under `root` (what `latest` names), or None."""
     name = _read_latest_name(Path(root))
     return None if name is None else int(_STEP_DIR.match(name).group(1))
+
+
+def resumable_step(root: str | os.PathLike) -> int | None:
+    """The step a resume starts from before verification, or None when there is none.
+
+    What `latest` names; when `latest` is unreadable, the newest complete directory.
+    """
+    try:
+        return latest_step(root)
+    except CheckpointCorruptError:
+        return max(list_steps(root), default=None)
 
 
 def list_steps(root: str | os.PathLike) -> list[int]:
@@ -251,19 +259,12 @@ def list_steps(root: str | os.PathLike) -> list[int]:
 
 
 def _broadcast(value: Any) -> Any:
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    """Rank 0's value everywhere, on the gloo control group (an exception value is returned, not raised)."""
+    return broadcast_from_rank0([value])[0]
 
 
 def _all_gather(value: Any) -> list[Any]:
-    if not dist.is_initialized():
-        return [value]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
+    return all_gather_objects(value)
 
 
 # --------------------------------------------------------------------------- save
@@ -326,7 +327,7 @@ def save_checkpoint(
         raise CheckpointError(error)
     tmp = root / tmp_name
 
-    sizes: dict[str, int] = {}
+    files: dict[str, tuple[int, str]] = {}  # name -> (bytes, checksum)
     failure = None
     try:
         shard = {
@@ -337,13 +338,13 @@ def save_checkpoint(
             "scheduler": scheduler.state_dict(),
             "rng": capture_rng_state(),
         }
-        sizes[rank_file_name(rank)] = _save_durably(shard, tmp / rank_file_name(rank))
+        files[rank_file_name(rank)] = save_durably(shard, tmp / rank_file_name(rank))
         if rank == 0:
-            sizes[TRAINER_STATE_FILE] = _save_durably(trainer_state, tmp / TRAINER_STATE_FILE)
+            files[TRAINER_STATE_FILE] = save_durably(trainer_state, tmp / TRAINER_STATE_FILE)
     except Exception as exc:
         failure = f"rank {rank}: {type(exc).__name__}: {exc}"
     failures = [f for f in _all_gather(failure) if f]
-    all_sizes = {k: v for s in _all_gather(sizes) for k, v in s.items()}
+    all_files = {k: v for f in _all_gather(files) for k, v in f.items()}
     if failures:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -351,16 +352,13 @@ def save_checkpoint(
 
     if rank == 0:
         try:
-            meta = _meta(step, optimizer, trainer_state, all_sizes)
-            meta_path = tmp / META_FILE
-            meta_path.write_text(json.dumps(meta, indent=2, default=str))
-            _fsync_file(meta_path)
-            _fsync_dir(tmp)
+            write_meta(tmp / META_FILE, _meta(step, optimizer, trainer_state, all_files))
+            fsync_dir(tmp)
             if final.exists():  # left by an abandoned run or a crash before `latest` moved on
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_dir(root)
-            _write_text_atomically(root / LATEST_FILE, final.name + "\n")
+            fsync_dir(root)
+            write_text_atomically(root / LATEST_FILE, final.name + "\n")
             _prune(root, step, keep_last)
         except Exception as exc:
             error = f"rank 0 could not publish {final}: {type(exc).__name__}: {exc}"
@@ -370,7 +368,9 @@ def save_checkpoint(
     return final
 
 
-def _meta(step: int, optimizer, trainer_state: dict[str, Any], sizes: dict[str, int]) -> dict[str, Any]:
+def _meta(
+    step: int, optimizer, trainer_state: dict[str, Any], files: dict[str, tuple[int, str]]
+) -> dict[str, Any]:
     from importlib.metadata import version
 
     try:
@@ -383,7 +383,11 @@ def _meta(step: int, optimizer, trainer_state: dict[str, Any], sizes: dict[str, 
         "weight_version": trainer_state.get("weight_version"),
         "layout": current_layout(optimizer),
         "versions": {"megatron-core": version("megatron-core"), "torch": torch.__version__},
-        "files": dict(sorted(sizes.items())),
+        "files": {name: size for name, (size, _) in sorted(files.items())},
+        "checksums": {
+            "algorithm": CHECKSUM_ALGORITHM,
+            "files": {name: digest for name, (_, digest) in sorted(files.items())},
+        },
         "trainer_state_keys": sorted(map(str, trainer_state)),
         "trainer_state": readable,
     }
@@ -415,39 +419,144 @@ def read_meta(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     """The parsed `meta.json` of one checkpoint directory.
 
     Raises:
-        CheckpointError: missing or not valid JSON, or lacking required fields.
+        CheckpointCorruptError: missing, not valid JSON, lacking required fields, or its content
+            does not match its own checksum.
+        CheckpointError: written in a format version this code cannot read.
     """
     path = Path(checkpoint_dir) / META_FILE
     if not path.exists():
-        raise CheckpointError(f"{path} is missing: {path.parent} is not a complete checkpoint")
+        raise CheckpointCorruptError(f"{path} is missing: {path.parent} is not a complete checkpoint")
     try:
         meta = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is corrupt (not valid JSON: {exc})") from exc
+        raise CheckpointCorruptError(f"{path} is corrupt (not valid JSON: {exc})") from exc
     required = ("format_version", "step", "layout", "files")
     if not isinstance(meta, dict) or any(key not in meta for key in required):
         have = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
-        raise CheckpointError(f"{path} is corrupt: needs fields {list(required)}, has {have}")
-    if meta["format_version"] != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format version {meta['format_version']}, expected {FORMAT_VERSION}")
+        raise CheckpointCorruptError(f"{path} is corrupt: needs fields {list(required)}, has {have}")
+    # Checked before the version, so a damaged version number is reported as damage.
+    if "meta_checksum" in meta and meta["meta_checksum"] != meta_checksum(meta):
+        raise CheckpointCorruptError(f"{path} is corrupt: its content does not match its recorded checksum")
+    if meta["format_version"] not in _READABLE_VERSIONS:
+        raise CheckpointError(
+            f"{path}: format version {meta['format_version']}, this code reads {list(_READABLE_VERSIONS)}"
+        )
+    if meta["format_version"] >= 2:
+        sums = meta.get("checksums")
+        if (
+            "meta_checksum" not in meta
+            or not isinstance(sums, dict)
+            or sums.get("algorithm") != CHECKSUM_ALGORITHM
+            or not isinstance(sums.get("files"), dict)
+        ):
+            raise CheckpointCorruptError(
+                f"{path} is corrupt: needs `meta_checksum` and `checksums` "
+                f"({{'algorithm': '{CHECKSUM_ALGORITHM}', 'files': {{name: hex}}}})"
+            )
     return meta
 
 
-def _check_files(directory: Path, meta: dict[str, Any]) -> None:
+def _check_files(directory: Path, meta: dict[str, Any], verify: list[str]) -> None:
+    """Every listed file present with its recorded size; the files in `verify` also checksummed."""
     world = meta["layout"]["world_size"]
     expected = {rank_file_name(r) for r in range(world)} | {TRAINER_STATE_FILE}
-    if set(meta["files"]) != expected:
-        raise CheckpointError(
+    sums = meta.get("checksums", {}).get("files")
+    if set(meta["files"]) != expected or (sums is not None and set(sums) != expected):
+        raise CheckpointCorruptError(
             f"{directory / META_FILE} lists files {sorted(meta['files'])}, expected {sorted(expected)}"
         )
     for name, size in sorted(meta["files"].items()):
         path = directory / name
         if not path.exists():
-            raise CheckpointError(f"{path} is missing (checkpoint written by {world} ranks)")
+            raise CheckpointCorruptError(f"{path} is missing (checkpoint written by {world} ranks)")
         if path.stat().st_size != size:
-            raise CheckpointError(
+            raise CheckpointCorruptError(
                 f"{path} has {path.stat().st_size} bytes, meta.json recorded {size}: truncated"
             )
+    for name in verify if sums is not None else ():
+        found = file_checksum(directory / name)
+        if found != sums[name]:
+            raise CheckpointCorruptError(
+                f"{directory / name} is corrupt: its {CHECKSUM_ALGORITHM} is {found[:16]}..., "
+                f"meta.json recorded {str(sums[name])[:16]}..."
+            )
+
+
+def _inspect(directory: Path, step: int, optimizer) -> tuple[str, str] | None:
+    """This rank's verdict on one checkpoint: None (intact), ("damaged", why) or ("refused", why).
+
+    Each rank checksums only what it will read: its own shard, and on rank 0 the trainer state.
+    """
+    rank, _ = _world()
+    try:
+        if not directory.is_dir():
+            raise CheckpointCorruptError(f"no checkpoint for step {step}: {directory} does not exist")
+        meta = read_meta(directory)
+        if meta["step"] != step:
+            raise CheckpointCorruptError(
+                f"{directory / META_FILE} records step {meta['step']}, expected {step}"
+            )
+        here = current_layout(optimizer)
+        saved = {key: meta["layout"].get(key) for key in here}
+        if saved != here:
+            raise CheckpointError(
+                f"{directory} was written with layout {_layout_text(saved)}; this run has "
+                f"{_layout_text(here)}. Per-rank checkpoints cannot be resharded: export the global "
+                "(HF) weights and start a run with the new layout from them."
+            )
+        _check_files(directory, meta, [rank_file_name(rank)] + ([TRAINER_STATE_FILE] if rank == 0 else []))
+    except CheckpointCorruptError as exc:
+        return "damaged", str(exc)
+    except CheckpointError as exc:
+        return "refused", str(exc)
+    return None
+
+
+def _damage_everywhere(directory: Path, step: int, optimizer) -> str | None:
+    """What any rank found damaged in one checkpoint (None if intact everywhere); collective.
+
+    Raises:
+        CheckpointError: a rank refuses the checkpoint for a reason an older one shares
+            (another layout, an unknown format version).
+    """
+    verdicts = [v for v in _all_gather(_inspect(directory, step, optimizer)) if v is not None]
+    refused = [why for kind, why in verdicts if kind == "refused"]
+    if refused:
+        raise CheckpointError(refused[0])
+    return "; ".join(dict.fromkeys(why for _, why in verdicts)) or None
+
+
+def _resume_candidates(root: Path, fallback: bool) -> tuple[list[int], list[str]]:
+    """Steps to try, newest first, and problems already found (an unreadable `latest`).
+
+    The step `latest` names comes first; with `fallback` the older complete ones follow.
+    """
+    try:
+        latest = latest_step(root)
+    except CheckpointCorruptError as exc:
+        if not fallback:
+            raise
+        return sorted(list_steps(root), reverse=True), [str(exc)]
+    if latest is None:
+        return [], []
+    older = [s for s in sorted(list_steps(root), reverse=True) if s < latest] if fallback else []
+    return [latest, *older], []
+
+
+def _repoint_latest(root: Path, directory: Path) -> None:
+    """Make `latest` name the checkpoint resumed from (collective).
+
+    The damaged newer checkpoints are then overwritten as the run reaches their steps again.
+    """
+    error = None
+    if _world()[0] == 0:
+        try:
+            write_text_atomically(root / LATEST_FILE, directory.name + "\n")
+        except OSError as exc:
+            error = f"could not point {root / LATEST_FILE} at {directory.name}: {exc}"
+    error = _broadcast(error)
+    if error:
+        raise CheckpointError(error)
 
 
 def load_checkpoint(
@@ -457,10 +566,12 @@ def load_checkpoint(
     optimizer,
     scheduler,
     step: int | None = None,
+    fallback: bool = False,
 ) -> dict[str, Any] | None:
     """Restore model, optimizer, scheduler and RNG states in place; return the trainer's state.
 
     Every rank calls it with the objects built exactly as for a fresh run of the same layout.
+    Files are verified (sizes, checksums) before any state is touched.
 
     Args:
         root: checkpoint root directory.
@@ -468,35 +579,50 @@ def load_checkpoint(
         optimizer: the megatron optimizer.
         scheduler: megatron's `OptimizerParamScheduler` (its settings must match the saved ones).
         step: checkpoint to load; default the one `latest` names.
+        fallback: with `step` None, skip damaged checkpoints (logging a warning that names the
+            step and the damaged file) for the newest older intact one, and point `latest` at it.
 
     Returns:
         The `trainer_state` passed to `save_checkpoint` (on every rank), or None when `step` is
         None and `root` holds no complete checkpoint yet.
 
     Raises:
-        CheckpointError: the checkpoint is missing, incomplete, corrupt, or was written with
-            another parallel layout (resharding is not supported by this format).
+        CheckpointCorruptError: the checkpoint is missing, incomplete or damaged (with
+            `fallback`: every candidate is, each one's problem listed).
+        CheckpointError: the checkpoint was written with another parallel layout (resharding is
+            not supported by this format) or an unknown format version.
     """
     root = Path(root)
-    if step is None:
-        step = latest_step(root)
-        if step is None:
+    problems: list[str] = []
+    if step is not None:
+        candidates = [step]
+    else:
+        candidates, problems = _resume_candidates(root, fallback)
+        if not candidates and not problems:
             return None
-    directory = root / step_dir_name(step)
-    if not directory.is_dir():
-        raise CheckpointError(f"no checkpoint for step {step}: {directory} does not exist")
-    meta = read_meta(directory)
-    if meta["step"] != step:
-        raise CheckpointError(f"{directory / META_FILE} records step {meta['step']}, expected {step}")
-    here = current_layout(optimizer)
-    saved = {key: meta["layout"].get(key) for key in here}
-    if saved != here:
-        raise CheckpointError(
-            f"{directory} was written with layout {_layout_text(saved)}; this run has {_layout_text(here)}. "
-            "Per-rank checkpoints cannot be resharded: export the global (HF) weights and start a "
-            "run with the new layout from them."
-        )
-    _check_files(directory, meta)
+    is_rank0 = _world()[0] == 0
+    for candidate in candidates:
+        directory = root / step_dir_name(candidate)
+        damage = _damage_everywhere(directory, candidate, optimizer)
+        if damage is None:
+            if problems:
+                _repoint_latest(root, directory)
+                if is_rank0:
+                    logger.warning(
+                        "resuming from %s, the newest intact checkpoint under %s (`latest` now names it)",
+                        directory.name,
+                        root,
+                    )
+            return _restore(directory, model, optimizer, scheduler)
+        if not fallback:
+            raise CheckpointCorruptError(damage)
+        problems.append(f"{directory.name}: {damage}")
+        if is_rank0:
+            logger.warning("checkpoint %s is damaged and skipped: %s", directory.name, damage)
+    raise CheckpointCorruptError(f"no intact checkpoint under {root}: " + "; ".join(problems))
+
+
+def _restore(directory: Path, model: torch.nn.Module, optimizer, scheduler) -> dict[str, Any]:
     rank, _ = _world()
     path = directory / rank_file_name(rank)
     # Trusted files written by this module: optimizer/RNG states hold non-tensor Python objects.

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.algorithms.drift import DriftCounts, drift_counts
+from megatron_gspo.model.distributed import compute_device
 from megatron_gspo.model.routing import (
     LayerRouting,
     RoutingCapture,
@@ -36,6 +37,7 @@ from megatron_gspo.model.routing import (
     routing_token_mask,
 )
 from megatron_gspo.rollout import RolloutBatch
+from megatron_gspo.training.batch_scatter import RankRows
 from megatron_gspo.training.forward import MicroBatch
 
 
@@ -68,7 +70,7 @@ class StepRouting:
         router = moe_routers(model)[0]
         self.num_experts, self.num_layers = router.config.num_moe_experts, len(moe_routers(model))
         self.tp = {"tp_rank": tp_rank, "tp_size": tp_size, "sequence_parallel": sequence_parallel}
-        self._batch: RolloutBatch | None = None
+        self._batch: RolloutBatch | RankRows | None = None
         self._old: dict[int, LayerRouting] = {}
         self._targets: dict[int, LayerRouting] = {}
         self._old_new: dict[int, DriftCounts] = {}
@@ -84,7 +86,7 @@ class StepRouting:
         """Whether anything routing-related happens in a step."""
         return self.mode != "none" or self.drift
 
-    def begin_step(self, batch: RolloutBatch) -> None:
+    def begin_step(self, batch: RolloutBatch | RankRows) -> None:
         """Forget the last step; keep the batch's routed experts (R3 targets, inference drift)."""
         if self.mode == "r3" and batch.routed_experts is None:
             raise ValueError("routing_replay=r3 needs rollouts with routed_experts (return_routed_experts)")
@@ -111,12 +113,7 @@ class StepRouting:
             old = capture.routing()
             self._old[id(micro)] = old
             if self._batch is not None and self._batch.routed_experts is not None:
-                counts = drift_counts(
-                    self._rollout_routing(micro).stacked(),
-                    old.stacked(),
-                    num_experts=self.num_experts,
-                    mask=self._mask(micro),
-                )
+                counts = self._counts(self._rollout_routing(micro), old, micro)
                 self._infer = counts if self._infer is None else self._infer + counts
 
     @contextlib.contextmanager
@@ -130,17 +127,22 @@ class StepRouting:
             capture = stack.enter_context(RoutingCapture(self.model, source="router")) if self.drift else None
             yield
         if capture is not None and id(micro) in self._old:
-            counts = drift_counts(
-                self._old[id(micro)].stacked(),
-                capture.routing().stacked(),
-                num_experts=self.num_experts,
-                mask=self._mask(micro),
-            )
+            counts = self._counts(self._old[id(micro)], capture.routing(), micro)
             previous = self._old_new.get(mini_batch)
             self._old_new[mini_batch] = counts if previous is None else previous + counts
 
+    def _counts(self, a: LayerRouting, b: LayerRouting, micro: MicroBatch) -> DriftCounts:
+        """Drift sums of routing b against a, on the compute device (they are all-reduced later)."""
+        device = compute_device()
+        return drift_counts(
+            a.stacked().to(device),
+            b.stacked().to(device),
+            num_experts=self.num_experts,
+            mask=self._mask(micro).to(device),
+        )
+
     def _reduce(self, counts: DriftCounts) -> DriftCounts:
-        flat = counts.as_tensor()
+        flat = counts.as_tensor().to(compute_device())
         if dist.is_initialized():
             dist.all_reduce(flat)  # every (token, layer) lives on exactly one rank
         return DriftCounts.from_tensor(flat, self.num_layers, self.num_experts)
@@ -160,7 +162,7 @@ class StepRouting:
                 later = reduced if later is None else later + reduced
         if later is not None:
             out.update(later.summary().metrics("drift/old_new"))
-        has_rollout = torch.tensor(float(self._infer is not None))
+        has_rollout = torch.tensor(float(self._infer is not None), device=compute_device())
         if dist.is_initialized():
             dist.all_reduce(has_rollout, op=dist.ReduceOp.MIN)
         if has_rollout:

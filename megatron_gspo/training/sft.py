@@ -58,9 +58,10 @@ def run_sft(
         packed = pack_uniform([tokens for tokens, _ in mine], pad_multiple=layout.pad_multiple)
         zero_grads(model, optimizer)
         logprobs, _ = forward_microbatch(model, packed)
-        mask = torch.zeros_like(logprobs, dtype=torch.bool)
+        mask = torch.zeros(logprobs.shape, dtype=torch.bool)  # built on the host, moved once
         for row, (_, target_mask) in enumerate(mine):
             mask[row, : len(target_mask)] = target_mask
+        mask = mask.to(logprobs.device)
         nll = -(logprobs * mask).sum() / total_targets
         (nll * dp_loss_scale()).backward()
         stepped, _ = optimizer_step(model, optimizer, scheduler)

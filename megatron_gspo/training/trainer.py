@@ -1,11 +1,14 @@
 """The RL loop: cold start, then per step rollout, reward, advantages, mini-batch updates, weight sync.
 
-Every rank trains; global rank 0 alone talks to the rollout engine and broadcasts each step's
-batch. One step (see /design: data flow):
+Every rank trains; global rank 0 alone talks to the rollout engine. One step (see /design:
+data flow):
 
 1. rank 0 samples `rollout_batch_size` prompts x G responses (one batch request per server),
-   validates them (`rollout.on_invalid`) and scores them; the batch goes to every rank;
-2. group advantages; a batch whose advantages are all zero is reported and not trained on;
+   validates them (`rollout.on_invalid`) and scores them;
+2. rank 0 computes the group advantages and the batch metrics over the whole batch; the
+   metrics (or rank 0's exception) reach every rank over the gloo control plane, and each
+   data-parallel rank receives only the rows it trains on (`batch_scatter`); a batch whose
+   advantages are all zero is reported and not trained on;
 3. `num_mini_batches` optimizer steps (`update.py`); a non-finite loss or gradient skips that
    optimizer step with the weights untouched and is counted;
 4. the weights are exported as an HF checkpoint (RAM-backed dir when available) and the
@@ -31,19 +34,22 @@ import torch.distributed as dist
 from megatron_gspo.algorithms import RunningMeanStd, compute_group_advantages
 from megatron_gspo.config import ConfigError, RunConfig, build_model_config, build_task, to_yaml, validate
 from megatron_gspo.model.builder import build_model
+from megatron_gspo.model.control_plane import broadcast_from_rank0, call_on_rank0, on_rank0
 from megatron_gspo.model.convert import export_hf_checkpoint, load_hf_checkpoint
-from megatron_gspo.model.distributed import destroy_distributed, init_distributed
+from megatron_gspo.model.distributed import compute_device, destroy_distributed, init_distributed
 from megatron_gspo.model.optim import build_optimizer, wrap_ddp
 from megatron_gspo.rollout import RolloutBatch
 from megatron_gspo.tasks import PromptStream, evaluate_accuracy
-from megatron_gspo.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
+from megatron_gspo.training.batch_scatter import scatter_rank_rows
+from megatron_gspo.training.checkpoint import load_checkpoint, resumable_step, save_checkpoint
 from megatron_gspo.training.metrics import MetricsLogger
 from megatron_gspo.training.rollout_step import RolloutEngine, rollout_servers
 from megatron_gspo.training.routing_step import StepRouting
 from megatron_gspo.training.sft import run_sft
+from megatron_gspo.training.shm_exports import claim_export_dir
 from megatron_gspo.training.update import (
     DataLayout,
-    plan_mini_batches,
+    plan_rank_rows,
     recompute_and_measure,
     recompute_old_logprobs,
     train_on_batch,
@@ -71,28 +77,6 @@ def weight_sync_dir(cfg: RunConfig) -> Path:
         tag = hashlib.blake2b(str(Path(cfg.trainer.run_dir).resolve()).encode(), digest_size=6).hexdigest()
         return Path("/dev/shm", f"megatron-gspo-{tag}", "policy")
     return Path(cfg.trainer.run_dir, "weights", "policy")
-
-
-def _broadcast(obj: Any) -> Any:
-    """Rank 0's object on every rank (an exception is re-raised everywhere)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        obj = box[0]
-    if isinstance(obj, BaseException):
-        raise obj
-    return obj
-
-
-def _on_rank0(fn, *args, **kwargs) -> Any:
-    """Run `fn` on global rank 0 and give its result (or its exception) to every rank."""
-    result = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            result = fn(*args, **kwargs)
-        except Exception as err:  # every rank must learn about it, or the others hang
-            result = err
-    return _broadcast(result)
 
 
 def _fit_layout(
@@ -170,18 +154,25 @@ class Trainer:
         self.step, self.weight_version = 0, 0
         self.ckpt_root = self.run_dir / "checkpoints"
         self.sync_dir = weight_sync_dir(cfg)
+        if self.rank0 and str(self.sync_dir).startswith("/dev/shm/"):
+            claim_export_dir(self.sync_dir.parent)  # after removing the exports of runs that died
         self.heldout = self.task.heldout(cfg.eval.num_problems)
 
     # ------------------------------------------------------------------ setup
 
     def _restore_or_cold_start(self) -> dict[str, float]:
         cfg = self.cfg
-        existing = latest_step(self.ckpt_root)
+        existing = resumable_step(self.ckpt_root)
         if existing is not None and not cfg.trainer.resume:
             # Fail before any work: a fresh run would end by refusing to overwrite these checkpoints.
             raise ConfigError(
                 f"trainer.run_dir={self.run_dir} already holds checkpoints up to step {existing}: "
                 "pass --resume to continue that run, or choose a new trainer.run_dir"
+            )
+        if cfg.trainer.resume and existing is None and not cfg.trainer.resume_or_start:
+            raise ConfigError(
+                f"--resume: trainer.run_dir={self.run_dir} holds no checkpoint; "
+                "drop --resume to start a new run, or pass --resume-or-start"
             )
         resume_step = existing if cfg.trainer.resume else None
         start: dict[str, float] = {}
@@ -194,8 +185,12 @@ class Trainer:
             self.model, cfg.optim, distributed_optimizer=cfg.parallel.distributed_optimizer, total_steps=total
         )
         if resume_step is not None:
-            state = load_checkpoint(
-                self.ckpt_root, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+            state = load_checkpoint(  # a damaged newest checkpoint falls back to an older intact one
+                self.ckpt_root,
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                fallback=True,
             )
             self.step, self.weight_version = int(state["step"]), int(state["weight_version"])
             self.stream.load_state_dict(state["prompt_stream"])
@@ -229,24 +224,22 @@ class Trainer:
             return {"eval/accuracy": result["accuracy"], "eval/mean_reward": result["mean_reward"]}
 
         start = time.perf_counter()
-        out = _on_rank0(run)
+        out = on_rank0(run)
         out["time/eval_s"] = time.perf_counter() - start
         return out
 
-    def train_step(self, engine: RolloutEngine | None) -> dict[str, float]:
-        """One RL step (collective); returns its metrics."""
-        cfg, algo = self.cfg, self.cfg.algorithm
-        self.step += 1
-        t0 = time.perf_counter()
-        problems = self.stream.next_batch()  # every rank advances its stream (same state everywhere)
-        batch = _on_rank0(
-            lambda: engine.sample_groups(
-                problems, seed=cfg.trainer.seed, step=self.step, weight_version=self.weight_version
-            )
+    def _sample_and_score(self, engine: RolloutEngine, problems) -> tuple[Any, torch.Tensor, dict[str, Any]]:
+        """Rank 0: the step's batch, its advantages and what every rank must know about it.
+
+        Advantages and `rollout/*` metrics need the whole batch, so they are computed here,
+        before the rows are split over data-parallel ranks (reward running statistics live on
+        rank 0, which alone writes them into checkpoints).
+        """
+        algo = self.cfg.algorithm
+        batch = engine.sample_groups(
+            problems, seed=self.cfg.trainer.seed, step=self.step, weight_version=self.weight_version
         )
-        t1 = time.perf_counter()
         metrics = rollout_metrics(batch)
-        self.counters["dropped_groups"] += batch.stats.get("dropped_groups", 0)
         advantages, adv_metrics = compute_group_advantages(
             batch.rewards,
             batch.group_size,
@@ -258,18 +251,42 @@ class Trainer:
             running_stats=self.running,
         )
         metrics.update({k: float(v) for k, v in adv_metrics.items()})
+        dropped = int(batch.stats.get("dropped_groups", 0))
         batch, advantages = _fit_layout(batch, advantages, algo.num_mini_batches * self.layout.dp_size)
         all_zero = batch is None or bool((advantages == 0).all())
+        tokens = 0 if all_zero else int((batch.prompt_lengths + batch.response_lengths).sum())
+        shared = {"metrics": metrics, "dropped_groups": dropped, "all_zero": all_zero, "train_tokens": tokens}
+        return batch, advantages, shared
+
+    def train_step(self, engine: RolloutEngine | None) -> dict[str, float]:
+        """One RL step (collective); returns its metrics."""
+        cfg, algo = self.cfg, self.cfg.algorithm
+        self.step += 1
+        t0 = time.perf_counter()
+        problems = self.stream.next_batch()  # every rank advances its stream (same state everywhere)
+        local = call_on_rank0(self._sample_and_score, engine, problems)
+        shared = broadcast_from_rank0(local[2] if isinstance(local, tuple) else local)
+        batch, advantages = local[:2] if isinstance(local, tuple) else (None, None)
+        t1 = time.perf_counter()
+        metrics = dict(shared["metrics"])
+        self.counters["dropped_groups"] += shared["dropped_groups"]
+        all_zero = shared["all_zero"]
         metrics["train/all_zero_adv_batch"] = float(all_zero)
         if all_zero:
             self.counters["all_zero_adv_batches"] += 1
             logger.warning("step %d: every advantage is zero; nothing to learn, update skipped", self.step)
-            train_tokens = 0
         else:
-            plan = plan_mini_batches(batch, advantages, algo.num_mini_batches, self.layout)
+            rows = scatter_rank_rows(
+                batch,
+                advantages,
+                num_mini_batches=algo.num_mini_batches,
+                routed_experts=self._needs_routed_experts(),
+                device=compute_device(),
+            )
+            plan = plan_rank_rows(rows, algo.num_mini_batches, self.layout)
             routing = self.routing if self.routing.active else None
             if routing is not None:
-                routing.begin_step(batch)
+                routing.begin_step(rows)
             if algo.old_logprobs == "recompute":
                 metrics.update(
                     recompute_and_measure(self.model, plan, cfg.rollout.temperature, routing=routing)
@@ -292,11 +309,10 @@ class Trainer:
                 )
             )
             self.counters["skipped_steps"] += int(metrics["train/skipped_steps"])
-            train_tokens = int((batch.prompt_lengths + batch.response_lengths).sum())
         t2 = time.perf_counter()
         path = self._export()
         self.weight_version += 1
-        _on_rank0(lambda: engine.update_weights(path, self.weight_version))
+        on_rank0(lambda: engine.update_weights(path, self.weight_version))
         t3 = time.perf_counter()
         metrics.update(
             {
@@ -304,7 +320,7 @@ class Trainer:
                 "time/rollout_s": t1 - t0,
                 "time/train_s": t2 - t1,
                 "time/sync_s": t3 - t2,
-                "perf/train_tokens_per_s": train_tokens / max(t2 - t1, 1e-9),
+                "perf/train_tokens_per_s": shared["train_tokens"] / max(t2 - t1, 1e-9),
                 "counters/skipped_steps": float(self.counters["skipped_steps"]),
                 "counters/all_zero_adv_batches": float(self.counters["all_zero_adv_batches"]),
                 "counters/dropped_groups": float(self.counters["dropped_groups"]),
@@ -367,6 +383,10 @@ class Trainer:
                 log.log(self.step, metrics)
         log.close()
         return {"last": log.last, "evals": evals}
+
+    def _needs_routed_experts(self) -> bool:
+        """Whether this step's rows must carry the rollout engine's routing (R3 targets, drift)."""
+        return self.routing.mode == "r3" or self.routing.drift
 
     def _routed_experts_layout(self) -> tuple[int, int, int] | None:
         """(layers, k, experts) when rollouts must carry routed experts (R3, drift), else None."""

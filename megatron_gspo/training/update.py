@@ -1,8 +1,10 @@
 """Update stage of an RL step: rollout batch -> mini-batches -> micro-batches -> optimizer steps.
 
-The batch (rows group-major, identical on every rank) is cut into `num_mini_batches`
-contiguous mini-batches, one optimizer step each; data-parallel rank `r` of `D` takes rows
-`r, r + D, ...` of every mini-batch, cut into micro-batches packed once per step. The loss
+The batch (rows group-major, on rank 0) is cut into `num_mini_batches` contiguous
+mini-batches, one optimizer step each; data-parallel rank `r` of `D` trains on rows
+`r, r + D, ...` of every mini-batch (`dp_rows`; rank 0 sends each rank only those,
+`batch_scatter`), cut into micro-batches packed once per step. Per-token data, the loss and
+every tensor a collective touches live on `compute_device()`. The loss
 normaliser of a mini-batch is computed over all its rows (all-reduced over DP) and every
 micro-batch divides by it, so the summed gradient does not depend on the split; megatron's
 DDP averages gradients over DP, hence the `dp_loss_scale` factor.
@@ -24,8 +26,10 @@ import torch.distributed as dist
 
 from megatron_gspo.algorithms import compute_loss_normalizer, compute_policy_loss
 from megatron_gspo.config import AlgorithmConfig
+from megatron_gspo.model.distributed import compute_device
 from megatron_gspo.model.optim import dp_loss_scale, optimizer_step, zero_grads
 from megatron_gspo.rollout import RolloutBatch
+from megatron_gspo.training.batch_scatter import RankRows, dp_rows
 from megatron_gspo.training.forward import MicroBatch, forward_microbatch, pack_uniform
 
 
@@ -61,7 +65,7 @@ class DataLayout:
 def plan_mini_batches(
     batch: RolloutBatch, advantages: torch.Tensor, num_mini_batches: int, layout: DataLayout
 ) -> list[list[MicroBatch]]:
-    """This rank's micro-batches of every mini-batch, packed (collective over the EP group).
+    """`plan_rank_rows` of this rank's rows of a batch held locally (a world of one, tests).
 
     Args:
         batch: the step's rollout batch ([B, S] tensors).
@@ -69,33 +73,48 @@ def plan_mini_batches(
         num_mini_batches: optimizer steps of the step; B must split evenly into them x DP.
         layout: this rank's place.
     """
-    size = batch.batch_size // num_mini_batches
-    if size * num_mini_batches != batch.batch_size or size % layout.dp_size:
+    rows = dp_rows(batch.batch_size, num_mini_batches, layout.dp_rank, layout.dp_size)
+    local = RankRows.from_batch(batch, advantages, rows, routed_experts=False, device=compute_device())
+    return plan_rank_rows(local, num_mini_batches, layout)
+
+
+def plan_rank_rows(rows: RankRows, num_mini_batches: int, layout: DataLayout) -> list[list[MicroBatch]]:
+    """This rank's micro-batches of every mini-batch, packed (collective over the EP group).
+
+    Args:
+        rows: this rank's rows in mini-batch order (`dp_rows`), N = num_mini_batches x n.
+        num_mini_batches: optimizer steps of the step.
+        layout: this rank's place (micro-batch size, padding multiple).
+
+    Returns:
+        Per mini-batch, its micro-batches; `MicroBatch.indices` index `rows`, and the
+        per-token tensors live on the device of `rows.response_mask` (the compute device).
+    """
+    n = rows.num_rows // num_mini_batches
+    if n * num_mini_batches != rows.num_rows or n == 0:
         raise ValueError(
-            f"{batch.batch_size} responses do not split into {num_mini_batches} mini-batches x "
-            f"{layout.dp_size} data-parallel ranks"
+            f"{rows.num_rows} rows of this rank do not split into {num_mini_batches} mini-batches"
         )
-    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+    lengths = (rows.prompt_lengths + rows.response_lengths).tolist()
     plan = []
     for m in range(num_mini_batches):
-        rows = list(range(m * size, (m + 1) * size))[layout.dp_rank :: layout.dp_size]
-        step = layout.micro_batch_size or len(rows)
+        step = layout.micro_batch_size or n
         micro_batches = []
-        for start in range(0, len(rows), step):
-            idx = rows[start : start + step]
+        for start in range(m * n, (m + 1) * n, step):
+            idx = list(range(start, min(start + step, (m + 1) * n)))
             packed = pack_uniform(
-                [batch.tokens[i, : lengths[i]] for i in idx], pad_multiple=layout.pad_multiple
+                [rows.tokens[i, : lengths[i]] for i in idx], pad_multiple=layout.pad_multiple
             )
             t = packed.max_len
-            rollout_logprobs = batch.rollout_logprobs[idx, :t]
+            rollout_logprobs = rows.rollout_logprobs[idx, :t]
             micro_batches.append(
                 MicroBatch(
                     indices=idx,
                     packed=packed,
-                    response_mask=batch.response_mask[idx, :t].bool(),
+                    response_mask=rows.response_mask[idx, :t].bool(),
                     old_logprobs=rollout_logprobs.clone(),
                     rollout_logprobs=rollout_logprobs,
-                    advantages=advantages[idx].float(),
+                    advantages=rows.advantages[idx].float(),
                 )
             )
         plan.append(micro_batches)
@@ -105,10 +124,10 @@ def plan_mini_batches(
 class _Mismatch:
     """Accumulates |log pi_trainer - log pi_rollout| over response tokens."""
 
-    def __init__(self) -> None:
-        self.total = torch.zeros((), dtype=torch.float64)
-        self.count = torch.zeros((), dtype=torch.float64)
-        self.max = torch.zeros((), dtype=torch.float64)
+    def __init__(self, device: torch.device) -> None:
+        self.total = torch.zeros((), dtype=torch.float64, device=device)
+        self.count = torch.zeros((), dtype=torch.float64, device=device)
+        self.max = torch.zeros((), dtype=torch.float64, device=device)
 
     def add(self, logprobs: torch.Tensor, micro: MicroBatch) -> None:
         diff = (logprobs.detach().double() - micro.rollout_logprobs.double()).abs()[micro.response_mask]
@@ -170,7 +189,8 @@ def _reduce_metrics(
     if not per_micro:
         return {}
     keys = sorted(per_micro[0])
-    stacked = {k: torch.stack([m[k].float() for m in per_micro]) for k in keys}
+    device = compute_device()
+    stacked = {k: torch.stack([m[k].to(device, torch.float32) for m in per_micro]) for k in keys}
     kinds = {
         "max": [k for k in keys if k.endswith("_max")],
         "min": [k for k in keys if k.endswith("_min")],
@@ -232,16 +252,16 @@ def train_on_batch(
         `train/optimizer_steps`, `train/skipped_steps` (non-finite, weights untouched) and,
         unless pi_old was recomputed, the rollout/trainer log-prob mismatch.
     """
-    group = _dp_group()
+    group, device = _dp_group(), compute_device()
     mode = algo.loss_agg_mode or "seq-mean-token-mean"
     norm_kwargs = {"max_response_length": max_response_length} if mode == "seq-mean-token-sum-norm" else {}
-    mismatch = _Mismatch() if algo.old_logprobs == "rollout" else None
+    mismatch = _Mismatch(device) if algo.old_logprobs == "rollout" else None
     per_micro: list[dict[str, torch.Tensor]] = []
     grad_norms, skipped = [], 0
     for m, micro_batches in enumerate(plan):
-        normalizer = sum(
-            compute_loss_normalizer(mb.response_mask, mode, **norm_kwargs) for mb in micro_batches
-        ).to(torch.float64)
+        normalizer = torch.zeros((), dtype=torch.float64, device=device)
+        for mb in micro_batches:
+            normalizer += compute_loss_normalizer(mb.response_mask, mode, **norm_kwargs).to(device)
         if dist.is_initialized():
             dist.all_reduce(normalizer, group=group)
         zero_grads(model, optimizer)
@@ -292,7 +312,7 @@ def recompute_and_measure(
 ) -> dict[str, float]:
     """`recompute_old_logprobs`, and the rollout/trainer mismatch it reveals (before any update)."""
     recompute_old_logprobs(model, plan, temperature, routing=routing)
-    mismatch = _Mismatch()
+    mismatch = _Mismatch(compute_device())
     for micro_batches in plan:
         for micro in micro_batches:
             mismatch.add(micro.old_logprobs, micro)

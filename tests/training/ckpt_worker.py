@@ -1,11 +1,12 @@
 """Train the tiny run, checkpoint it, and either continue uninterrupted or resume in a new process.
 
-    python ckpt_worker.py full   --root R --out O [--save-at 3] [--steps 5] [--ep 2] [--distopt]
-    python ckpt_worker.py resume --root R --out O [--steps 5] [--ep 2] [--distopt]
+    python ckpt_worker.py full   --root R --out O [--save-at 3 [4 ...]] [--steps 5] [--ep 2] [--distopt]
+    python ckpt_worker.py resume --root R --out O [--steps 5] [--ep 2] [--distopt] [--fallback]
 
 Under torchrun every rank writes `O.rank<r>.pt`: the metrics of the steps after the checkpoint,
-one draw from each RNG stream right after the save (full) or the load (resume), the final
-global weights and the trainer state at the end.
+one draw from each RNG stream right after the (first) save (full) or the load (resume), the
+final global weights and the trainer state at the end. `--fallback` resumes as the trainer's
+`--resume` does: from the newest intact checkpoint.
 """
 
 from __future__ import annotations
@@ -31,19 +32,20 @@ def main() -> None:
     parser.add_argument("mode", choices=["full", "resume"])
     parser.add_argument("--root", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--save-at", type=int, default=3)
+    parser.add_argument("--save-at", type=int, nargs="+", default=[3])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--distopt", action="store_true")
+    parser.add_argument("--fallback", action="store_true")
     args = parser.parse_args()
     run = build_run(ParallelConfig(expert_parallel=args.ep, distributed_optimizer=args.distopt))
     metrics, probes = [], None
     if args.mode == "full":
         while run.step < args.steps:
             step_metrics = train_step(run)
-            if run.step > args.save_at:
+            if run.step > min(args.save_at):
                 metrics.append(step_metrics)
-            if run.step == args.save_at:
+            if run.step in args.save_at:
                 save_checkpoint(
                     args.root,
                     run.step,
@@ -52,9 +54,16 @@ def main() -> None:
                     scheduler=run.scheduler,
                     trainer_state=run.trainer_state(),
                 )
-                probes = draw_probes()
+                if run.step == min(args.save_at):
+                    probes = draw_probes()
     else:
-        state = load_checkpoint(args.root, model=run.ddp, optimizer=run.optimizer, scheduler=run.scheduler)
+        state = load_checkpoint(
+            args.root,
+            model=run.ddp,
+            optimizer=run.optimizer,
+            scheduler=run.scheduler,
+            fallback=args.fallback,
+        )
         probes = draw_probes()
         run.load_trainer_state(state)
         while run.step < args.steps:

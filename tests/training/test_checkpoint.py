@@ -21,6 +21,7 @@ from megatron_gspo.training.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from megatron_gspo.training.checkpoint_files import write_meta
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -211,7 +212,7 @@ def test_layout_mismatch_names_both_layouts(saved, tmp_path):
         _load(run, root)
     meta = json.loads((directory / "meta.json").read_text())
     meta["layout"].update(world_size=4, expert_parallel=2, data_parallel=4)
-    (directory / "meta.json").write_text(json.dumps(meta))
+    write_meta(directory / "meta.json", meta)  # a consistent meta.json of another layout
     plain = build_run(ParallelConfig(), init=False)
     with pytest.raises(
         CheckpointError, match=r"world=4 TP=1 EP=2 .* this run has world=1 TP=1 EP=1 .*export the global"

@@ -1,4 +1,5 @@
-"""Resume in a fresh process equals the uninterrupted run: world 1, and EP2 x DP2 under torchrun."""
+"""Resume in a fresh process equals the uninterrupted run: world 1, and EP2 x DP2 under torchrun,
+also when the newest checkpoint is damaged on one rank (all ranks fall back together)."""
 
 import os
 import subprocess
@@ -15,18 +16,20 @@ WORKER = Path(__file__).with_name("ckpt_worker.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _launch(mode, root, out, *, world=1, extra=()):
+def _launch(mode, root, out, *, world=1, extra=(), log=None):
     prefix = [sys.executable]
     if world > 1:
         prefix += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
     cmd = [*prefix, str(WORKER), mode, "--root", str(root), "--out", str(out), *extra]
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
+    if log is not None:
+        log.append(done.stderr)
     return [torch.load(f"{out}.rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def _assert_same_continuation(full, resumed):
-    assert len(full["metrics"]) == 2
+def _assert_same_continuation(full, resumed, steps=2):
+    assert len(full["metrics"]) == steps
     assert resumed["metrics"] == full["metrics"]  # losses, grad norms, learning rates: exact
     assert full["weights"].keys() == resumed["weights"].keys()
     assert all(torch.equal(full["weights"][k], resumed["weights"][k]) for k in full["weights"])
@@ -76,3 +79,23 @@ def test_expert_parallel_distributed_optimizer_resume_is_exact(tmp_path):
     assert done.returncode != 0
     assert "written with layout world=2 TP=1 EP=2 ETP=1 DP=2 distributed_optimizer=True" in done.stderr
     assert "this run has world=1 TP=1 EP=1 ETP=1 DP=1 distributed_optimizer=False" in done.stderr
+
+
+@pytest.mark.multiprocess
+def test_damaged_shard_on_one_rank_makes_every_rank_resume_from_the_previous_checkpoint(tmp_path):
+    args = ("--ep", "2", "--distopt")
+    root = tmp_path / "ckpt"
+    full = _launch("full", root, tmp_path / "full", world=2, extra=(*args, "--save-at", "2", "3"))
+    assert latest_step(root) == 3
+    shard = root / "step_00000003" / "rank_00001.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit: same size, only the checksum can tell
+    shard.write_bytes(bytes(data))
+    log = []
+    resumed = _launch("resume", root, tmp_path / "resumed", world=2, extra=(*args, "--fallback"), log=log)
+    for rank in range(2):  # rank 0's own shard of step 3 is intact, yet it resumes from step 2 too
+        _assert_same_continuation(full[rank], resumed[rank], steps=3)
+    assert log[0].count("checkpoint step_00000003 is damaged and skipped") == 1  # said once, by rank 0
+    assert f"{shard} is corrupt: its sha256 is" in log[0]
+    assert "resuming from step_00000002, the newest intact checkpoint" in log[0]
+    assert latest_step(root) == 2
