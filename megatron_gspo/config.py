@@ -92,6 +92,9 @@ class RolloutConfig:
     """How long to wait for the embedded server (or the given URLs) to become healthy."""
     server_threads: int = 1
     """torch threads of the embedded server."""
+    deterministic_inference: bool = False
+    """Reproducible rollouts: a row's sampling seed always gives the same tokens. SGLang needs
+    `--enable-deterministic-inference` for that (launch/sglang_servers.sh passes it; slower)."""
 
 
 @dataclass
@@ -128,6 +131,9 @@ class AlgorithmConfig:
     """KL estimator: k1, k2 or k3."""
     routing_replay: Literal["none", "r2", "r3"] = "none"
     """Routing Replay: none, r2 (trainer's own pi_old routing) or r3 (rollout engine's routing)."""
+    aux_loss_coeff: float = 0.0
+    """Load-balancing aux loss in RL (0: off; the checkpoint's router_aux_loss_coef is not used).
+    When on, it is weighted per micro-batch like the policy loss (see training/update.py)."""
 
 
 @dataclass
@@ -408,6 +414,9 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         raise ConfigError(f"algorithm.kl_estimator={algo.kl_estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
     if algo.num_mini_batches < 1:
         raise ConfigError(f"algorithm.num_mini_batches must be >= 1, got {algo.num_mini_batches}")
+    if algo.aux_loss_coeff < 0:
+        raise ConfigError(f"algorithm.aux_loss_coeff must be >= 0 (0: off), got {algo.aux_loss_coeff}")
+    _check_expert_tp(cfg)
     if algo.routing_replay != "none" and cfg.engine.router_fusion:
         raise ConfigError(
             "algorithm.routing_replay with engine.router_fusion: the fused router top-k silently bypasses "
@@ -459,6 +468,19 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         )
 
 
+def _check_expert_tp(cfg: RunConfig) -> None:
+    """Expert TP > 1 with grouped GEMM: HF import/export do not handle that weight layout yet."""
+    from megatron_gspo.model.fusion import KernelAvailability, wants_fused_kernels
+
+    etp = cfg.parallel.expert_tp
+    if etp > 1 and wants_fused_kernels(cfg.engine, KernelAvailability.detect()):
+        raise ConfigError(
+            f"expert tensor parallel {etp} (parallel.expert_tensor_parallel, default tensor_parallel) with "
+            "grouped GEMM (engine.fused_kernels): HF import/export do not support that expert layout yet; "
+            "set parallel.expert_tensor_parallel=1 or engine.fused_kernels=false"
+        )
+
+
 def build_task(cfg: RunConfig):
     """The configured task; raises `ConfigError` for an option the task does not take."""
     from megatron_gspo.tasks import get_task
@@ -467,3 +489,5 @@ def build_task(cfg: RunConfig):
         return get_task(cfg.task.name, **cfg.task.options)
     except (KeyError, TypeError, ValueError) as err:
         raise ConfigError(f"task: {err.args[0] if err.args else err}") from None
+    except OSError as err:  # a data file that is missing or unreadable
+        raise ConfigError(f"task {cfg.task.name!r}: {err.filename or ''}: {err.strerror or err}") from None

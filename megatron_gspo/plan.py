@@ -1,15 +1,18 @@
 """`megatron-gspo plan`: dry-run a run config for a cluster without building anything.
 
 Validates the config for a world size exactly as `train` would, then prints how the
-policy is sharded and a per-GPU memory estimate of the model states (weights, fp32 grad
-buffers, optimizer states) so a layout for H100 nodes can be checked on a laptop or in CI.
-Activations, the KV cache of colocated engines and allocator overhead are not included:
-keep a margin (`--activation-headroom-gb`).
+policy is sharded and a per-GPU memory estimate: model states (weights, fp32 grad buffers,
+optimizer states) and the activations of one micro-batch (logits and their fp32 copy, the
+tensors each layer keeps for backward, with or without activation recompute), so a layout
+for H100 nodes can be checked on a laptop or in CI. A layout whose estimate plus a reserve
+(CUDA context, NCCL buffers, allocator fragmentation) exceeds the GPU memory is refused.
+The KV cache of colocated rollout engines is not included (rollouts run on other nodes).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 
 GIB = 1024**3
@@ -60,26 +63,120 @@ def shard_plan(model, parallel, engine, world_size: int) -> ShardPlan:
     )
 
 
+@dataclass
+class ActivationPlan:
+    """Activation bytes one rank holds at the peak of a micro-batch's forward/backward.
+
+    Attributes:
+        tokens: tokens of the micro-batch (responses x longest prompt + response), all TP ranks'.
+        logits_bytes: the output layer's [tokens, vocab / TP] logits in the compute dtype plus
+            the fp32 copy megatron's vocab-parallel cross-entropy makes and keeps for backward.
+        layer_bytes: tensors one transformer layer keeps for backward, for all tokens.
+        stored_bytes: what the layers hold at once: every layer's `layer_bytes` without
+            recompute; with full recompute, each layer's input plus one layer rebuilt.
+        recompute: whether activation recompute is on.
+    """
+
+    tokens: int
+    logits_bytes: int
+    layer_bytes: int
+    stored_bytes: int
+    recompute: bool
+
+    @property
+    def total_bytes(self) -> int:
+        """Logits + layer activations."""
+        return self.logits_bytes + self.stored_bytes
+
+
+def layer_elements_per_token(model, parallel, *, flash_attention: bool, seq_len: int) -> tuple[float, float]:
+    """Elements one layer keeps for backward per token of the micro-batch, on one rank.
+
+    Counted from the layer's data path (bf16/fp32 compute dtype unless noted), sharded over TP
+    (sequence parallelism shards the norm inputs, heads shard attention, tokens shard the MoE):
+    attention keeps the two norm inputs, q/k/v, the q/k-norm inputs and the attention output
+    (flash attention keeps no score matrix; megatron's local attention keeps scores and
+    softmax, [heads/TP, seq_len] each). The MoE block keeps its norm and router inputs, the
+    output, and per routed token (top-k of them, balanced routing assumed) the expert input,
+    fc1's 2F output, the SwiGLU output and fc2's output; expert TP gathers its group's tokens.
+
+    Returns:
+        (compute-dtype elements, fp32 elements: router logits and probabilities).
+    """
+    h, d, f = model.hidden_size, model.head_dim, model.moe_ffn_hidden_size
+    nq, nkv = model.num_attention_heads, model.num_query_groups
+    tp, etp = parallel.tensor_parallel, parallel.expert_tp
+    attention = 2 * h + (nq + 2 * nkv) * d + (nq + nkv) * d + nq * d
+    if not flash_attention:
+        attention += 2 * nq * seq_len
+    moe = 3 * h + model.moe_topk * (2 * h * etp + 3 * f)
+    return (attention + moe) / tp, 2 * model.num_experts / tp
+
+
+def activation_plan(
+    model, parallel, engine, *, tokens: int, seq_len: int, flash_attention: bool
+) -> ActivationPlan:
+    """Activation estimate of one micro-batch of `tokens` tokens (rows up to `seq_len` long) on one rank."""
+    size = 2 if engine.dtype == "bf16" else 4
+    tp = parallel.tensor_parallel
+    vocab_local = -(-model.vocab_size // tp)
+    logits = tokens * vocab_local * (size + 4)
+    elements, fp32 = layer_elements_per_token(
+        model, parallel, flash_attention=flash_attention, seq_len=seq_len
+    )
+    layer = int(tokens * (elements * size + fp32 * 4))
+    if engine.recompute_activations:  # megatron full/uniform/1: each layer's [tokens / TP, H] input kept
+        stored = model.num_layers * tokens * model.hidden_size // tp * size + layer
+    else:
+        stored = model.num_layers * layer
+    return ActivationPlan(tokens, logits, layer, stored, engine.recompute_activations)
+
+
+def micro_batch_shape(cfg, task, world_size: int) -> tuple[int, int]:
+    """(responses per micro-batch, longest sequence) on one data-parallel rank."""
+    dp = cfg.parallel.check_world_size(world_size)
+    per_rank = (
+        cfg.rollout.rollout_batch_size * cfg.rollout.group_size // (cfg.algorithm.num_mini_batches * dp)
+    )
+    responses = min(cfg.trainer.micro_batch_size or per_rank, per_rank)
+    return responses, task.max_prompt_len + int(cfg.task.add_bos) + cfg.rollout.max_new_tokens
+
+
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
     """Arguments of `megatron-gspo plan`."""
     parser.add_argument("--config", required=True, help="run config YAML")
     parser.add_argument("--world-size", type=int, required=True, help="training ranks (GPUs)")
     parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU (H100: 80)")
     parser.add_argument(
-        "--activation-headroom-gb", type=float, default=20.0, help="kept free for activations"
+        "--reserve-gb",
+        type=float,
+        default=6.0,
+        help="kept free for the CUDA context, NCCL buffers and allocator fragmentation",
     )
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. parallel.expert_parallel=8")
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    """Validate and print the plan; non-zero exit when the model states do not fit."""
-    from megatron_gspo.config import build_model_config, load_config, validate
+    """Validate and print the plan; non-zero exit when the estimate does not fit the GPU."""
+    from megatron_gspo.config import build_model_config, build_task, load_config, validate
 
     cfg = load_config(args.config, args.overrides)
     validate(cfg, world_size=args.world_size)
     model = build_model_config(cfg)
     plan = shard_plan(model, cfg.parallel, cfg.engine, args.world_size)
-    budget = (args.gpu_memory_gb - args.activation_headroom_gb) * GIB
+    responses, seq_len = micro_batch_shape(cfg, build_task(cfg), args.world_size)
+    flash = cfg.engine.use_te is not False  # the TE spec's fused attention on a GPU node
+    act = activation_plan(
+        model, cfg.parallel, cfg.engine, tokens=responses * seq_len, seq_len=seq_len, flash_attention=flash
+    )
+    no_recompute = activation_plan(
+        model,
+        cfg.parallel,
+        dataclasses.replace(cfg.engine, recompute_activations=False),
+        tokens=act.tokens,
+        seq_len=seq_len,
+        flash_attention=flash,
+    )
     p = cfg.parallel
     shape = f"{model.num_layers} layers, {model.num_experts} experts top-{model.moe_topk}"
     print(
@@ -91,13 +188,29 @@ def run_plan(args: argparse.Namespace) -> int:
     print(
         f"per rank: {plan.dense_params / 1e6:.0f}M dense + {plan.expert_params / 1e6:.0f}M expert params; "
         f"weights {plan.weight_bytes / GIB:.1f} GiB, grads {plan.grad_bytes / GIB:.1f} GiB, "
-        f"optimizer {plan.optimizer_bytes / GIB:.1f} GiB = {plan.total_bytes / GIB:.1f} GiB "
-        f"(budget {budget / GIB:.0f} GiB = {args.gpu_memory_gb:g} - {args.activation_headroom_gb:g} headroom)"
+        f"optimizer {plan.optimizer_bytes / GIB:.1f} GiB = {plan.total_bytes / GIB:.1f} GiB model states"
     )
-    fits = plan.total_bytes <= budget
+    recompute = "on" if act.recompute else "off"
     print(
-        "fits"
-        if fits
-        else "DOES NOT FIT: raise expert_parallel / tensor_parallel or use the distributed optimizer"
+        f"activation: micro-batch {responses} x {seq_len} = {act.tokens} tokens; logits "
+        f"{act.logits_bytes / GIB:.1f} GiB ({cfg.engine.dtype} + fp32 copy of [tokens, vocab/TP]), "
+        f"layers {act.stored_bytes / GIB:.1f} GiB with recompute {recompute} "
+        f"(recompute off: {no_recompute.stored_bytes / GIB:.1f} GiB; "
+        f"one layer {act.layer_bytes / GIB:.2f} GiB) "
+        f"= {act.total_bytes / GIB:.1f} GiB"
     )
-    return 0 if fits else 1
+    need = plan.total_bytes + act.total_bytes + args.reserve_gb * GIB
+    over = need - args.gpu_memory_gb * GIB
+    print(
+        f"per GPU: {plan.total_bytes / GIB:.1f} model states + {act.total_bytes / GIB:.1f} activation + "
+        f"{args.reserve_gb:g} reserve = {need / GIB:.1f} GiB of {args.gpu_memory_gb:g} GiB"
+    )
+    if over <= 0:
+        print(f"fits ({-over / GIB:.1f} GiB to spare)")
+        return 0
+    print(
+        f"DOES NOT FIT: {over / GIB:.1f} GiB over the {args.gpu_memory_gb:g} GiB GPU; raise "
+        "expert_parallel / tensor_parallel, use the distributed optimizer, turn on "
+        "engine.recompute_activations or lower trainer.micro_batch_size"
+    )
+    return 1

@@ -76,6 +76,12 @@ def test_load_errors_name_the_key(overrides, message):
         (["model.hf_path=/nonexistent"], 1, "model.overrides only apply to a preset"),
         (["sft.batch_size=63", "parallel.expert_parallel=2"], 2, "sft.batch_size=63"),
         (["algorithm.use_kl_loss=true"], 1, "reference model"),
+        (["algorithm.aux_loss_coeff=-0.001"], 1, "aux_loss_coeff must be >= 0"),
+        (
+            ["parallel.tensor_parallel=2", "engine.use_te=true", "engine.fused_kernels=true"],
+            2,
+            "expert tensor parallel 2 (parallel.expert_tensor_parallel, default tensor_parallel) with",
+        ),
     ],
 )
 def test_validation_errors(overrides, world, message):
@@ -93,6 +99,9 @@ def test_validation_errors(overrides, world, message):
 def test_valid_parallel_layout_for_two_ranks():
     check(["parallel.expert_parallel=2"], world_size=2)
     check(["parallel.tensor_parallel=2"], world_size=2)
+    gpu = ["parallel.tensor_parallel=2", "engine.use_te=true", "engine.fused_kernels=true"]
+    check([*gpu, "parallel.expert_tensor_parallel=1"], world_size=2)  # grouped GEMM with expert TP 1
+    check([*gpu[:2], "engine.fused_kernels=false"], world_size=2)  # expert TP 2 without grouped GEMM
 
 
 def test_missing_file():

@@ -10,7 +10,7 @@ import pytest
 from megatron_gspo.model import config as presets
 from megatron_gspo.model.builder import EngineConfig
 from megatron_gspo.model.distributed import ParallelConfig
-from megatron_gspo.plan import GIB, shard_plan
+from megatron_gspo.plan import GIB, activation_plan, shard_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,8 +51,68 @@ def test_large_configs_validate_and_fit_on_h100(config, world, max_gib, math_dat
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "fits" in result.stdout
-    total = float(result.stdout.split(" GiB = ")[1].split(" GiB")[0])
-    assert 10 < total < max_gib
+    states = float(result.stdout.split(" GiB model states")[0].rsplit("= ", 1)[1])
+    assert 10 < states < max_gib
+    activation = next(line for line in result.stdout.splitlines() if line.startswith("activation: "))
+    assert "tokens; logits" in activation and "with recompute on" in activation
+    per_gpu = next(line for line in result.stdout.splitlines() if line.startswith("per GPU: "))
+    assert per_gpu.endswith("GiB of 80 GiB") and " activation + 6 reserve" in per_gpu
+
+
+def test_activation_plan_counts_by_hand():
+    """Tiny model, TP2 (SP), expert TP 1, bf16, 100 tokens: each term counted from the data path."""
+    model = presets.tiny(vocab_size=80)  # H=64, 4 heads / 2 groups of 16, 8 experts top-2, F=32
+    parallel = ParallelConfig(tensor_parallel=2, expert_parallel=1, expert_tensor_parallel=1)
+    engine = EngineConfig(dtype="bf16")
+    plain = activation_plan(model, parallel, engine, tokens=100, seq_len=50, flash_attention=True)
+    # logits: 100 tokens x 40 (vocab / TP) x (2 bytes bf16 + 4 bytes fp32 copy)
+    assert plain.logits_bytes == 100 * 40 * 6
+    attention = 2 * 64 + (4 + 2 * 2) * 16 + (4 + 2) * 16 + 4 * 16  # norm inputs, qkv, qk-norm in, core out
+    moe = 3 * 64 + 2 * (2 * 64 + 3 * 32)  # norm/router in + output; per routed token: in, fc1, swiglu, fc2
+    router = 2 * 8 * 4  # fp32 logits + probs over 8 experts
+    per_token = (attention + moe) * 2 // 2 + router // 2  # bf16, all sharded over TP 2
+    assert plain.layer_bytes == 100 * per_token and plain.stored_bytes == 2 * plain.layer_bytes
+    recompute = activation_plan(
+        model, parallel, EngineConfig(dtype="bf16", recompute_activations=True),
+        tokens=100, seq_len=50, flash_attention=True,
+    )  # fmt: skip
+    assert recompute.stored_bytes == 2 * 100 * (64 // 2) * 2 + plain.layer_bytes  # 2 layer inputs + 1 layer
+    local = activation_plan(model, parallel, engine, tokens=100, seq_len=50, flash_attention=False)
+    assert local.layer_bytes - plain.layer_bytes == 100 * 2 * 4 // 2 * 50 * 2  # scores + probs [heads/TP, L]
+
+
+def test_plan_refuses_what_exceeds_the_gpu_and_says_by_how_much(math_data):
+    base = [
+        "--config",
+        "configs/qwen3_30b_a3b_gspo.yaml",
+        "--world-size",
+        "16",
+        f"task.options.path={math_data}",
+    ]
+    fits = plan(*base)
+    no_recompute = plan(*base, "engine.recompute_activations=false")
+    assert fits.returncode == 0 and no_recompute.returncode == 1, no_recompute.stdout + no_recompute.stderr
+
+    def gib(result, before, after):
+        return float(result.stdout.split(before)[1].split(after)[0])
+
+    need = gib(no_recompute, "reserve = ", " GiB of 80")
+    assert f"DOES NOT FIT: {need - 80:.1f} GiB over the 80 GiB GPU" in no_recompute.stdout
+    assert gib(no_recompute, "recompute off (recompute off: ", " GiB") > 50  # 48 layers of activations
+    smaller_gpu = plan(*base, "--gpu-memory-gb", "40")
+    assert smaller_gpu.returncode == 1 and "GiB over the 40 GiB GPU" in smaller_gpu.stdout
+
+
+def test_plan_accepts_timeout_and_data_set_field_names(tmp_path):
+    data = tmp_path / "gsm.jsonl"
+    data.write_text('{"question": "What is $1+1$?", "solution": "2"}\n')
+    result = plan(
+        "--config", "configs/qwen3_30b_a3b_gspo.yaml", "--world-size", "16", f"task.options.path={data}",
+        "parallel.timeout_minutes=240",
+        "task.options.prompt_key=question", "task.options.answer_key=solution",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "activation: " in result.stdout
 
 
 def test_plan_refuses_a_layout_that_does_not_fit(math_data):
@@ -99,13 +159,37 @@ def test_train_launcher_dry_run(math_data):
     assert "on 16 ranks" in result.stdout and "fits" in result.stdout
 
 
-def test_sglang_launcher_dry_run():
-    env = {**os.environ, "DRY_RUN": "1", "MODEL": "/ckpt/Qwen3-30B-A3B", "TP": "4"}
+def sglang_dry_run(**extra):
+    env = {
+        **os.environ,
+        "DRY_RUN": "1",
+        "MODEL": "/ckpt/Qwen3-30B-A3B",
+        "TP": "4",
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        **extra,
+    }
     result = subprocess.run(
         ["bash", "launch/sglang_servers.sh"], capture_output=True, text=True, cwd=ROOT, env=env
     )
-    assert result.returncode == 0
-    assert "--enable-return-routed-experts" in result.stdout and "--tp-size 4" in result.stdout
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_sglang_launcher_dry_run():
+    out = sglang_dry_run()
+    assert "--enable-return-routed-experts" in out and "--tp-size 4" in out
+    assert "--enable-deterministic-inference" not in out
+
+
+def test_sglang_launcher_follows_the_configs_reproducible_seeds(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text((ROOT / "configs/qwen3_30b_a3b_gspo.yaml").read_text())
+    assert "--enable-deterministic-inference" not in sglang_dry_run(CONFIG=str(config))
+    text = config.read_text().replace("deterministic_inference: false", "deterministic_inference: true")
+    config.write_text(text)
+    assert "--enable-deterministic-inference" in sglang_dry_run(CONFIG=str(config))
+    assert "--enable-deterministic-inference" not in sglang_dry_run(CONFIG=str(config), DETERMINISTIC="0")
+    assert "--enable-deterministic-inference" in sglang_dry_run(DETERMINISTIC="1")
 
 
 def test_gpu_engine_settings_load_on_cpu_but_refuse_to_build():

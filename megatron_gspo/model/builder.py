@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from megatron_gspo.model.config import MoEModelConfig
 from megatron_gspo.model.distributed import ParallelConfig
+from megatron_gspo.model.fusion import KernelAvailability, fused_flags, resolve_use_te
 
 
 @dataclass
@@ -28,7 +29,7 @@ class EngineConfig:
     use_te: bool | None = None
     """TransformerEngine layer spec; default: when TE imports and CUDA is available."""
     fused_kernels: bool | None = None
-    """Grouped GEMM, fused permute and RoPE fusion; default: same as use_te (GPU only)."""
+    """Fused kernels (grouped GEMM, permute, RoPE, SwiGLU...; see model/fusion.py); default: as use_te."""
     recompute_activations: bool = False
     """Full activation recomputation of every layer (saves memory on large models)."""
     router_fusion: bool = False
@@ -42,37 +43,18 @@ class EngineConfig:
         if self.router_fusion and self.use_te is False:
             raise ValueError("engine.router_fusion needs TransformerEngine (use_te)")
 
-    def check_hardware(self) -> None:
-        """Refuse GPU-only settings on a machine without CUDA (called when a model is built).
+    def check_hardware(self, available: KernelAvailability | None = None) -> None:
+        """Refuse settings this machine cannot run (called when a model is built).
 
         Kept out of `__post_init__` so GPU configs can be loaded and validated on a CPU box.
+
+        Args:
+            available: the machine's kernels; default `KernelAvailability.detect()`.
         """
-        cuda = torch.cuda.is_available()
-        if self.dtype == "bf16" and not cuda:
+        available = available or KernelAvailability.detect()
+        if self.dtype == "bf16" and not available.cuda:
             raise ValueError("engine.dtype=bf16 needs a GPU; use fp32 on CPU")
-        if (self.resolved_use_te or self.router_fusion) and not cuda:
-            raise ValueError(
-                "engine.use_te / router_fusion need CUDA (TransformerEngine kernels are GPU-only)"
-            )
-        if self.resolved_use_te:
-            from megatron_gspo.patches import transformer_engine_available
-
-            if not transformer_engine_available():
-                raise ValueError("engine.use_te=true but transformer_engine does not import")
-
-    @property
-    def resolved_use_te(self) -> bool:
-        """Whether the TE layer spec is used."""
-        if self.use_te is not None:
-            return self.use_te
-        from megatron_gspo.patches import transformer_engine_available
-
-        return torch.cuda.is_available() and transformer_engine_available()
-
-    @property
-    def resolved_fused_kernels(self) -> bool:
-        """Whether GPU-only fused kernels are enabled."""
-        return self.resolved_use_te if self.fused_kernels is None else self.fused_kernels
+        fused_flags(self, available)  # raises for use_te / fused kernels / router fusion it cannot run
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -86,12 +68,27 @@ def transformer_config(
     engine: EngineConfig | None = None,
     *,
     routing_replay: bool = False,
+    aux_loss_coeff: float | None = None,
+    available: KernelAvailability | None = None,
 ):
-    """The megatron `TransformerConfig` of this architecture, layout and engine."""
+    """The megatron `TransformerConfig` of this architecture, layout and engine.
+
+    Args:
+        model: the architecture.
+        parallel: the TP x EP layout.
+        engine: numerics and kernels (default `EngineConfig()`).
+        routing_replay: build megatron's per-layer `RouterReplay` handles.
+        aux_loss_coeff: load-balancing loss coefficient; None: the architecture's
+            (`model.aux_loss_coeff`, the checkpoint's `router_aux_loss_coef`). RL passes its own.
+        available: the machine's kernels (default: detected); decides the fused flags.
+    """
     from megatron.core.transformer import TransformerConfig
 
     engine = engine or EngineConfig()
-    fused = engine.resolved_fused_kernels
+    available = available or KernelAvailability.detect()
+    aux = model.aux_loss_coeff if aux_loss_coeff is None else aux_loss_coeff
+    if aux < 0:
+        raise ValueError(f"aux_loss_coeff must be >= 0, got {aux}")
     recompute = (
         dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         if engine.recompute_activations
@@ -123,23 +120,16 @@ def transformer_config(
         # norm_topk_prob: softmax over the top-k logits == softmax over all, top-k, renormalise.
         moe_router_pre_softmax=not model.norm_topk_prob,
         moe_router_dtype="fp32",
-        moe_router_load_balancing_type="aux_loss" if model.aux_loss_coeff > 0 else "none",
-        moe_aux_loss_coeff=model.aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
+        moe_aux_loss_coeff=aux,
         moe_token_dispatcher_type=parallel.token_dispatcher,
-        moe_grouped_gemm=fused,
-        moe_permute_fusion=fused,
-        moe_router_fusion=engine.router_fusion,
         moe_enable_routing_replay=routing_replay,
-        apply_rope_fusion=fused,
-        gradient_accumulation_fusion=fused,
-        bias_dropout_fusion=fused,
-        masked_softmax_fusion=fused,
-        persist_layer_norm=False,
+        **fused_flags(engine, available),
         tensor_model_parallel_size=parallel.tensor_parallel,
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.expert_tp,
         sequence_parallel=parallel.use_sequence_parallel,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=not available.cuda,
         params_dtype=engine.torch_dtype,
         bf16=engine.dtype == "bf16",
         fp16=False,
@@ -147,14 +137,15 @@ def transformer_config(
     )
 
 
-def layer_spec(model: MoEModelConfig, engine: EngineConfig):
+def layer_spec(model: MoEModelConfig, engine: EngineConfig, available: KernelAvailability | None = None):
     """Megatron layer spec: TransformerEngine on GPU nodes with TE, the local spec otherwise."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if engine.resolved_use_te:
+    available = available or KernelAvailability.detect()
+    if resolve_use_te(engine, available):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=model.num_experts,
-            moe_grouped_gemm=engine.resolved_fused_kernels,
+            moe_grouped_gemm=fused_flags(engine, available)["moe_grouped_gemm"],
             qk_layernorm=True,
         )
     return gpt_layer_specs.get_gpt_layer_local_spec(
@@ -168,24 +159,34 @@ def build_model(
     engine: EngineConfig | None = None,
     *,
     routing_replay: bool = False,
+    aux_loss_coeff: float | None = None,
 ):
     """Build this rank's shard of the policy (call after `init_distributed`).
 
     Megatron's RouterReplay keeps a class-level list of per-layer instances; it is cleared
     here so a second model built in one process never inherits the first one's layers.
+    `aux_loss_coeff` as in `transformer_config`.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     engine = engine or EngineConfig()
-    engine.check_hardware()
+    available = KernelAvailability.detect()
+    engine.check_hardware(available)
     if routing_replay and engine.router_fusion:
         raise ValueError("routing replay with engine.router_fusion: the fused top-k silently bypasses replay")
     RouterReplay.clear_global_router_replay_instances()
-    config = transformer_config(model, parallel, engine, routing_replay=routing_replay)
+    config = transformer_config(
+        model,
+        parallel,
+        engine,
+        routing_replay=routing_replay,
+        aux_loss_coeff=aux_loss_coeff,
+        available=available,
+    )
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model, engine),
+        transformer_layer_spec=layer_spec(model, engine, available),
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_position_embeddings,
         pre_process=True,

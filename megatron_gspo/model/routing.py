@@ -5,10 +5,14 @@ of k expert ids its router picked, stored as `[tokens, k]`; a *per-layer* routin
 with one such tensor per local MoE layer, in layer order. Expert ids are global (the router
 weight is replicated, so expert parallelism never renumbers them).
 
-Token order. Megatron's hidden states are `[S, B, H]`; for packed rows `[R, L]` the router
-sees `S = L` positions of `B = R` rows flattened position-major: token index `l * R + r`.
-Under sequence parallelism each TP rank holds the contiguous positions
+Token order. Megatron's hidden states are `[S, B, H]`; for a packed batch `[R, L]` the
+router sees `S = L` positions of `B = R` rows flattened position-major: token index
+`l * R + r`. Under sequence parallelism each TP rank holds the contiguous positions
 `[tp_rank * L / tp, (tp_rank + 1) * L / tp)`, so its local tokens are `(L / tp) * R`.
+Both packing layouts follow from the segments `(row, start, n)`:
+- "mask": token t of sample b at row `row`, position `start + t`: index `(start + t) * R + row`;
+- "thd" (R = 1, the hidden states are `[T, 1, H]`): index `cu_seqlens_padded[b] + t`, the
+  token's position in the THD row; a sequence's padding and the row's tail are filler.
 
 - `RoutingReplay` owns this model's per-layer `RouterReplay` handles (megatron keeps them in
   a class-level list): `recording()` captures the routing of one forward pass, `replaying()`
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_gspo.model.logprobs import PackedBatch
+from megatron_gspo.model.packing import PackedBatch
 
 
 class RoutingError(ValueError):
@@ -434,7 +438,8 @@ def routing_from_rollout(
 
     Returns:
         Per local layer `[local_tokens, k]` expert ids, local_tokens = (L / tp) * R under SP,
-        L * R otherwise. Padding and each sample's last token get `filler_routing`.
+        L * R otherwise (THD: R = 1, L = total padded length). Padding and each sample's
+        last token get `filler_routing`.
 
     Raises:
         RoutingLengthError: a sample's row count is not its packed length - 1, or the sample

@@ -55,6 +55,7 @@ class Task(ABC):
     max_prompt_len: int = 0
     max_answer_len: int = 0
     heldout_buckets: int = 10  # one prompt in 10 is held out
+    chat_template: bool | None = None  # prompts through the tokenizer's chat template (None: if it has one)
 
     @abstractmethod
     def draw_problem(self, rng: np.random.Generator) -> Problem:

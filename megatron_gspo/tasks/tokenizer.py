@@ -84,3 +84,43 @@ def encode_text(tokenizer, text: str) -> list[int]:
     if not ids:
         raise ValueError("empty text encodes to no tokens")
     return ids
+
+
+def has_chat_template(tokenizer) -> bool:
+    """Whether `tokenizer` carries a chat template (HF `tokenizer.chat_template`)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_prompt(tokenizer, prompt: str, *, add_bos: bool, chat_template: bool | None = None) -> list[int]:
+    """Token ids of a prompt as the policy sees it: raw text, or one user turn of the chat template.
+
+    With the chat template, the rendered text (ending in the assistant header, as for
+    generation) already holds the model's special tokens; `add_bos` then adds BOS only when the
+    template did not put it first, so it is never doubled.
+
+    Args:
+        tokenizer: the run's tokenizer.
+        prompt: the task's prompt text.
+        add_bos: start with the tokenizer's BOS token (`task.add_bos`).
+        chat_template: apply the chat template; None: when the tokenizer has one.
+
+    Returns:
+        [P] token ids.
+
+    Raises:
+        ValueError: `chat_template=True` for a tokenizer without one, `add_bos` for a tokenizer
+            without a BOS token, or text the tokenizer cannot encode.
+    """
+    use_template = has_chat_template(tokenizer) if chat_template is None else chat_template
+    if use_template and not has_chat_template(tokenizer):
+        raise ValueError("task.options.chat_template=true, but the tokenizer has no chat template")
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if add_bos and bos is None:
+        raise ValueError("task.add_bos=true, but the tokenizer has no BOS token; set task.add_bos=false")
+    if use_template:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        ids = encode_text(tokenizer, text)
+        return [bos] + ids if add_bos and ids[0] != bos else ids
+    return ([bos] if add_bos else []) + encode_text(tokenizer, prompt)

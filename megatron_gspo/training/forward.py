@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_gspo.model.logprobs import PackedBatch, pack_sequences, packed_forward, uniform_shape, unpack
+from megatron_gspo.model.logprobs import packed_forward
+from megatron_gspo.model.packing import PackedBatch, pack_sequences, pad_to_shape, uniform_shape, unpack
 
 
 @dataclass
@@ -40,13 +41,15 @@ class MicroBatch:
         return sum(length for _, _, length in self.packed.segments)
 
 
-def pack_uniform(sequences: list[torch.Tensor], *, pad_multiple: int = 1) -> PackedBatch:
-    """Pack samples into rows whose shape is the same on all ranks exchanging MoE tokens (collective)."""
-    packed = pack_sequences(sequences, pad_multiple=pad_multiple)
-    rows, length = uniform_shape(packed)
-    if (rows, length) != tuple(packed.tokens.shape):
-        packed = pack_sequences(sequences, row_len=length, pad_multiple=pad_multiple, min_rows=rows)
-    return packed
+def pack_uniform(
+    sequences: list[torch.Tensor], *, pad_multiple: int = 1, layout: str = "mask"
+) -> PackedBatch:
+    """Pack samples to a shape that is the same on all ranks exchanging MoE tokens (collective).
+
+    `layout` is "mask" (local spec) or "thd" (TransformerEngine), see `packing_layout`.
+    """
+    packed = pack_sequences(sequences, layout=layout, pad_multiple=pad_multiple)
+    return pad_to_shape(packed, *uniform_shape(packed))
 
 
 def forward_microbatch(

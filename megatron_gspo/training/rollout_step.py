@@ -27,7 +27,7 @@ from megatron_gspo.rollout import (
     parse_generate_response,
 )
 from megatron_gspo.tasks import Problem, Task
-from megatron_gspo.tasks.tokenizer import encode_text
+from megatron_gspo.tasks.tokenizer import encode_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +59,10 @@ class RolloutEngine:
         self.routed_experts = routed_experts
 
     def prompt_ids(self, problem: Problem) -> list[int]:
-        """Token ids of a prompt (BOS first when configured)."""
-        bos = [self.tokenizer.bos_token_id] if self.add_bos else []
-        return bos + encode_text(self.tokenizer, problem.prompt)
+        """Token ids of a prompt (BOS first when configured; the task's chat-template choice)."""
+        return encode_prompt(
+            self.tokenizer, problem.prompt, add_bos=self.add_bos, chat_template=self.task.chat_template
+        )
 
     def completion_text(self, sample: RolloutSample) -> str:
         """The decoded response without special tokens."""

@@ -16,7 +16,7 @@ import torch
 from megatron_gspo.config import SFTConfig
 from megatron_gspo.model.optim import OptimConfig, build_optimizer, dp_loss_scale, optimizer_step, zero_grads
 from megatron_gspo.tasks import PromptStream, Task, sft_batches
-from megatron_gspo.tasks.tokenizer import encode_text
+from megatron_gspo.tasks.tokenizer import encode_prompt, encode_text
 from megatron_gspo.training.forward import forward_microbatch, pack_uniform
 from megatron_gspo.training.update import DataLayout
 
@@ -24,10 +24,13 @@ logger = logging.getLogger(__name__)
 
 
 def sft_example_ids(
-    tokenizer, prompt: str, target: str, *, add_bos: bool
+    tokenizer, prompt: str, target: str, *, add_bos: bool, chat_template: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [N], target mask [N] bool) of BOS + prompt + target + EOS; the mask covers target + EOS."""
-    head = ([tokenizer.bos_token_id] if add_bos else []) + encode_text(tokenizer, prompt)
+    """(tokens [N], target mask [N] bool) of BOS + prompt + target + EOS; the mask covers target + EOS.
+
+    The prompt is encoded as the rollouts encode it (`encode_prompt`, chat template included).
+    """
+    head = encode_prompt(tokenizer, prompt, add_bos=add_bos, chat_template=chat_template)
     tail = encode_text(tokenizer, target) + [tokenizer.eos_token_id]
     tokens = torch.tensor(head + tail, dtype=torch.long)
     mask = torch.zeros(len(tokens), dtype=torch.bool)
@@ -52,10 +55,15 @@ def run_sft(
     start = time.perf_counter()
     loss_value = float("nan")
     for step in range(cfg.steps):
-        examples = [sft_example_ids(tokenizer, p, t, add_bos=add_bos) for p, t in next(batches)]
+        examples = [
+            sft_example_ids(tokenizer, p, t, add_bos=add_bos, chat_template=task.chat_template)
+            for p, t in next(batches)
+        ]
         total_targets = sum(int(mask.sum()) for _, mask in examples)
         mine = examples[layout.dp_rank :: layout.dp_size]
-        packed = pack_uniform([tokens for tokens, _ in mine], pad_multiple=layout.pad_multiple)
+        packed = pack_uniform(
+            [tokens for tokens, _ in mine], pad_multiple=layout.pad_multiple, layout=layout.packing
+        )
         zero_grads(model, optimizer)
         logprobs, _ = forward_microbatch(model, packed)
         mask = torch.zeros(logprobs.shape, dtype=torch.bool)  # built on the host, moved once

@@ -38,6 +38,7 @@ from megatron_gspo.model.control_plane import broadcast_from_rank0, call_on_rank
 from megatron_gspo.model.convert import export_hf_checkpoint, load_hf_checkpoint
 from megatron_gspo.model.distributed import compute_device, destroy_distributed, init_distributed
 from megatron_gspo.model.optim import build_optimizer, wrap_ddp
+from megatron_gspo.model.packing import packing_layout
 from megatron_gspo.rollout import RolloutBatch
 from megatron_gspo.tasks import PromptStream, evaluate_accuracy
 from megatron_gspo.training.batch_scatter import scatter_rank_rows
@@ -132,7 +133,13 @@ class Trainer:
                 f"({len(self.tokenizer)} tokens); set model.overrides.vocab_size"
             )
         replay = cfg.algorithm.routing_replay
-        model = build_model(self.model_cfg, cfg.parallel, cfg.engine, routing_replay=replay != "none")
+        model = build_model(
+            self.model_cfg,
+            cfg.parallel,
+            cfg.engine,
+            routing_replay=replay != "none",
+            aux_loss_coeff=cfg.algorithm.aux_loss_coeff,  # RL's, not the checkpoint's
+        )
         if cfg.model.hf_path:
             load_hf_checkpoint(model, cfg.model.hf_path, self.model_cfg)
         self.model = wrap_ddp(model, distributed_optimizer=cfg.parallel.distributed_optimizer)
@@ -147,7 +154,7 @@ class Trainer:
             tp_size=sp_tp,
             sequence_parallel=cfg.parallel.use_sequence_parallel,
         )
-        self.layout = DataLayout.from_megatron(cfg.trainer.micro_batch_size, sp_tp)
+        self.layout = DataLayout.from_megatron(cfg.trainer.micro_batch_size, sp_tp, packing_layout(model))
         self.stream = PromptStream(self.task, cfg.rollout.rollout_batch_size, seed=cfg.trainer.seed)
         self.running = RunningMeanStd() if cfg.algorithm.reward_norm == "running" else None
         self.counters = {"skipped_steps": 0, "all_zero_adv_batches": 0, "dropped_groups": 0}

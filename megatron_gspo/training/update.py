@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megatron_gspo.algorithms import compute_loss_normalizer, compute_policy_loss
 from megatron_gspo.config import AlgorithmConfig
+from megatron_gspo.model.aux_loss import aux_loss_scale, set_aux_loss_scale
 from megatron_gspo.model.distributed import compute_device
 from megatron_gspo.model.optim import dp_loss_scale, optimizer_step, zero_grads
 from megatron_gspo.rollout import RolloutBatch
@@ -41,16 +42,21 @@ class DataLayout:
         dp_rank: this rank's data-parallel index.
         dp_size: data-parallel ranks.
         micro_batch_size: responses per forward/backward (0: the rank's whole mini-batch).
-        pad_multiple: packed row length multiple (TP size under sequence parallelism).
+        pad_multiple: packed row length (mask) / sequence length (thd) multiple: the TP size
+            under sequence parallelism.
+        packing: "mask" (local spec) or "thd" (TransformerEngine): `packing_layout(model)`.
     """
 
     dp_rank: int = 0
     dp_size: int = 1
     micro_batch_size: int = 0
     pad_multiple: int = 1
+    packing: str = "mask"
 
     @classmethod
-    def from_megatron(cls, micro_batch_size: int, sequence_parallel_tp: int) -> DataLayout:
+    def from_megatron(
+        cls, micro_batch_size: int, sequence_parallel_tp: int, packing: str = "mask"
+    ) -> DataLayout:
         """The layout of the current process from megatron's parallel state."""
         from megatron.core import parallel_state as ps
 
@@ -59,6 +65,7 @@ class DataLayout:
             dp_size=ps.get_data_parallel_world_size(),
             micro_batch_size=micro_batch_size,
             pad_multiple=sequence_parallel_tp,
+            packing=packing,
         )
 
 
@@ -103,7 +110,9 @@ def plan_rank_rows(rows: RankRows, num_mini_batches: int, layout: DataLayout) ->
         for start in range(m * n, (m + 1) * n, step):
             idx = list(range(start, min(start + step, (m + 1) * n)))
             packed = pack_uniform(
-                [rows.tokens[i, : lengths[i]] for i in idx], pad_multiple=layout.pad_multiple
+                [rows.tokens[i, : lengths[i]] for i in idx],
+                pad_multiple=layout.pad_multiple,
+                layout=layout.packing,
             )
             t = packed.max_len
             rollout_logprobs = rows.rollout_logprobs[idx, :t]
@@ -259,13 +268,15 @@ def train_on_batch(
     per_micro: list[dict[str, torch.Tensor]] = []
     grad_norms, skipped = [], 0
     for m, micro_batches in enumerate(plan):
-        normalizer = torch.zeros((), dtype=torch.float64, device=device)
-        for mb in micro_batches:
-            normalizer += compute_loss_normalizer(mb.response_mask, mode, **norm_kwargs).to(device)
+        shares = [
+            compute_loss_normalizer(mb.response_mask, mode, **norm_kwargs).to(device) for mb in micro_batches
+        ]
+        normalizer = torch.stack(shares).double().sum()
         if dist.is_initialized():
             dist.all_reduce(normalizer, group=group)
         zero_grads(model, optimizer)
-        for micro in micro_batches:
+        for micro, share in zip(micro_batches, shares):
+            set_aux_loss_scale(aux_loss_scale(share, normalizer, dp_loss_scale()))  # as the policy loss
             passing = routing.train_pass(m, micro) if routing is not None else contextlib.nullcontext()
             with passing:  # the backward inside: recompute replays the same experts
                 logprobs, entropy = forward_microbatch(

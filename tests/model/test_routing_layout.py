@@ -1,9 +1,10 @@
-"""Rollout routed experts <-> the router's packed token order (position-major, SP slices)."""
+"""Rollout routed experts <-> the router's packed token order (position-major, SP slices), for the
+mask layout (rows) and the THD layout (one row of padded sequences)."""
 
 import pytest
 import torch
 
-from megatron_gspo.model.logprobs import pack_sequences
+from megatron_gspo.model.packing import pack_sequences, pad_to_shape
 from megatron_gspo.model.routing import (
     LayerRouting,
     RoutingError,
@@ -76,6 +77,45 @@ def test_sequence_parallel_slices_are_contiguous_positions():
     assert torch.equal(torch.cat(parts), full)
     masks = [routing_token_mask(packed, tp_rank=r, tp_size=2, sequence_parallel=True) for r in range(2)]
     assert torch.equal(torch.cat(masks), routing_token_mask(packed))
+
+
+def thd_batch(total=None):
+    packed = pack_sequences([torch.arange(1, n + 1) for n in LENGTHS], layout="thd", pad_multiple=4)
+    return packed if total is None else pad_to_shape(packed, 1, total)
+
+
+def test_thd_token_order_by_hand():
+    packed = thd_batch(total=16)
+    # samples in order, padded to 4: offsets 0 (5 tokens -> 8), 8 (3 -> 4), 12 (4 -> 4), tail to 16
+    assert packed.cu_seqlens_padded().tolist() == [0, 8, 12, 16]
+    routing = routing_from_rollout(packed, sample_routes(), num_experts=E)
+    assert routing.num_tokens == 16
+    layer1 = routing.as_int64()[1]
+    offsets = packed.cu_seqlens_padded().tolist()
+    for b, n in enumerate(LENGTHS):
+        for t in range(n - 1):
+            assert layer1[offsets[b] + t].tolist() == [(b * 5 + t + 1) % E, (b * 5 + t + 2) % E]
+    mask = routing_token_mask(packed)
+    assert mask.nonzero().squeeze(1).tolist() == [0, 1, 2, 3, 8, 9, 12, 13, 14]
+    filler = filler_routing(16, K, E)
+    assert torch.equal(routing.stacked()[~mask], filler[~mask].unsqueeze(1).expand(-1, LAYERS, K))
+
+
+def test_thd_sequence_parallel_slices_and_round_trip():
+    packed = thd_batch(total=24)
+    full = routing_from_rollout(packed, sample_routes(), num_experts=E).stacked()
+    parts = [
+        routing_from_rollout(
+            packed, sample_routes(), num_experts=E, tp_rank=r, tp_size=4, sequence_parallel=True
+        ).stacked()
+        for r in range(4)
+    ]
+    assert [p.shape[0] for p in parts] == [6] * 4  # T / tp contiguous positions per rank
+    assert torch.equal(torch.cat(parts), full)
+    masks = [routing_token_mask(packed, tp_rank=r, tp_size=4, sequence_parallel=True) for r in range(4)]
+    assert torch.equal(torch.cat(masks), routing_token_mask(packed))
+    back = routing_to_samples(packed, routing_from_rollout(packed, sample_routes(), num_experts=E))
+    assert all(torch.equal(a.long(), b.long()) for a, b in zip(back, sample_routes()))
 
 
 def test_round_trip_and_layer_subset():

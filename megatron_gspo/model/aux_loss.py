@@ -1,0 +1,38 @@
+"""Weight megatron's MoE load-balancing loss like the policy loss.
+
+Megatron adds the aux loss inside the router: `MoEAuxLossAutoScaler` injects
+`coeff * aux_mb` into the backward of each micro-batch, multiplied by a class-level scale
+that megatron's own schedule sets to `1 / num_microbatches` (then DDP averages over DP).
+Here the policy loss of micro-batch `mb` is `sum_mb / N` (N: the mini-batch's normaliser
+summed over DP) times `dp_size`, so that DDP's average gives the full-batch loss. The aux
+loss gets the same weight: scale_mb = dp_size * n_mb / N, where n_mb is the micro-batch's
+share of N. Summed over micro-batches and averaged over DP, the aux term is then the
+normaliser-weighted mean of the micro-batches' aux losses, with weights summing to 1, however
+the mini-batch is split.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def aux_loss_scale(micro_normalizer: torch.Tensor, normalizer: torch.Tensor, dp_size: int) -> torch.Tensor:
+    """The backward scale of one micro-batch's aux loss.
+
+    Args:
+        micro_normalizer: [] this micro-batch's share of the loss normaliser (tokens or sequences).
+        normalizer: [] the mini-batch's normaliser, summed over data-parallel ranks.
+        dp_size: data-parallel ranks (DDP averages gradients over them).
+
+    Returns:
+        [] float32 scale on the device of `normalizer`.
+    """
+    return (micro_normalizer.double() * dp_size / normalizer.double()).float()
+
+
+def set_aux_loss_scale(scale: torch.Tensor) -> None:
+    """Make megatron scale the aux-loss gradient of the next backward by `scale` ([] float32)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    # set_loss_scale keeps the first tensor it gets and copies into it afterwards: hand it its own.
+    MoEAuxLossAutoScaler.set_loss_scale(scale.detach().to(torch.float32).clone())

@@ -1,0 +1,69 @@
+"""The load-balancing aux loss: off in RL by default, weighted per micro-batch like the policy loss."""
+
+import pytest
+import torch
+
+from megatron_gspo.config import load_config
+from megatron_gspo.model.aux_loss import aux_loss_scale, set_aux_loss_scale
+from megatron_gspo.model.builder import EngineConfig, build_model, transformer_config
+from megatron_gspo.model.config import qwen3_30b_a3b, tiny
+from megatron_gspo.model.distributed import ParallelConfig, init_distributed
+from megatron_gspo.model.fusion import KernelAvailability
+
+CPU = KernelAvailability(cuda=False, te=False, apex_grad_accum=False)
+
+
+def test_rl_turns_the_checkpoints_aux_loss_off_unless_asked():
+    assert load_config(None).algorithm.aux_loss_coeff == 0.0
+    arch = qwen3_30b_a3b()  # the released checkpoint's router_aux_loss_coef
+    assert arch.aux_loss_coeff == 0.001
+    checkpoint = transformer_config(arch, ParallelConfig(), EngineConfig(), available=CPU)
+    rl = transformer_config(arch, ParallelConfig(), EngineConfig(), aux_loss_coeff=0.0, available=CPU)
+    asked = transformer_config(arch, ParallelConfig(), EngineConfig(), aux_loss_coeff=0.01, available=CPU)
+    assert checkpoint.moe_router_load_balancing_type == "aux_loss" and checkpoint.moe_aux_loss_coeff == 0.001
+    assert rl.moe_router_load_balancing_type == "none" and rl.moe_aux_loss_coeff == 0.0
+    assert asked.moe_router_load_balancing_type == "aux_loss" and asked.moe_aux_loss_coeff == 0.01
+
+
+def test_scales_sum_to_the_dp_factor_like_the_policy_loss():
+    shares = torch.tensor([5.0, 11.0, 0.0], dtype=torch.float64)
+    scales = [aux_loss_scale(s, shares.sum(), dp_size=4) for s in shares]
+    assert all(s.dtype == torch.float32 for s in scales)
+    assert torch.stack(scales).tolist() == pytest.approx([4 * 5 / 16, 4 * 11 / 16, 0.0])
+
+
+@pytest.fixture(scope="module")
+def aux_model():
+    init_distributed(ParallelConfig(), seed=7)
+    model = build_model(tiny(vocab_size=32, init_std=0.2), ParallelConfig(), aux_loss_coeff=0.5)
+    return model.train()
+
+
+def _aux_grads(model, micro_batches, scales):
+    """Router weight gradients when only the aux loss backpropagates (the LM output times 0)."""
+    model.zero_grad(set_to_none=True)
+    for tokens, scale in zip(micro_batches, scales):
+        set_aux_loss_scale(scale)
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        logits = model(input_ids=tokens, position_ids=positions, attention_mask=None)
+        (logits.float().sum() * 0.0).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if "router" in n and p.grad is not None}
+
+
+def test_megatron_backward_applies_the_per_micro_batch_weight(aux_model):
+    """Two micro-batches weighted n_mb / N equal the same combination of each one alone (scale 1)."""
+    gen = torch.Generator().manual_seed(0)
+    micro_batches = [
+        torch.randint(0, 32, (1, 5), generator=gen),
+        torch.randint(0, 32, (2, 11), generator=gen),
+    ]
+    shares = torch.tensor([5.0, 22.0], dtype=torch.float64)
+    alone = [_aux_grads(aux_model, [mb], [torch.tensor(1.0)]) for mb in micro_batches]
+    assert alone[0] and all(g.abs().sum() > 0 for g in alone[0].values())  # the aux loss is on
+    for dp in (1, 2):
+        scales = [aux_loss_scale(s, shares.sum(), dp_size=dp) for s in shares]
+        got = _aux_grads(aux_model, micro_batches, scales)
+        for name, grad in got.items():
+            want = dp * (5 / 27 * alone[0][name] + 22 / 27 * alone[1][name])
+            torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-8)
+    set_aux_loss_scale(torch.tensor(1.0))  # megatron's default, for later tests in this process
