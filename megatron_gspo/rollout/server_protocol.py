@@ -47,6 +47,15 @@ _UNSUPPORTED_SAMPLING = {
     "watermark": (None,),
     "choice": ([],),
 }
+# SGLang 0.5.23's SamplingParams fields, in its order (a test keeps this equal to the wheel's):
+# without the wheel an unknown key still gets the contract's 400 text.
+SGLANG_SAMPLING_KEYS = (
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
+    "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+    "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width",
+    "watermark", "choice",
+)  # fmt: skip
 _UNSUPPORTED_REQUEST = {
     "stream": (None, False),
     "top_logprobs_num": (None, 0),
@@ -154,6 +163,11 @@ def parse_generate(body: Any, tokenizer) -> ParsedGenerate:
 
 
 def _sampling_options(sp: Any) -> tuple[SamplingOptions, tuple[bool, bool]]:
+    if isinstance(sp, dict):  # not checked by SGLang's contract types (the wheel is absent)
+        unknown = [key for key in sp if key not in SGLANG_SAMPLING_KEYS]
+        if unknown:
+            expected = ", ".join(f"`{key}`" for key in SGLANG_SAMPLING_KEYS)
+            raise RequestError(f"unknown field `{unknown[0]}`, expected one of {expected}")
     get = (lambda k, d: sp.get(k, d)) if isinstance(sp, dict) else (lambda k, d: getattr(sp, k))
     for key, off in _UNSUPPORTED_SAMPLING.items():
         value = get(key, off[0])

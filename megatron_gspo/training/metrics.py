@@ -46,10 +46,11 @@ class MetricsLogger:
         enabled: whether this process writes (global rank 0).
         tensorboard: write TensorBoard event files.
         progress_bar: show tqdm.
+        label: the progress bar's title (the loss and replay, e.g. "GRPO+R2").
     """
 
     def __init__(self, run_dir: str | Path, *, total_steps: int, first_step: int = 0, enabled: bool = True,
-                 tensorboard: bool = True, progress_bar: bool = True):  # fmt: skip
+                 tensorboard: bool = True, progress_bar: bool = True, label: str = "RL"):  # fmt: skip
         self.enabled = enabled
         self.path = Path(run_dir, "metrics.jsonl")
         self._writer = None
@@ -66,7 +67,9 @@ class MetricsLogger:
 
             self._writer = SummaryWriter(str(Path(run_dir, "tensorboard")), purge_step=first_step)
         if progress_bar:
-            self._bar = tqdm(total=total_steps, initial=first_step, desc="GSPO", dynamic_ncols=True)
+            # Step 0 is the cold-start record, not an RL step: the bar counts steps 1..total.
+            done = max(first_step - 1, 0)
+            self._bar = tqdm(total=total_steps, initial=done, desc=label, dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Append one step's record and update TensorBoard and the bar."""
@@ -86,7 +89,7 @@ class MetricsLogger:
                 label: f"{metrics[k]:.3g}" for k, label in PROGRESS_KEYS.items() if _is_number(metrics.get(k))
             }
             self._bar.set_postfix(shown, refresh=False)
-            self._bar.update(1)
+            self._bar.update(1 if step > 0 else 0)
 
     def close(self) -> None:
         """Flush and close the writers."""

@@ -96,6 +96,12 @@ def _fit_layout(
     return trimmed, advantages[:keep]
 
 
+def progress_label(cfg: RunConfig) -> str:
+    """The progress bar's title: the loss, and the routing replay when one is on (e.g. GRPO+R2)."""
+    replay = cfg.algorithm.routing_replay
+    return cfg.algorithm.loss_type.upper() + ("" if replay == "none" else f"+{replay.upper()}")
+
+
 def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
     """Reward and length statistics of a rollout batch."""
     lengths = batch.response_lengths.float()
@@ -351,6 +357,7 @@ class Trainer:
             enabled=self.rank0,
             tensorboard=cfg.logging.tensorboard,
             progress_bar=cfg.logging.progress_bar,
+            label=progress_label(cfg),
         )
         path = self._export()
         servers = rollout_servers(

@@ -321,3 +321,20 @@ def test_update_weights_from_tensor_loads_the_tensors(server, client, checkpoint
     assert bad.status_code == 400 and "model.nope.weight" in bad.json()["message"]
     resp, got = _logprobs(client, server, PROMPT)  # all-or-nothing: still the mixed model
     assert (got - _ref_logprobs(mixed, resp)).abs().max() < 1e-5
+
+
+def test_unknown_sampling_key_refused_with_and_without_the_wheel(monkeypatch):
+    """SGLang's contract refuses an unknown sampling_params key; without the wheel the server must too."""
+    from megatron_gspo.rollout import contract, server_protocol
+
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "bogus": 1}}
+    api = contract.load()
+    if api is not None:
+        assert list(api.SamplingParams.__struct_fields__) == list(server_protocol.SGLANG_SAMPLING_KEYS)
+        with pytest.raises(Exception, match="unknown field `bogus`"):
+            server_protocol.parse_generate(body, None)
+    monkeypatch.setattr(contract, "load", lambda: None)
+    with pytest.raises(server_protocol.RequestError, match="unknown field `bogus`, expected one of `max_new"):
+        server_protocol.parse_generate(body, None)
+    ok = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "temperature": 0.5}}
+    assert server_protocol.parse_generate(ok, None).rows[0].sampling.temperature == 0.5
