@@ -141,7 +141,17 @@ class DriftConfig:
     """Expert-activation drift measurement during training."""
 
     enabled: bool = False
-    """Measure the routing drift between pi_old and pi_theta every step."""
+    """Measure the routing drift between pi_old and pi_theta (and inference -> training)."""
+    every: int = 1
+    """Measure on steps 1, 1 + every, ...: a measured step costs one extra no-grad forward."""
+    sample_tokens: int = 0
+    """Compare routing on about this many tokens per rank per measured step (every k-th; 0: all)."""
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"drift.every must be >= 1, got {self.every}")
+        if self.sample_tokens < 0:
+            raise ValueError(f"drift.sample_tokens must be >= 0 (0: all tokens), got {self.sample_tokens}")
 
 
 @dataclass

@@ -41,13 +41,29 @@ from megatron_gspo.training.batch_scatter import RankRows
 from megatron_gspo.training.forward import MicroBatch
 
 
+def every_kth(mask: torch.Tensor, k: int) -> torch.Tensor:
+    """`mask` ([N] bool) keeping only its 1st, (k+1)-th, ... True entries: a deterministic sample."""
+    if k <= 1:
+        return mask
+    keep = torch.zeros_like(mask)
+    keep[mask.nonzero().flatten()[::k]] = True
+    return keep
+
+
+def sample_stride(tokens: int, budget: int) -> int:
+    """The stride k: every k-th of `tokens` tokens stays within about `budget` (0: all, k = 1)."""
+    return max(1, -(-tokens // budget)) if budget else 1
+
+
 class StepRouting:
     """Replay targets and drift sums of the current step, for one model.
 
     Args:
         model: the (DDP-wrapped) policy; built with `routing_replay=True` unless `mode` is none.
         mode: none, r2 or r3.
-        drift: measure drift every step.
+        drift: measure drift (on the steps `drift_every` selects; see `begin_step`).
+        drift_every: measure on steps 1, 1 + drift_every, ...
+        drift_sample_tokens: compare about this many tokens per step on this rank (0: all).
         tp_rank: tensor-parallel rank.
         tp_size: tensor-parallel size.
         sequence_parallel: positions split over TP ranks.
@@ -59,13 +75,19 @@ class StepRouting:
         *,
         mode: str,
         drift: bool,
+        drift_every: int = 1,
+        drift_sample_tokens: int = 0,
         tp_rank: int = 0,
         tp_size: int = 1,
         sequence_parallel: bool = False,
     ) -> None:
         if mode not in ("none", "r2", "r3"):
             raise ValueError(f"routing_replay must be none, r2 or r3, got {mode!r}")
-        self.model, self.mode, self.drift = model, mode, drift
+        self.model, self.mode = model, mode
+        self.drift_enabled, self.drift_every = drift, drift_every
+        self.drift_sample_tokens = drift_sample_tokens
+        self.drift = drift  # this step measures drift (set per step by `set_step`)
+        self._stride = 1  # every k-th routed token is compared (drift.sample_tokens)
         self.replay = RoutingReplay(model) if mode != "none" else None
         router = moe_routers(model)[0]
         self.num_experts, self.num_layers = router.config.num_moe_experts, len(moe_routers(model))
@@ -75,6 +97,14 @@ class StepRouting:
         self._targets: dict[int, LayerRouting] = {}
         self._old_new: dict[int, DriftCounts] = {}
         self._infer: DriftCounts | None = None
+
+    def measures_drift(self, step: int) -> bool:
+        """Whether RL step `step` (from 1) measures drift: no extra forward on the others."""
+        return self.drift_enabled and (step - 1) % self.drift_every == 0
+
+    def set_step(self, step: int) -> None:
+        """Select what RL step `step` does (before `active` / `needs_old_pass` are read)."""
+        self.drift = self.measures_drift(step)
 
     @property
     def needs_old_pass(self) -> bool:
@@ -92,13 +122,15 @@ class StepRouting:
             raise ValueError("routing_replay=r3 needs rollouts with routed_experts (return_routed_experts)")
         self._batch = batch
         self._old, self._targets, self._old_new, self._infer = {}, {}, {}, None
+        tokens = int((batch.prompt_lengths + batch.response_lengths).sum())
+        self._stride = sample_stride(tokens, self.drift_sample_tokens)
 
     def _rollout_routing(self, micro: MicroBatch) -> LayerRouting:
         routes = [self._batch.routed_experts[i] for i in micro.indices]
         return routing_from_rollout(micro.packed, routes, num_experts=self.num_experts, **self.tp)
 
     def _mask(self, micro: MicroBatch) -> torch.Tensor:
-        return routing_token_mask(micro.packed, **self.tp)
+        return every_kth(routing_token_mask(micro.packed, **self.tp), self._stride)
 
     @contextlib.contextmanager
     def old_pass(self, micro: MicroBatch) -> Iterator[None]:

@@ -156,6 +156,8 @@ class Trainer:
             self.model,
             mode=replay,
             drift=cfg.drift.enabled,
+            drift_every=cfg.drift.every,
+            drift_sample_tokens=cfg.drift.sample_tokens,
             tp_rank=ps.get_tensor_model_parallel_rank(),
             tp_size=sp_tp,
             sequence_parallel=cfg.parallel.use_sequence_parallel,
@@ -277,6 +279,7 @@ class Trainer:
         self.step += 1
         t0 = time.perf_counter()
         problems = self.stream.next_batch()  # every rank advances its stream (same state everywhere)
+        self.routing.set_step(self.step)  # drift.every: only measured steps pay the extra forward
         local = call_on_rank0(self._sample_and_score, engine, problems)
         shared = broadcast_from_rank0(local[2] if isinstance(local, tuple) else local)
         batch, advantages = local[:2] if isinstance(local, tuple) else (None, None)

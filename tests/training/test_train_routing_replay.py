@@ -53,3 +53,24 @@ def test_grpo_with_routing_replay_logs_per_layer_drift(tmp_path, mode):
         assert record["drift/old_new_mb0/mean"] == 0.0
         # Same weights, fp32 on both sides: inference and training routing agree away from ties.
         assert record["drift/infer_train/mean"] <= 0.02
+
+
+def test_drift_every_n_steps(tmp_path):
+    """drift.every=2: steps 1 and 3 measure drift (extra pi_old forward), step 2 does not."""
+    args = [a for a in TINY if a != "trainer.steps=2"] + ["trainer.steps=3", "drift.every=2"]
+    args += ["algorithm.loss_type=gspo", "drift.sample_tokens=64"]
+    args = [a for a in args if a != "algorithm.loss_options={}"]
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_gspo.cli", "train", *args, f"trainer.run_dir={tmp_path}"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    records = {r["step"]: r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] > 0}
+    trained = {s for s, r in records.items() if r["train/all_zero_adv_batch"] == 0.0}
+    assert trained & {1, 3}, "no measured step trained"
+    for step in trained:
+        measured = any(k.startswith("drift/") for k in records[step])
+        assert measured == (step in (1, 3)), (step, sorted(records[step]))
