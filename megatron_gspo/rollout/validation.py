@@ -23,7 +23,6 @@ Conventions:
 
 from __future__ import annotations
 
-import base64
 import binascii
 import json
 import math
@@ -31,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import pybase64
 import torch
 
 from megatron_gspo.rollout.errors import (
@@ -132,13 +132,14 @@ def parse_generate_response(
             f"says {declared} but output_token_logprobs holds {len(logprobs)} entries",
             sample=sample_name,
         )
-    for i, (a, b) in enumerate(zip(output_ids, logprob_token_ids)):
-        if a != b:
-            raise TokenIdError(
-                f"output_ids[{i}]",
-                f"token {a} disagrees with token {b} in meta_info.output_token_logprobs[{i}]",
-                sample=sample_name,
-            )
+    if output_ids != logprob_token_ids:  # list equality runs in C; the walk only names the token
+        i = next(i for i, (a, b) in enumerate(zip(output_ids, logprob_token_ids)) if a != b)
+        raise TokenIdError(
+            f"output_ids[{i}]",
+            f"token {output_ids[i]} disagrees with token {logprob_token_ids[i]} in "
+            f"meta_info.output_token_logprobs[{i}]",
+            sample=sample_name,
+        )
     _check_token_range(output_ids, "output_ids", vocab_size, sample_name)
     _check_counts(meta, len(prompt), len(output_ids), sample_name)
     finish_reason = _finish_reason(meta.get("finish_reason"), sample_name)
@@ -205,7 +206,7 @@ def decode_routed_experts(
             field, f"expected a base64 string, got {type(payload).__name__}", sample=sample
         )
     try:
-        raw = base64.b64decode(payload, validate=True)
+        raw = pybase64.b64decode(payload, validate=True)  # SIMD: ~30x the stdlib on 1.5 KB per token
     except (binascii.Error, ValueError) as err:
         raise RoutedExpertsError(field, f"not valid base64 ({err})", sample=sample) from None
     rows = num_tokens - 1
@@ -223,7 +224,11 @@ def decode_routed_experts(
         if low < 0 or high >= num_experts:
             bad = low if low < 0 else high
             raise RoutedExpertsError(field, f"expert id {bad} outside [0, {num_experts})", sample=sample)
-        repeats = (np.diff(np.sort(ids, axis=-1), axis=-1) == 0).any(axis=-1)  # [T-1, L]
+        small = ids.astype(np.uint8 if num_experts <= 256 else np.int16)  # ids are in range now
+        repeats = np.zeros(small.shape[:-1], dtype=bool)  # [T-1, L]; k(k-1)/2 compares beat a sort
+        for a in range(topk):
+            for b in range(a + 1, topk):
+                repeats |= small[..., a] == small[..., b]
         if repeats.any():
             token, layer = np.argwhere(repeats)[0]
             raise RoutedExpertsError(
@@ -264,11 +269,12 @@ def _int_list(value: Any, field: str, sample: str | None) -> list[int]:
         raise MalformedResponseError(
             field, f"expected a list of token ids, got {type(value).__name__}", sample=sample
         )
-    for i, token in enumerate(value):
-        if not _is_int(token):
-            raise MalformedResponseError(
-                f"{field}[{i}]", f"expected an integer token id, got {token!r}", sample=sample
-            )
+    if not set(map(type, value)) <= {int}:  # one C-level pass; bool is not int here
+        for i, token in enumerate(value):  # only to name the first offender
+            if not _is_int(token):
+                raise MalformedResponseError(
+                    f"{field}[{i}]", f"expected an integer token id, got {token!r}", sample=sample
+                )
     return list(value)
 
 
@@ -283,7 +289,10 @@ def _check_prompt(input_ids: Sequence[int], vocab_size: int | None, sample: str 
 
 
 def _check_token_range(ids: list[int], field: str, vocab_size: int | None, sample: str | None) -> None:
-    for i, token in enumerate(ids):
+    limit = np.iinfo(np.int64).max if vocab_size is None else vocab_size
+    if not ids or (0 <= min(ids) and max(ids) < limit):  # min/max run in C: the common case
+        return
+    for i, token in enumerate(ids):  # only to name the first offender
         if token < 0:
             raise TokenIdError(f"{field}[{i}]", f"negative token id {token}", sample=sample)
         if vocab_size is not None and token >= vocab_size:
@@ -302,7 +311,10 @@ def _logprob_entries(meta: dict, sample: str | None, tolerance: float) -> tuple[
         )
     if not isinstance(entries, list | tuple):
         raise MalformedResponseError(field, f"expected a list, got {type(entries).__name__}", sample=sample)
-    logprobs, token_ids = [], []
+    fast = _logprob_entries_fast(entries, tolerance)
+    if fast is not None:
+        return fast
+    logprobs, token_ids = [], []  # a bad entry somewhere: walk the entries to name the first one
     for i, entry in enumerate(entries):
         if not isinstance(entry, list | tuple) or len(entry) != 3:
             raise MalformedResponseError(
@@ -331,6 +343,26 @@ def _logprob_entries(meta: dict, sample: str | None, tolerance: float) -> tuple[
         logprobs.append(min(value, 0.0))
         token_ids.append(token)
     return logprobs, token_ids
+
+
+def _logprob_entries_fast(entries: Sequence, tolerance: float) -> tuple[list[float], list[int]] | None:
+    """Whole-array checks of well-formed entries (None when any entry needs the named-error walk)."""
+    if not entries:
+        return [], []
+    if not set(map(type, entries)) <= {list, tuple} or set(map(len, entries)) != {3}:
+        return None
+    values, tokens, texts = zip(*entries)
+    if not set(map(type, values)) <= {float, int} or not set(map(type, tokens)) <= {int}:
+        return None
+    if not set(map(type, texts)) <= {str, type(None)}:
+        return None
+    try:
+        array = np.asarray(values, dtype=np.float64)
+    except OverflowError:  # an int beyond float range: the walk names it
+        return None
+    if not np.isfinite(array).all() or (array > tolerance).any():
+        return None
+    return np.minimum(array, 0.0).tolist(), list(tokens)
 
 
 def _check_counts(meta: dict, prompt_len: int, response_len: int, sample: str | None) -> None:

@@ -350,3 +350,20 @@ def test_numpy_and_tensor_prompts_are_accepted():
     for prompt in (np.array(PROMPT), torch.tensor(PROMPT)):
         sample = parse_generate_response(prompt, good_response(), **LAYOUT)
         assert sample.prompt_ids.tolist() == PROMPT
+
+
+def test_whole_array_checks_agree_with_the_entry_walk():
+    """The fast path returns what the per-entry walk returns, and declines every entry it cannot vouch for."""
+    import random
+
+    from megatron_gspo.rollout import validation
+
+    rng = random.Random(0)
+    entries = [[-rng.random() * 5, rng.randrange(100), None if i % 3 else "x"] for i in range(500)]
+    entries += [[0, 7, None], [1e-7, 8, "y"]]  # an int log-prob; a tiny positive one within tolerance
+    fast = validation._logprob_entries_fast(entries, 1e-6)
+    assert fast is not None
+    assert fast[0] == [min(float(e[0]), 0.0) for e in entries] and fast[1] == [e[1] for e in entries]
+    for bad in ([True, 1, None], [float("nan"), 1, None], [0.5, 1, None], [-1.0, 1.0, None], [-1.0, 1, 3],
+                [-1.0, 1], (-1.0, 1, None, 0), [10**400, 1, None]):  # fmt: skip
+        assert validation._logprob_entries_fast([*entries, list(bad)], 1e-6) is None, bad
