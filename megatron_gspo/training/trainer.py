@@ -96,6 +96,13 @@ def _fit_layout(
     return trimmed, advantages[:keep]
 
 
+def peak_memory_metrics() -> dict[str, float]:
+    """`perf/peak_memory_gib`: this rank's peak CUDA memory so far (none on CPU)."""
+    if not torch.cuda.is_available():
+        return {}
+    return {"perf/peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
 def progress_label(cfg: RunConfig) -> str:
     """The progress bar's title: the loss, and the routing replay when one is on (e.g. GRPO+R2)."""
     replay = cfg.algorithm.routing_replay
@@ -397,6 +404,7 @@ class Trainer:
                         keep_last=cfg.trainer.keep_last,
                     )
                 metrics["time/step_s"] = time.perf_counter() - t0
+                metrics.update(peak_memory_metrics())
                 log.log(self.step, metrics)
         log.close()
         return {"last": log.last, "evals": evals}
