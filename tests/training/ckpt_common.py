@@ -124,3 +124,25 @@ def draw_probes() -> dict:
         "python": random.random(),
         "tracker": tracker,
     }
+
+
+def save_run(run: Run, root, **kwargs):
+    """`save_checkpoint` of everything `run` holds, at its current step."""
+    from megatron_gspo.training.checkpoint import save_checkpoint
+
+    return save_checkpoint(
+        root,
+        run.step,
+        model=run.ddp,
+        optimizer=run.optimizer,
+        scheduler=run.scheduler,
+        trainer_state=run.trainer_state(),
+        **kwargs,
+    )
+
+
+def load_run(run: Run, root, **kwargs):
+    """`load_checkpoint` into `run`'s model, optimizer and scheduler."""
+    from megatron_gspo.training.checkpoint import load_checkpoint
+
+    return load_checkpoint(root, model=run.ddp, optimizer=run.optimizer, scheduler=run.scheduler, **kwargs)

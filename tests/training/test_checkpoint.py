@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from ckpt_common import build_run, draw_probes, train_step
+from ckpt_common import build_run, draw_probes, load_run, save_run, train_step
 
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
 from megatron_gspo.training.checkpoint import (
@@ -16,7 +16,6 @@ from megatron_gspo.training.checkpoint import (
     capture_rng_state,
     latest_step,
     list_steps,
-    load_checkpoint,
     read_meta,
     restore_rng_state,
     save_checkpoint,
@@ -31,22 +30,6 @@ def world_of_one():
     destroy_distributed()
 
 
-def _save(run, root, **kwargs):
-    return save_checkpoint(
-        root,
-        run.step,
-        model=run.ddp,
-        optimizer=run.optimizer,
-        scheduler=run.scheduler,
-        trainer_state=run.trainer_state(),
-        **kwargs,
-    )
-
-
-def _load(run, root, **kwargs):
-    return load_checkpoint(root, model=run.ddp, optimizer=run.optimizer, scheduler=run.scheduler, **kwargs)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A run trained 2 steps and checkpointed at step 2 (plain Adam)."""
@@ -54,7 +37,7 @@ def saved(tmp_path_factory):
     run = build_run(ParallelConfig(), init=False)
     for _ in range(2):
         train_step(run)
-    _save(run, root)
+    save_run(run, root)
     return root, run
 
 
@@ -64,7 +47,7 @@ def test_resumed_run_continues_bit_exactly(tmp_path, distributed_optimizer):
     original = build_run(parallel, init=False)
     for _ in range(3):
         train_step(original)
-    _save(original, tmp_path)
+    save_run(original, tmp_path)
     expected_probes = draw_probes()
     expected = [train_step(original) for _ in range(2)]
 
@@ -73,7 +56,7 @@ def test_resumed_run_continues_bit_exactly(tmp_path, distributed_optimizer):
         resumed.model.embedding.word_embeddings.weight, original.model.embedding.word_embeddings.weight
     )
     torch.manual_seed(99), np.random.seed(99), random.seed(99)  # scramble every stream
-    state = _load(resumed, tmp_path)
+    state = load_run(resumed, tmp_path)
     probes = draw_probes()
     resumed.load_trainer_state(state)
     assert state["step"] == 3 and state["data"]["batches_drawn"] == 3 and state["loss_stats"]["count"] == 3
@@ -129,9 +112,9 @@ def test_layout_meta_and_latest(saved):
 def test_empty_root_has_nothing_to_resume(tmp_path):
     run = build_run(ParallelConfig(), init=False)
     assert latest_step(tmp_path) is None and list_steps(tmp_path / "absent") == []
-    assert _load(run, tmp_path) is None
+    assert load_run(run, tmp_path) is None
     with pytest.raises(CheckpointError, match="no checkpoint for step 4"):
-        _load(run, tmp_path, step=4)
+        load_run(run, tmp_path, step=4)
 
 
 def test_keep_last_prunes_old_checkpoints_and_explicit_step_loads(tmp_path):
@@ -139,10 +122,10 @@ def test_keep_last_prunes_old_checkpoints_and_explicit_step_loads(tmp_path):
     weights = {}
     for _ in range(4):
         train_step(run)
-        _save(run, tmp_path, keep_last=2)
+        save_run(run, tmp_path, keep_last=2)
         weights[run.step] = run.model.embedding.word_embeddings.weight.detach().clone()
     assert list_steps(tmp_path) == [3, 4] and latest_step(tmp_path) == 4
-    state = _load(run, tmp_path, step=3)
+    state = load_run(run, tmp_path, step=3)
     assert state["step"] == 3
     assert torch.equal(run.model.embedding.word_embeddings.weight, weights[3])
     with pytest.raises(CheckpointError, match="already the latest checkpoint"):
@@ -150,7 +133,7 @@ def test_keep_last_prunes_old_checkpoints_and_explicit_step_loads(tmp_path):
             tmp_path, 4, model=run.ddp, optimizer=run.optimizer, scheduler=run.scheduler, trainer_state={}
         )
     with pytest.raises(ValueError, match="keep_last must be >= 1"):
-        _save(run, tmp_path, keep_last=0)
+        save_run(run, tmp_path, keep_last=0)
     with pytest.raises(ValueError, match="trainer_state must be a dict"):
         save_checkpoint(
             tmp_path, 5, model=run.ddp, optimizer=run.optimizer, scheduler=run.scheduler, trainer_state=[]
@@ -164,9 +147,9 @@ def test_stale_temporary_directories_are_removed_by_the_next_save(tmp_path):
     (tmp_path / "step_00000007.tmp-abc123" / "rank_00000.pt").write_bytes(b"partial")
     (tmp_path / "step_00000001").mkdir()  # complete-looking leftover that `latest` never named
     (tmp_path / "step_00000001" / "junk").write_text("x")
-    _save(run, tmp_path)
+    save_run(run, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
-    assert not (tmp_path / "step_00000001" / "junk").exists() and _load(run, tmp_path)["step"] == 1
+    assert not (tmp_path / "step_00000001" / "junk").exists() and load_run(run, tmp_path)["step"] == 1
 
 
 def _copy(saved, tmp_path):
@@ -180,13 +163,13 @@ def test_corrupt_meta_is_refused(saved, tmp_path):
     run = build_run(ParallelConfig(), init=False)
     (directory / "meta.json").write_text('{"step": 2, "layo')
     with pytest.raises(CheckpointError, match=r"meta.json is corrupt \(not valid JSON"):
-        _load(run, root)
+        load_run(run, root)
     (directory / "meta.json").write_text('{"step": 2}')
     with pytest.raises(CheckpointError, match=r"meta.json is corrupt: needs fields"):
-        _load(run, root)
+        load_run(run, root)
     (directory / "meta.json").unlink()
     with pytest.raises(CheckpointError, match="meta.json is missing"):
-        _load(run, root)
+        load_run(run, root)
 
 
 def test_missing_or_truncated_rank_file_is_refused(saved, tmp_path):
@@ -197,10 +180,10 @@ def test_missing_or_truncated_rank_file_is_refused(saved, tmp_path):
     with pytest.raises(
         CheckpointError, match=rf"rank_00000.pt has {len(data) // 2} bytes, meta.json recorded {len(data)}"
     ):
-        _load(run, root)
+        load_run(run, root)
     (directory / "rank_00000.pt").unlink()
     with pytest.raises(CheckpointError, match=r"rank_00000.pt is missing \(checkpoint written by 1 ranks\)"):
-        _load(run, root)
+        load_run(run, root)
 
 
 def test_layout_mismatch_names_both_layouts(saved, tmp_path):
@@ -209,7 +192,7 @@ def test_layout_mismatch_names_both_layouts(saved, tmp_path):
     with pytest.raises(
         CheckpointError, match="distributed_optimizer=False; this run has .*distributed_optimizer=True"
     ):
-        _load(run, root)
+        load_run(run, root)
     meta = json.loads((directory / "meta.json").read_text())
     meta["layout"].update(world_size=4, expert_parallel=2, data_parallel=4)
     write_meta(directory / "meta.json", meta)  # a consistent meta.json of another layout
@@ -217,4 +200,4 @@ def test_layout_mismatch_names_both_layouts(saved, tmp_path):
     with pytest.raises(
         CheckpointError, match=r"world=4 TP=1 EP=2 .* this run has world=1 TP=1 EP=1 .*export the global"
     ):
-        _load(plain, root)
+        load_run(plain, root)

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from ckpt_common import build_run, train_step
+from ckpt_common import build_run, load_run, save_run, train_step
 
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
 from megatron_gspo.training.checkpoint import (
@@ -15,10 +15,8 @@ from megatron_gspo.training.checkpoint import (
     CheckpointError,
     latest_step,
     list_steps,
-    load_checkpoint,
     read_meta,
     resumable_step,
-    save_checkpoint,
 )
 
 LOGGER = "megatron_gspo.training.checkpoint"
@@ -34,22 +32,6 @@ def world_of_one():
     init_distributed(ParallelConfig())
     yield
     destroy_distributed()
-
-
-def _save(run, root, **kwargs):
-    return save_checkpoint(
-        root,
-        run.step,
-        model=run.ddp,
-        optimizer=run.optimizer,
-        scheduler=run.scheduler,
-        trainer_state=run.trainer_state(),
-        **kwargs,
-    )
-
-
-def _load(run, root, **kwargs):
-    return load_checkpoint(root, model=run.ddp, optimizer=run.optimizer, scheduler=run.scheduler, **kwargs)
 
 
 def _weights(run):
@@ -76,7 +58,7 @@ def three_steps(tmp_path_factory):
     saved = {}
     for _ in range(3):
         train_step(run)
-        _save(run, root, keep_last=3)
+        save_run(run, root, keep_last=3)
         saved[run.step] = (_weights(run), run.trainer_state())
     return root, saved
 
@@ -105,10 +87,10 @@ def test_flipped_byte_is_named_and_nothing_is_loaded(root, three_steps, name):
     run = build_run(ParallelConfig(), init=False)
     before = _weights(run)
     with pytest.raises(CheckpointCorruptError, match=rf"step_00000003/{name} is corrupt: its sha256 is"):
-        _load(run, root)
+        load_run(run, root)
     assert _same(_weights(run), before)  # verified before any state was touched
     with pytest.raises(CheckpointCorruptError, match=rf"step_00000003/{name} is corrupt"):
-        _load(run, root, step=3)
+        load_run(run, root, step=3)
 
 
 def test_edited_meta_is_refused_as_corrupt(root):
@@ -117,12 +99,12 @@ def test_edited_meta_is_refused_as_corrupt(root):
     path.write_text(text.replace('"expert_parallel": 1', '"expert_parallel": 2'))  # looks like a layout
     run = build_run(ParallelConfig(), init=False)
     with pytest.raises(CheckpointCorruptError, match="meta.json is corrupt: its content does not match"):
-        _load(run, root)
+        load_run(run, root)
     meta = json.loads(text)
     del meta["meta_checksum"]
     path.write_text(json.dumps(meta))
     with pytest.raises(CheckpointCorruptError, match="needs `meta_checksum` and `checksums`"):
-        _load(run, root)
+        load_run(run, root)
 
 
 def test_resume_falls_back_to_the_newest_intact_checkpoint(root, three_steps, caplog):
@@ -130,7 +112,7 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(root, three_steps, ca
     _flip_byte(root / "step_00000003" / "rank_00000.pt")
     run = build_run(ParallelConfig(), init=False)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        state = _load(run, root, fallback=True)
+        state = load_run(run, root, fallback=True)
     assert state == saved[2][1] and state["step"] == 2
     assert _same(_weights(run), saved[2][0])
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == LOGGER]
@@ -141,9 +123,9 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(root, three_steps, ca
     assert latest_step(root) == 2 and list_steps(root) == [1, 2, 3]
     run.load_trainer_state(state)
     train_step(run)
-    _save(run, root, keep_last=3)
+    save_run(run, root, keep_last=3)
     assert latest_step(root) == 3
-    assert _load(run, root)["step"] == 3
+    assert load_run(run, root)["step"] == 3
 
 
 def test_every_checkpoint_damaged_is_an_error_naming_each(root):
@@ -152,7 +134,7 @@ def test_every_checkpoint_damaged_is_an_error_naming_each(root):
     (root / "step_00000001" / "rank_00000.pt").write_bytes(b"x")
     run = build_run(ParallelConfig(), init=False)
     with pytest.raises(CheckpointCorruptError) as info:
-        _load(run, root, fallback=True)
+        load_run(run, root, fallback=True)
     message = str(info.value)
     assert message.startswith(f"no intact checkpoint under {root}: ")
     assert "step_00000003: " in message and "step_00000003/rank_00000.pt is corrupt" in message
@@ -165,9 +147,9 @@ def test_intact_checkpoints_load_the_same_with_and_without_fallback(root, three_
     _, saved = three_steps
     run = build_run(ParallelConfig(), init=False)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        assert _load(run, root, fallback=True) == saved[3][1]
+        assert load_run(run, root, fallback=True) == saved[3][1]
     assert not _ours(caplog) and _same(_weights(run), saved[3][0])
-    assert _load(run, root) == saved[3][1] and latest_step(root) == 3
+    assert load_run(run, root) == saved[3][1] and latest_step(root) == 3
 
 
 def test_missing_newest_directory_and_unreadable_latest_fall_back(root, three_steps, caplog):
@@ -175,21 +157,21 @@ def test_missing_newest_directory_and_unreadable_latest_fall_back(root, three_st
     shutil.rmtree(root / "step_00000003")
     run = build_run(ParallelConfig(), init=False)
     with pytest.raises(CheckpointCorruptError, match="no checkpoint for step 3"):
-        _load(run, root)
+        load_run(run, root)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        assert _load(run, root, fallback=True)["step"] == 2
+        assert load_run(run, root, fallback=True)["step"] == 2
     assert "step_00000003 is damaged and skipped: no checkpoint for step 3" in _ours(caplog)[0].getMessage()
     (root / "latest").write_bytes(b"\xff\x00garbage")
     assert resumable_step(root) == 2  # what the trainer checks before it resumes
     with pytest.raises(CheckpointCorruptError, match="not a step_NNNNNNNN checkpoint directory"):
-        _load(run, root)
-    assert _load(run, root, fallback=True) == saved[2][1] and latest_step(root) == 2
+        load_run(run, root)
+    assert load_run(run, root, fallback=True) == saved[2][1] and latest_step(root) == 2
 
 
 def test_layout_mismatch_is_not_skipped_by_fallback(root):
     run = build_run(ParallelConfig(distributed_optimizer=True), init=False)
     with pytest.raises(CheckpointError, match="written with layout") as info:
-        _load(run, root, fallback=True)
+        load_run(run, root, fallback=True)
     assert not isinstance(info.value, CheckpointCorruptError)
 
 
@@ -201,7 +183,7 @@ def test_format_version_1_without_checksums_still_loads(root, three_steps):
         del meta[key]
     path.write_text(json.dumps({**meta, "format_version": 1}))
     run = build_run(ParallelConfig(), init=False)
-    assert _load(run, root) == saved[3][1] and _same(_weights(run), saved[3][0])
+    assert load_run(run, root) == saved[3][1] and _same(_weights(run), saved[3][0])
     path.write_text(json.dumps({**meta, "format_version": 7}))
     with pytest.raises(CheckpointError, match=r"format version 7, this code reads \[1, 2\]"):
-        _load(run, root, fallback=True)
+        load_run(run, root, fallback=True)
