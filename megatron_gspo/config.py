@@ -27,6 +27,7 @@ from megatron_gspo.config_checks import (
     check_finite,
     check_model_sizes,
     check_rollout,
+    check_weight_sync,
 )
 from megatron_gspo.model.builder import EngineConfig
 from megatron_gspo.model.config import MoEModelConfig, preset
@@ -209,6 +210,35 @@ class TrainerConfig:
 
 
 @dataclass
+class WeightSyncConfig:
+    """How the trained weights reach the rollout servers after every step.
+
+    Worst case of one failed sync: (retries + 1) attempts x timeout_s, then the run stops
+    with an error naming the server and the bucket.
+    """
+
+    method: Literal["distributed", "tensor", "disk"] = "distributed"
+    """distributed: buckets broadcast over a weight-update group the servers join
+    (`/update_weights_from_distributed`; NCCL on GPU, gloo on CPU). tensor: buckets through
+    `/update_weights_from_tensor` in the embedded server's safetensors-base64 encoding (real
+    SGLang's colocated CUDA-IPC encoding is not implemented). disk: a full HF checkpoint in
+    `trainer.weight_sync_dir` that every server re-reads (debugging; servers that cannot join a group)."""
+    bucket_mb: float = 1024.0
+    """Bucket size: the sender holds about two buckets beyond its own shards."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Weight-update group backend; auto: nccl when the trainer runs on CUDA, else gloo."""
+    master_address: str = ""
+    """Address the servers reach the trainer's rank 0 at ("": 127.0.0.1 when every server is on
+    loopback, else this host's address)."""
+    master_port: int = 0
+    """Rendezvous port of the weight-update group (0: a free port)."""
+    timeout_s: float = 600.0
+    """Longest wait for one protocol step (group join, one bucket)."""
+    retries: int = 2
+    """Whole-sync retries after a failure (a fresh group each time)."""
+
+
+@dataclass
 class LoggingConfig:
     """Metrics and text logs."""
 
@@ -260,6 +290,8 @@ class RunConfig:
     """Held-out evaluation."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """RL loop."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Trainer -> rollout servers weight updates."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics and logs."""
     debug: DebugConfig = field(default_factory=DebugConfig)
@@ -376,6 +408,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         check_model_sizes(model_cfg)
         check_rollout(cfg.rollout)
         check_eval(cfg.eval)
+        check_weight_sync(cfg.weight_sync, cfg.rollout)
     except ValueCheckError as err:
         raise ConfigError(str(err)) from None
     try:

@@ -87,6 +87,23 @@ def check_rollout(rollout: Any) -> None:
         )
 
 
+def check_weight_sync(sync: Any, rollout: Any) -> None:
+    """weight_sync.*: sizes, timeouts, and a method the configured servers can take."""
+    if sync.bucket_mb <= 0:
+        raise ValueCheckError(f"weight_sync.bucket_mb must be > 0, got {sync.bucket_mb}")
+    if sync.timeout_s <= 0:
+        raise ValueCheckError(f"weight_sync.timeout_s must be > 0 seconds, got {sync.timeout_s}")
+    if sync.retries < 0:
+        raise ValueCheckError(f"weight_sync.retries must be >= 0, got {sync.retries}")
+    if not 0 <= sync.master_port <= 65535:
+        raise ValueCheckError(f"weight_sync.master_port={sync.master_port} is not a port (0: any free port)")
+    if sync.method == "tensor" and rollout.server_urls:
+        raise ValueCheckError(
+            "weight_sync.method=tensor sends the embedded server's safetensors-base64 buckets; real SGLang "
+            "takes CUDA-IPC handles from a colocated trainer, which is not implemented: use distributed"
+        )
+
+
 def check_model_sizes(model: MoEModelConfig) -> None:
     """Every architecture size positive and below `MODEL_LIMITS`."""
     for name, limit in MODEL_LIMITS.items():

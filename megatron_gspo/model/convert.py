@@ -28,11 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from megatron_gspo.model import control_plane
 from megatron_gspo.model.config import MoEModelConfig
-from megatron_gspo.model.hf_checkpoint import SAFE_WEIGHTS_INDEX_NAME, save_hf_state_dict
+from megatron_gspo.model.hf_checkpoint import SAFE_WEIGHTS_INDEX_NAME, HFCheckpointWriter
 from megatron_gspo.model.sharding import local_shard_plan
 
 _COPY, _QKV, _FC1 = "copy", "qkv", "fc1"
@@ -211,13 +209,14 @@ def megatron_to_hf(
     _check_names(global_state, (t.megatron for t in table), "Megatron state dict", model_cfg)
     out = {}
     for mapping in table:
-        out.update(_megatron_tensor_to_hf(mapping, global_state[mapping.megatron], model_cfg))
+        out.update(megatron_tensor_to_hf(mapping, global_state[mapping.megatron], model_cfg))
     return out
 
 
-def _megatron_tensor_to_hf(
+def megatron_tensor_to_hf(
     mapping: TensorMapping, tensor: torch.Tensor, cfg: MoEModelConfig
 ) -> dict[str, torch.Tensor]:
+    """One global Megatron tensor -> its HF tensors by on-disk name (shape checked)."""
     _check_shape(mapping.megatron, tensor.shape, _megatron_shape(mapping, cfg))
     return {name: part.contiguous() for name, part in zip(mapping.hf, _split(mapping, tensor, cfg))}
 
@@ -390,52 +389,41 @@ def export_hf_checkpoint(
     tokenizer=None,
     *,
     max_shard_bytes: int | None = None,
-) -> Path | None:
+) -> Path:
     """Write the model as an HF checkpoint directory (collective; rank 0 writes, atomically).
 
-    All ranks iterate `iter_global_tensors` together: tensors are gathered over TP and EP one at
-    a time, so a non-zero rank never holds more than one global tensor (x EP size for expert
-    tensors). Rank 0 converts each to HF names as it arrives, keeps the HF state dict in host
-    memory and hands it to `save_hf_state_dict` (temp dir + rename, so the rollout server's
-    `/update_weights_from_disk` never sees a partial checkpoint).
-
-    Memory limit: rank 0's host peak is one full copy of the weights (tiny/medium models; about
-    61 GB for Qwen3-30B-A3B in bf16, 470 GB for 235B-A22B). For 30B+ the writer should stream:
-    write a safetensors shard to the temp dir whenever `max_shard_bytes` have accumulated, drop
-    it, and write the index and rename at the end (same iteration order, peak one shard).
+    All ranks walk `hf_stream.iter_hf_tensors` together: tensors are gathered over TP and EP one
+    at a time; rank 0 converts each to HF names and hands it to an `HFCheckpointWriter`, which
+    writes a safetensors shard to a temp dir as soon as `max_shard_bytes` have accumulated and
+    renames the directory into place at the end. Host memory on rank 0 peaks at one shard plus
+    one tensor, whatever the model size; the rollout server's `/update_weights_from_disk` never
+    sees a partial checkpoint. A NaN/inf weight is refused (`NonFiniteWeightError` naming it)
+    and the previous checkpoint at `out_dir` stays.
 
     Args:
         model: This rank's shard (or a DDP wrapper of it).
         out_dir: Destination directory (replaced as a whole).
         model_cfg: Architecture (written to config.json; checked against the model).
         tokenizer: Optional tokenizer saved alongside.
-        max_shard_bytes: Safetensors shard size limit (default: `save_hf_state_dict`'s).
+        max_shard_bytes: Safetensors shard size limit (default: `HFCheckpointWriter`'s).
 
     Returns:
-        The checkpoint path on global rank 0, None on the other ranks (after the write finished).
+        The checkpoint path, on every rank, once it is published.
     """
-    from megatron_gspo.model.sharding import iter_global_tensors
+    from megatron_gspo.model.hf_stream import check_finite, run_on_hf_stream
 
     model = _unwrap(model)
     check_same_architecture(_built_architecture(model, model_cfg), model_cfg, "model_cfg")
-    is_writer = not dist.is_initialized() or dist.get_rank() == 0
-    table = {t.megatron: t for t in name_table(model_cfg)}
-    hf_state: dict[str, torch.Tensor] = {}
-    for name, tensor in iter_global_tensors(model):
-        if not is_writer:
-            continue
-        if name not in table:
-            raise ConversionError(f"model tensor {name!r} has no HF counterpart in the name table")
-        # To host memory as it arrives: on GPUs rank 0 would otherwise keep a second device copy.
-        hf_state.update(_megatron_tensor_to_hf(table.pop(name), tensor.to("cpu"), model_cfg))
-    path = None
-    if is_writer:
-        if table:
-            raise ConversionError(f"model lacks {len(table)} tensor(s), e.g. {sorted(table)[:3]}")
-        kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
-        path = save_hf_state_dict(out_dir, hf_state, model_cfg, tokenizer, **kwargs)
-    control_plane.barrier()  # the checkpoint is published before any rank moves on
-    return path
+    kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+
+    def write(stream) -> Path:
+        with HFCheckpointWriter(out_dir, model_cfg, tokenizer, **kwargs) as writer:
+            for name, tensor in stream:
+                check_finite(name, tensor)
+                writer.add(name, tensor)
+            return writer.finish()
+
+    return run_on_hf_stream(model, model_cfg, write)
 
 
 # ----------------------------------------------------------------------------- parity check

@@ -98,39 +98,61 @@ def hf_to_module_state(hf_state: Mapping[str, torch.Tensor], num_experts: int) -
     return out
 
 
+def _target(params: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The slice of `params` an on-disk (or in-memory) HF tensor name lands in."""
+    match = _PER_EXPERT.match(name)
+    if match is None:
+        target = params.get(name)
+        if target is None:
+            raise KeyError(f"model has no parameter named {name}")
+        return target
+    kind, e = match["kind"], int(match["e"])
+    fused = params.get(f"{match['prefix']}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}")
+    if fused is None or e >= fused.shape[0]:
+        raise KeyError(f"model has no parameter for {name}")
+    target = fused[e]
+    if kind != "down_proj":
+        half = target.shape[0] // 2
+        target = target[:half] if kind == "gate_proj" else target[half:]
+    return target
+
+
+def _targets(
+    model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    params = dict(model.named_parameters())
+    params.update(dict(model.named_buffers()))
+    pairs = []
+    for name, tensor in hf_state.items():
+        target = _target(params, name)
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}"
+            )
+        pairs.append((target, tensor))
+    return pairs
+
+
+def check_fits_model(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor]) -> None:
+    """Raise (naming the tensor) unless `copy_into_model(model, hf_state)` would succeed."""
+    _targets(model, hf_state)
+
+
 @torch.no_grad()
 def copy_into_model(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor]) -> int:
     """Copy tensors with on-disk (or in-memory) HF names into `model`'s parameters in place.
 
     Partial updates are allowed: a single expert's `gate_proj` lands in its rows of the fused
-    `gate_up_proj`. Unknown names and shape mismatches raise, naming the tensor.
+    `gate_up_proj`. Unknown names and shape mismatches raise, naming the tensor, before
+    anything is copied.
 
     Returns:
         Number of tensors copied.
     """
-    params = dict(model.named_parameters())
-    params.update(dict(model.named_buffers()))
-    for name, tensor in hf_state.items():
-        match = _PER_EXPERT.match(name)
-        if match is not None:
-            kind, e = match["kind"], int(match["e"])
-            fused = params.get(f"{match['prefix']}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}")
-            if fused is None or e >= fused.shape[0]:
-                raise KeyError(f"model has no parameter for {name}")
-            target = fused[e]
-            if kind != "down_proj":
-                half = target.shape[0] // 2
-                target = target[:half] if kind == "gate_proj" else target[half:]
-        else:
-            target = params.get(name)
-            if target is None:
-                raise KeyError(f"model has no parameter named {name}")
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}"
-            )
+    pairs = _targets(model, hf_state)
+    for target, tensor in pairs:
         target.copy_(tensor.to(dtype=target.dtype, device=target.device))
-    return len(hf_state)
+    return len(pairs)
 
 
 def _shard_files(ckpt_dir: Path) -> list[Path]:
@@ -161,18 +183,122 @@ def load_hf_state_dict(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     return state
 
 
-def _split_shards(state: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in sorted(state):
-        tensor = state[name]
+class HFCheckpointWriter:
+    """Writes an HF checkpoint directory shard by shard, then publishes it atomically.
+
+    `add` tensors in any order: a safetensors shard is written (and dropped from memory) as
+    soon as `max_shard_bytes` have accumulated, so the writer holds at most one shard, never
+    the whole model. `finish` names the shards as HF does (`model.safetensors` alone, else
+    `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json`), writes config.json
+    (and the tokenizer), fsyncs and renames the temp dir onto `ckpt_dir`; `abort` (or an
+    exception inside a `with` block) deletes the temp dir and leaves `ckpt_dir` as it was.
+    With tied embeddings `lm_head.weight` is dropped (HF re-ties it on load).
+    """
+
+    def __init__(
+        self,
+        ckpt_dir: str | os.PathLike,
+        model_cfg: MoEModelConfig,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        *,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    ):
+        if tokenizer is not None and len(tokenizer) > model_cfg.vocab_size:
+            raise ValueError(
+                f"tokenizer has {len(tokenizer)} tokens > model vocab_size={model_cfg.vocab_size}"
+            )
+        self.ckpt_dir = Path(ckpt_dir)
+        self.model_cfg = model_cfg
+        self.tokenizer = tokenizer
+        self.max_shard_bytes = max_shard_bytes
+        self.ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.ckpt_dir.name}.tmp-", dir=self.ckpt_dir.parent))
+        self._shard: dict[str, torch.Tensor] = {}
+        self._shard_bytes = 0
+        self._files: list[tuple[Path, list[str]]] = []  # written shards and their tensor names
+        self.total_bytes = 0
+        self.largest_shard_bytes = 0
+        self._dtypes: set[torch.dtype] = set()
+
+    def __enter__(self) -> HFCheckpointWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue one tensor (on-disk HF name); copied to host memory now."""
+        if self.model_cfg.tie_word_embeddings and name == "lm_head.weight":
+            return
+        if name in self._shard or any(name in names for _, names in self._files):
+            raise ValueError(f"tensor {name!r} added twice")
+        tensor = tensor.detach().to("cpu").contiguous()
         nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    return shards
+        if self._shard and self._shard_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._shard[name] = tensor
+        self._shard_bytes += nbytes
+        self.total_bytes += nbytes
+        if tensor.is_floating_point():
+            self._dtypes.add(tensor.dtype)
+
+    def _flush(self) -> None:
+        path = self.tmp / f"shard-{len(self._files):05d}.safetensors"
+        save_file(self._shard, str(path), metadata={"format": "pt"})
+        self._files.append((path, sorted(self._shard)))
+        self.largest_shard_bytes = max(self.largest_shard_bytes, self._shard_bytes)
+        self._shard, self._shard_bytes = {}, 0
+
+    def finish(self) -> Path:
+        """Write the last shard, the index and config.json; publish the directory atomically."""
+        try:
+            if self._shard or not self._files:
+                self._flush()
+            self._name_shards()
+            self._write_config()
+            for f in self.tmp.iterdir():  # make the data durable before the rename publishes it
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            os.chmod(self.tmp, 0o755)
+            _replace_dir(self.tmp, self.ckpt_dir)
+        except BaseException:
+            self.abort()
+            raise
+        return self.ckpt_dir
+
+    def abort(self) -> None:
+        """Delete the temp dir; `ckpt_dir` is left as it was."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _name_shards(self) -> None:
+        if len(self._files) == 1:
+            os.replace(self._files[0][0], self.tmp / SAFE_WEIGHTS_NAME)
+            return
+        weight_map = {}
+        n = len(self._files)
+        for k, (path, names) in enumerate(self._files, start=1):
+            fname = f"model-{k:05d}-of-{n:05d}.safetensors"
+            os.replace(path, self.tmp / fname)
+            weight_map.update(dict.fromkeys(names, fname))
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.tmp / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2))
+
+    def _write_config(self) -> None:
+        hf_cfg = self.model_cfg.to_hf_config()
+        if len(self._dtypes) == 1:
+            hf_cfg["dtype"] = str(next(iter(self._dtypes))).removeprefix("torch.")
+        tokenizer = self.tokenizer
+        if tokenizer is not None:
+            ids = {
+                "bos_token_id": tokenizer.bos_token_id,
+                "eos_token_id": tokenizer.eos_token_id,
+                "pad_token_id": tokenizer.pad_token_id,
+            }
+            hf_cfg.update(ids)
+            tokenizer.save_pretrained(str(self.tmp))
+            GenerationConfig(**ids).save_pretrained(str(self.tmp))
+        (self.tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
 
 
 def save_hf_state_dict(
@@ -183,69 +309,15 @@ def save_hf_state_dict(
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
-    """Write an HF checkpoint directory atomically: safetensors shards, index, config.json.
+    """Write a whole state dict (on-disk HF names) as an HF checkpoint directory, atomically.
 
-    Args:
-        ckpt_dir: Destination; replaced as a whole if it exists.
-        state_dict: Tensors with on-disk names (`module_state_to_hf` converts a module's state).
-            With tied embeddings `lm_head.weight` is dropped (HF re-ties it on load).
-        model_cfg: Architecture written to config.json.
-        tokenizer: If given, its files and a generation_config.json (bos/eos/pad) are written too.
-        max_shard_bytes: Shard size limit; one shard is `model.safetensors` (no index), several are
-            `model-0000k-of-0000n.safetensors` plus `model.safetensors.index.json`, as HF writes them.
-
-    Returns:
-        The checkpoint directory.
+    `module_state_to_hf` converts a module's state; see `HFCheckpointWriter` for the layout.
+    Tensors go into shards in name order.
     """
-    ckpt_dir = Path(ckpt_dir)
-    ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
-    state = {name: t.detach().to("cpu").contiguous() for name, t in state_dict.items()}
-    if model_cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{ckpt_dir.name}.tmp-", dir=ckpt_dir.parent))
-    try:
-        shards = _split_shards(state, max_shard_bytes)
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for k, shard in enumerate(shards, start=1):
-                fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(shard, fname))
-            total = sum(t.numel() * t.element_size() for t in state.values())
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2))
-        hf_cfg = model_cfg.to_hf_config()
-        dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
-        if len(dtypes) == 1:
-            hf_cfg["dtype"] = str(dtypes.pop()).removeprefix("torch.")
-        if tokenizer is not None:
-            if len(tokenizer) > model_cfg.vocab_size:
-                raise ValueError(
-                    f"tokenizer has {len(tokenizer)} tokens > model vocab_size={model_cfg.vocab_size}"
-                )
-            hf_cfg.update(
-                bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-            tokenizer.save_pretrained(str(tmp))
-            GenerationConfig(
-                bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-            ).save_pretrained(str(tmp))
-        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
-        for f in tmp.iterdir():  # make the data durable before the rename publishes it
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        os.chmod(tmp, 0o755)
-        _replace_dir(tmp, ckpt_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return ckpt_dir
+    with HFCheckpointWriter(ckpt_dir, model_cfg, tokenizer, max_shard_bytes=max_shard_bytes) as writer:
+        for name in sorted(state_dict):
+            writer.add(name, state_dict[name])
+        return writer.finish()
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

@@ -357,12 +357,15 @@ class SGLangClient:
         group_name: str = "weight_update_group",
         flush_cache: bool = True,
         weight_version: str | int | None = None,
+        load_format: str | None = None,
         blocking: bool = True,
     ) -> list[dict[str, Any]] | cf.Future:
         """Announce a broadcast of named tensors over the update group (the trainer sends them).
 
         Like `init_weights_update_group`, the servers wait in the collective: use
-        ``blocking=False``, broadcast, then ``.result()``. Never retried.
+        ``blocking=False``, broadcast, then ``.result()``. Never retried. ``load_format=
+        "flattened_bucket"``: one broadcast of all tensors' bytes concatenated (`hf_stream.Bucket`).
+        SGLang >= 0.5.23 takes it only between `begin_weight_update` and `end_weight_update`.
         """
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
@@ -375,7 +378,31 @@ class SGLangClient:
         }
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
+        if load_format is not None:
+            body["load_format"] = load_format
         return self._maybe_background(blocking, "/update_weights_from_distributed", [body] * len(self.urls))
+
+    def begin_weight_update(self) -> list[dict[str, Any]]:
+        """Open a weight-update session on every server (updates are loaded within it)."""
+        return self._broadcast("/begin_weight_update", {}, retry=False)
+
+    def end_weight_update(self) -> list[dict[str, Any]]:
+        """Close every server's session (the embedded server applies its staged tensors here)."""
+        return self._broadcast("/end_weight_update", {}, retry=False)
+
+    def server_info(self) -> list[dict[str, Any]]:
+        """Every server's `/get_server_info` (e.g. `tp_size`: its ranks in a weight-update group)."""
+        answers = []
+        for url in self.urls:
+            try:
+                response = self._http.get(f"{url}/get_server_info", timeout=self.health_timeout_s)
+                response.raise_for_status()
+                answers.append(response.json())
+            except (httpx.HTTPError, ValueError) as err:
+                raise RolloutServerError(
+                    url=url, path="/get_server_info", attempts=1, last_error=f"{type(err).__name__}: {err}"
+                ) from None
+        return answers
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> list[dict[str, Any]]:
         """Make every server leave the update group."""

@@ -44,6 +44,7 @@ from megatron_gspo.rollout.server_protocol import (
     parse_generate,
 )
 from megatron_gspo.rollout.server_scheduler import BatchScheduler
+from megatron_gspo.rollout.weight_receiver import WeightReceiver, WeightSyncError
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class RolloutService:
         self.engine = engine
         self.scheduler = scheduler
         self.check_responses = check_responses
+        self.receiver = WeightReceiver(engine)
         self.host = ""
         self.port = 0
 
@@ -134,10 +136,78 @@ class RolloutService:
             self.scheduler.abort_all()
         try:
             tensors = deserialize_named_tensors(body["serialized_named_tensors"])
-            count = self.engine.update_weights_from_tensors(tensors, body.get("weight_version"))
+            if self.receiver.session_open:  # staged; applied with the rest at /end_weight_update
+                count = self.receiver.stage(tensors, body.get("weight_version"))
+            else:
+                count = self.engine.update_weights_from_tensors(tensors, body.get("weight_version"))
         except Exception as exc:  # noqa: BLE001 - reported to the caller, old weights kept
             return _failure(f"Failed to update weights from tensors: {exc}")
         return _success(f"Succeeded to update {count} tensors.")
+
+    # ------------------------------------------------- distributed weight update
+    def init_weights_update_group(self, body: dict) -> tuple[int, Any]:
+        """POST /init_weights_update_group: join the trainer's group (blocks until all ranks join)."""
+        fields = _typed_fields(
+            body,
+            master_address=(str, None),
+            master_port=(int, None),
+            rank_offset=(int, None),
+            world_size=(int, None),
+            group_name=(str, "weight_update_group"),
+            backend=(str, "nccl"),
+        )
+        if isinstance(fields, str):
+            return _failure(fields)
+        return self._protocol_step(
+            lambda: self.receiver.init_group(**fields), "Succeeded to initialize custom process group."
+        )
+
+    def destroy_weights_update_group(self, body: dict) -> tuple[int, Any]:
+        """POST /destroy_weights_update_group."""
+        fields = _typed_fields(body, group_name=(str, "weight_update_group"))
+        if isinstance(fields, str):
+            return _failure(fields)
+        return self._protocol_step(
+            lambda: self.receiver.destroy_group(fields["group_name"]),
+            "Succeeded to destroy custom process group.",
+        )
+
+    def begin_weight_update(self, body: dict) -> tuple[int, Any]:
+        """POST /begin_weight_update: open a session (updates are staged until its end)."""
+        return self._protocol_step(self.receiver.begin, "Success")
+
+    def end_weight_update(self, body: dict) -> tuple[int, Any]:
+        """POST /end_weight_update: apply the session's staged tensors all at once."""
+        return self._protocol_step(self.receiver.end, "Success")
+
+    def update_weights_from_distributed(self, body: dict) -> tuple[int, Any]:
+        """POST /update_weights_from_distributed: receive one broadcast bucket from the trainer."""
+        fields = _typed_fields(
+            body,
+            names=(list, None),
+            dtypes=(list, None),
+            shapes=(list, None),
+            group_name=(str, "weight_update_group"),
+            load_format=(str, ""),
+            weight_version=(str, ""),
+        )
+        if isinstance(fields, str):
+            return _failure(fields)
+        if body.get("abort_all_requests"):
+            self.scheduler.abort_all()
+        fields["load_format"] = fields["load_format"] or None
+        fields["weight_version"] = fields["weight_version"] or None
+        return self._protocol_step(
+            lambda: self.receiver.receive(**fields), "Succeeded to update parameter online."
+        )
+
+    def _protocol_step(self, step, message: str) -> tuple[int, Any]:
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - reported to the caller; the old weights keep serving
+            logger.warning("weight-update protocol step failed: %s", exc)
+            return _failure(str(exc) if isinstance(exc, WeightSyncError) else f"{type(exc).__name__}: {exc}")
+        return _success(message)
 
     # ----------------------------------------------------------------- control
     def pause_generation(self, body: dict) -> tuple[int, Any]:
@@ -188,6 +258,8 @@ class RolloutService:
             "host": self.host,
             "port": self.port,
             "context_length": self.engine.context_len,
+            "tp_size": 1,  # one rank in a weight-update group
+            "dp_size": 1,
             "enable_return_routed_experts": True,
             "return_original_logprob": self.engine.return_original_logprob,
             "max_running_requests": self.scheduler.max_batch_size,
@@ -202,6 +274,20 @@ def _success(message: str) -> tuple[int, dict]:
 
 def _failure(message: str) -> tuple[int, dict]:
     return HTTPStatus.BAD_REQUEST, {"success": False, "message": message}
+
+
+def _typed_fields(body: dict, **spec: tuple[type, Any]) -> dict[str, Any] | str:
+    """`body`'s fields by `name=(type, default)` (default None: required), or an error naming the field."""
+    out = {}
+    for name, (kind, default) in spec.items():
+        value = body.get(name)
+        value = default if value is None else value
+        if value is None:
+            return f"{name} is required"
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            return f"{name} must be {kind.__name__}, got {type(value).__name__}"
+        out[name] = value
+    return out
 
 
 def make_handler(service: RolloutService) -> type[BaseHTTPRequestHandler]:
@@ -221,6 +307,11 @@ def make_handler(service: RolloutService) -> type[BaseHTTPRequestHandler]:
         "/generate": service.generate,
         "/update_weights_from_disk": service.update_weights_from_disk,
         "/update_weights_from_tensor": service.update_weights_from_tensor,
+        "/init_weights_update_group": service.init_weights_update_group,
+        "/destroy_weights_update_group": service.destroy_weights_update_group,
+        "/begin_weight_update": service.begin_weight_update,
+        "/end_weight_update": service.end_weight_update,
+        "/update_weights_from_distributed": service.update_weights_from_distributed,
         "/pause_generation": service.pause_generation,
         "/continue_generation": service.continue_generation,
         "/abort_request": service.abort_request,

@@ -149,19 +149,15 @@ class RolloutEngine:
         responses = self.client.generate_batched(bodies)
         return [self.tokenizer.decode(r["output_ids"], skip_special_tokens=True) for r in responses]
 
-    def update_weights(self, path: str | Path, weight_version: int) -> None:
-        """Make every server load the exported checkpoint and report `weight_version`."""
-        self.client.update_weights_from_disk(str(path), weight_version=str(weight_version))
-
 
 @contextlib.contextmanager
-def rollout_servers(cfg: RolloutConfig, model_dir: str | Path, *, weight_version: int, seed: int) -> Iterator[
-    SGLangClient
-]:  # fmt: skip
+def rollout_servers(
+    cfg: RolloutConfig, model_dir: str | Path | None, *, weight_version: int, seed: int
+) -> Iterator[SGLangClient]:
     """A client for the configured servers, or for an embedded server started on `model_dir`.
 
-    With `server_urls` given, the servers must already serve the policy's current weights
-    (the trainer pushes `model_dir` to them first). The embedded server is stopped on exit.
+    Servers given by URL serve what they were launched with; the trainer syncs its weights
+    to them when those differ (`Trainer._startup_weights`). The embedded server is stopped on exit.
     """
     with contextlib.ExitStack() as stack:
         urls = list(cfg.server_urls)
@@ -180,6 +176,4 @@ def rollout_servers(cfg: RolloutConfig, model_dir: str | Path, *, weight_version
             SGLangClient(urls, timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries)
         )
         client.wait_until_healthy(cfg.server_start_timeout_s)
-        if cfg.server_urls:
-            client.update_weights_from_disk(str(model_dir), weight_version=str(weight_version))
         yield client

@@ -55,6 +55,7 @@ from megatron_gspo.training.update import (
     recompute_old_logprobs,
     train_on_batch,
 )
+from megatron_gspo.training.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,9 @@ class Trainer:
         if self.rank0 and str(self.sync_dir).startswith("/dev/shm/"):
             claim_export_dir(self.sync_dir.parent)  # after removing the exports of runs that died
         self.heldout = self.task.heldout(cfg.eval.num_problems)
+        self.weight_sync = WeightSync(
+            cfg.weight_sync, self.model, self.model_cfg, self.sync_dir, self.tokenizer
+        )
 
     # ------------------------------------------------------------------ setup
 
@@ -232,10 +236,21 @@ class Trainer:
             "config": to_yaml(self.cfg),
         }
 
-    def _export(self) -> Path:
-        """Export the weights for the rollout engine (collective); the path on every rank."""
-        export_hf_checkpoint(self.model, self.sync_dir, self.model_cfg, self.tokenizer)
-        return self.sync_dir
+    def _startup_weights(self, changed: bool) -> tuple[Path | None, bool]:
+        """Where an embedded server starts from, and whether a sync must follow (collective).
+
+        `changed`: the trainer's weights differ from `model.hf_path` (SFT ran, the run resumed,
+        or there is no checkpoint). Servers given by URL serve `model.hf_path` as launched;
+        they get a sync only when the weights changed. The embedded server starts from
+        `model.hf_path` (then syncs if changed) unless there is none or the method is disk:
+        then from an export of the current weights, the one export a non-disk run makes.
+        """
+        hf_path = self.cfg.model.hf_path
+        if self.cfg.rollout.server_urls:
+            return None, changed
+        if hf_path and self.cfg.weight_sync.method != "disk":
+            return Path(hf_path), changed
+        return export_hf_checkpoint(self.model, self.sync_dir, self.model_cfg, self.tokenizer), False
 
     # ------------------------------------------------------------------ one step
 
@@ -333,9 +348,9 @@ class Trainer:
             )
             self.counters["skipped_steps"] += int(metrics["train/skipped_steps"])
         t2 = time.perf_counter()
-        path = self._export()
+        sync = self.weight_sync.sync(engine.client if self.rank0 else None, self.weight_version + 1)
         self.weight_version += 1
-        on_rank0(lambda: engine.update_weights(path, self.weight_version))
+        metrics.update(sync.metrics())
         t3 = time.perf_counter()
         metrics.update(
             {
@@ -369,9 +384,10 @@ class Trainer:
             progress_bar=cfg.logging.progress_bar,
             label=progress_label(cfg),
         )
-        path = self._export()
+        changed = cfg.sft.steps > 0 or self.step > 0 or not cfg.model.hf_path
+        start_dir, must_sync = self._startup_weights(changed)
         servers = rollout_servers(
-            cfg.rollout, path, weight_version=self.weight_version, seed=cfg.trainer.seed
+            cfg.rollout, start_dir, weight_version=self.weight_version, seed=cfg.trainer.seed
         )
         evals: list[dict[str, float]] = []
         with servers if self.rank0 else contextlib.nullcontext() as client:
@@ -381,6 +397,8 @@ class Trainer:
                               routed_experts=self._routed_experts_layout())
                 if self.rank0 else None
             )  # fmt: skip
+            if must_sync:
+                self.weight_sync.sync(client, self.weight_version)
             if self.step == 0 and cfg.eval.at_start:
                 record = {**start_metrics, **self._evaluate(engine), "weight_version": 0.0}
                 log.log(0, record)
@@ -406,6 +424,7 @@ class Trainer:
                 metrics["time/step_s"] = time.perf_counter() - t0
                 metrics.update(peak_memory_metrics())
                 log.log(self.step, metrics)
+            self.weight_sync.close(client)
         log.close()
         return {"last": log.last, "evals": evals}
 

@@ -1,0 +1,177 @@
+"""The policy's weights as a stream of HF tensors, cut into buckets.
+
+The one iterator behind weight sync to the rollout servers and `megatron-gspo export`.
+
+`iter_hf_tensors` walks the model's global tensors one at a time (`sharding.iter_global_tensors`
+gathers each over TP and EP), converts each to its HF tensors (`convert.name_table`: QKV split
+per query group, fc1 split into gate/up) and yields them on the sending rank. `iter_buckets`
+groups that stream into `Bucket`s of about `bucket_bytes`, flattened into one byte tensor in
+SGLang's `flattened_bucket` layout (each tensor's bytes, concatenated in order).
+
+Memory: the sender holds the bucket being filled, the flattened copy of the previous one while
+it is sent, and one global tensor in flight (about two buckets beyond its own shards); the other
+ranks hold one gathered tensor at a time. Who sends: global rank 0 alone. SGLang's receivers
+take every broadcast from rank 0 of the weight-update group, so a second sender would need a
+second group spanning every SGLang rank, and each server applies its update requests one after
+another anyway; the gathers that feed rank 0 already run over all TP/EP ranks at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.model import control_plane
+from megatron_gspo.model.config import MoEModelConfig
+from megatron_gspo.model.convert import ConversionError, megatron_tensor_to_hf, name_table
+from megatron_gspo.model.sharding import iter_global_tensors
+
+T = TypeVar("T")
+
+
+class NonFiniteWeightError(ValueError):
+    """A weight about to leave the trainer holds NaN or inf (the tensor is named)."""
+
+
+def check_finite(name: str, tensor: torch.Tensor) -> None:
+    """Raise `NonFiniteWeightError` naming `name` if `tensor` holds NaN/inf (checked where it lives)."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise NonFiniteWeightError(f"weight {name} holds {bad} non-finite value(s) (NaN/inf)")
+
+
+def iter_hf_tensors(
+    model: torch.nn.Module, model_cfg: MoEModelConfig, *, sender: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF on-disk name, tensor) for every weight; collective over all ranks.
+
+    Every rank must drain the iterator (the gathers are collectives); only `sender` ranks
+    convert and receive tensors, the others get nothing. Tensors stay on the device they
+    were gathered on. With tied embeddings `lm_head.weight` is not produced.
+
+    Raises:
+        ConversionError: the model has a tensor the name table lacks, or lacks one it has
+            (raised on every rank: the names are the same everywhere).
+    """
+    table = {t.megatron: t for t in name_table(model_cfg)}
+    for name, tensor in iter_global_tensors(model):
+        mapping = table.pop(name, None)
+        if mapping is None:
+            raise ConversionError(f"model tensor {name!r} has no HF counterpart in the name table")
+        if sender:
+            yield from megatron_tensor_to_hf(mapping, tensor, model_cfg).items()
+    if table:
+        raise ConversionError(f"model lacks {len(table)} tensor(s), e.g. {sorted(table)[:3]}")
+
+
+def run_on_hf_stream(
+    model: torch.nn.Module,
+    model_cfg: MoEModelConfig,
+    consume: Callable[[Iterator[tuple[str, torch.Tensor]]], T],
+) -> T:
+    """Collective: global rank 0 runs `consume` on the HF tensor stream; its result on every rank.
+
+    Whatever `consume` leaves unread (it returned or raised early) is drained, so the other
+    ranks' gathers always complete; an exception of `consume` (or of the stream) is raised on
+    every rank after the walk, never leaving a rank waiting in a collective.
+    """
+    sender = not dist.is_initialized() or dist.get_rank() == 0
+    stream = iter_hf_tensors(model, model_cfg, sender=sender)
+    outcome: T | BaseException | None = None
+    if sender:
+        try:
+            outcome = consume(stream)
+        except Exception as exc:  # every rank must learn about it, after the gathers finish
+            outcome = exc
+    try:
+        for _ in stream:
+            pass
+    except ConversionError:
+        if sender:
+            raise  # raised identically on every rank (same names everywhere)
+    return control_plane.broadcast_from_rank0(outcome)
+
+
+@dataclass
+class Bucket:
+    """Named tensors sent as one unit (one `/update_weights_from_distributed` request)."""
+
+    index: int
+    last: bool = False
+    """No bucket follows (SGLang's `weight_version` rides on the last one)."""
+    names: list[str] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    nbytes: int = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Append one tensor."""
+        self.names.append(name)
+        self.tensors.append(tensor)
+        self.nbytes += tensor.numel() * tensor.element_size()
+
+    @property
+    def dtypes(self) -> list[str]:
+        """SGLang's dtype strings (`bfloat16`, `float32`, ...), in order."""
+        return [str(t.dtype).removeprefix("torch.") for t in self.tensors]
+
+    @property
+    def shapes(self) -> list[list[int]]:
+        """Each tensor's shape, in order."""
+        return [list(t.shape) for t in self.tensors]
+
+    def flatten(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """All tensors' bytes, concatenated in order: a uint8 tensor of `nbytes` on `device`."""
+        device = device if device is not None else self.tensors[0].device
+        flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        offset = 0
+        for tensor in self.tensors:
+            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            flat[offset : offset + raw.numel()].copy_(raw)
+            offset += raw.numel()
+        return flat
+
+
+def unflatten_bucket(
+    flat: torch.Tensor, names: list[str], dtypes: list[str], shapes: list[list[int]]
+) -> dict[str, torch.Tensor]:
+    """The inverse of `Bucket.flatten` (views into `flat`), checking that the sizes add up."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
+    out, offset = {}, 0
+    for name, dtype_name, shape in zip(names, dtypes, shapes):
+        dtype = getattr(torch, str(dtype_name), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{name}: unknown dtype {dtype_name!r}")
+        if any(int(d) < 0 for d in shape):
+            raise ValueError(f"{name}: negative dimension in shape {shape}")
+        size = torch.Size(shape).numel() * dtype.itemsize
+        if offset % dtype.itemsize:
+            raise ValueError(f"{name}: byte offset {offset} is not aligned to {dtype}")
+        out[name] = flat[offset : offset + size].view(dtype).reshape(shape)
+        offset += size
+    if offset != flat.numel():
+        raise ValueError(f"bucket holds {flat.numel()} bytes, its tensors describe {offset}")
+    return out
+
+
+def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """Group a (name, tensor) stream into buckets of at most `bucket_bytes` (a bigger tensor goes alone).
+
+    A bucket is yielded once the next tensor is in hand, so the final one knows it is `last`.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket = Bucket(index=0)
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket.names and bucket.nbytes + nbytes > bucket_bytes:
+            yield bucket
+            bucket = Bucket(index=bucket.index + 1)
+        bucket.add(name, tensor)
+    if bucket.names:
+        bucket.last = True
+        yield bucket

@@ -1,0 +1,312 @@
+"""Trainer -> rollout servers weight sync after every step: distributed, tensor or disk.
+
+All three walk the same stream (`model/hf_stream.py`): every trainer rank takes part in the
+TP/EP gathers, global rank 0 alone converts, buckets and sends. Per sync:
+
+* distributed: the servers and rank 0 share a weight-update group (joined once:
+  `/init_weights_update_group` in the background while rank 0 joins; NCCL on GPU, gloo on
+  CPU); `/begin_weight_update`; per bucket `/update_weights_from_distributed` (flattened
+  bucket, `weight_version` on the last) posted without blocking, then the broadcast; then
+  `/end_weight_update` and one `/flush_cache`.
+* tensor: the same buckets as `/update_weights_from_tensor` requests inside a session.
+* disk: a full HF checkpoint written atomically and `/update_weights_from_disk`.
+
+Rollouts are synchronous (generation has finished before training starts), so nothing is
+generating during a sync and no pause is needed. A failed sync (a server refusing a bucket,
+dying, or timing out) is retried from scratch `retries` times, with a fresh group for the
+distributed method; the embedded server applies a session all-or-nothing, so a failed attempt
+leaves the old weights and `weight_version` serving. The last failure is raised on every rank
+as `WeightSyncFailed`, naming the server and the bucket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.config import WeightSyncConfig
+from megatron_gspo.model import control_plane
+from megatron_gspo.model.config import MoEModelConfig
+from megatron_gspo.model.convert import export_hf_checkpoint
+from megatron_gspo.model.distributed import compute_device
+from megatron_gspo.model.hf_stream import Bucket, check_finite, iter_buckets, run_on_hf_stream
+from megatron_gspo.rollout.client import SGLangClient
+from megatron_gspo.rollout.server_protocol import TENSOR_LOAD_FORMAT, serialize_named_tensors
+from megatron_gspo.rollout.update_group import destroy_update_group, init_update_group
+from megatron_gspo.rollout.weight_receiver import FLATTENED_BUCKET
+
+logger = logging.getLogger(__name__)
+
+GROUP_NAME = "megatron_gspo_weights"
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+class WeightSyncFailed(RuntimeError):
+    """Every attempt of a weight sync failed; the message names the server and the bucket."""
+
+
+@dataclass
+class SyncStats:
+    """What one sync moved (rank 0's view)."""
+
+    bytes: int = 0
+    buckets: int = 0
+    largest_bucket_bytes: int = 0
+    attempts: int = 1
+    seconds: float = 0.0
+
+    def add(self, bucket: Bucket) -> None:
+        """Count one bucket sent."""
+        self.bytes += bucket.nbytes
+        self.buckets += 1
+        self.largest_bucket_bytes = max(self.largest_bucket_bytes, bucket.nbytes)
+
+    def metrics(self) -> dict[str, float]:
+        """`sync/*` metrics of the step."""
+        return {
+            "sync/bytes": float(self.bytes),
+            "sync/buckets": float(self.buckets),
+            "sync/attempts": float(self.attempts),
+        }
+
+
+@dataclass
+class _Group:
+    group: dist.ProcessGroup
+    name: str
+
+
+@dataclass
+class WeightSync:
+    """Sends the policy's weights to the servers behind `client` (collective: every rank calls)."""
+
+    cfg: WeightSyncConfig
+    model: torch.nn.Module
+    model_cfg: MoEModelConfig
+    export_dir: Path
+    tokenizer: object = None
+    _group: _Group | None = field(default=None, repr=False)
+    _generation: int = 0
+
+    def sync(self, client: SGLangClient | None, weight_version: int) -> SyncStats:
+        """Make every server serve the model's current weights as `weight_version`.
+
+        Args:
+            client: the servers (global rank 0; None elsewhere).
+            weight_version: the version the servers report afterwards.
+
+        Raises:
+            WeightSyncFailed: on every rank, after `retries` + 1 failed attempts.
+        """
+        start = time.perf_counter()
+        for attempt in range(1, self.cfg.retries + 2):
+            try:
+                stats = self._attempt(client, weight_version)
+            except WeightSyncFailed as err:
+                logger.warning("weight sync attempt %d/%d failed: %s", attempt, self.cfg.retries + 1, err)
+                self._drop_group(client)
+                if attempt == self.cfg.retries + 1:
+                    raise WeightSyncFailed(f"weight sync failed {attempt} time(s); last: {err}") from None
+                continue
+            stats.attempts = attempt
+            stats.seconds = time.perf_counter() - start
+            return stats
+        raise AssertionError("unreachable")
+
+    def close(self, client: SGLangClient | None) -> None:
+        """Leave the weight-update group (servers first)."""
+        self._drop_group(client)
+
+    # ------------------------------------------------------------------ one attempt
+    def _attempt(self, client: SGLangClient | None, version: int) -> SyncStats:
+        if self.cfg.method == "disk":
+            return self._via_disk(client, version)
+        if self.cfg.method == "distributed":
+            self._ensure_group(client)
+        send = self._send_distributed if self.cfg.method == "distributed" else self._send_tensors
+
+        def in_session(stream) -> SyncStats:
+            _step("begin_weight_update", client.begin_weight_update)
+            try:
+                stats = send(client, stream, version)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the embedded server discards what it staged
+                    client.end_weight_update()
+                raise
+            _step("end_weight_update", client.end_weight_update)
+            _step("flush_cache", client.flush_cache)
+            return stats
+
+        return run_on_hf_stream(self.model, self.model_cfg, in_session)
+
+    def _via_disk(self, client: SGLangClient | None, version: int) -> SyncStats:
+        path = export_hf_checkpoint(self.model, self.export_dir, self.model_cfg, self.tokenizer)
+
+        def load() -> SyncStats:
+            client.update_weights_from_disk(str(path), weight_version=str(version))
+            size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+            return SyncStats(bytes=size, buckets=1, largest_bucket_bytes=size)
+
+        try:
+            return control_plane.on_rank0(load)
+        except Exception as err:
+            raise WeightSyncFailed(f"{type(err).__name__}: {err}") from err
+
+    def _buckets(self, stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[Bucket]:
+        def checked():
+            for name, tensor in stream:
+                check_finite(name, tensor)  # never ship NaN/inf: the servers would serve it
+                yield name, tensor
+
+        return iter_buckets(checked(), int(self.cfg.bucket_mb * 2**20))
+
+    def _send_tensors(self, client: SGLangClient, stream, version: int) -> SyncStats:
+        stats = SyncStats()
+        for bucket in self._buckets(stream):
+            payload = serialize_named_tensors(list(zip(bucket.names, bucket.tensors)))
+            _at_bucket(
+                bucket,
+                lambda b=bucket, p=payload: client.update_weights_from_tensor(
+                    [p],
+                    load_format=TENSOR_LOAD_FORMAT,
+                    flush_cache=False,
+                    weight_version=version if b.last else None,
+                ),
+            )
+            stats.add(bucket)
+        return stats
+
+    def _send_distributed(self, client: SGLangClient, stream, version: int) -> SyncStats:
+        stats = SyncStats()
+        group = self._group
+        device = torch.device("cpu") if self._backend() == "gloo" else compute_device()
+        for bucket in self._buckets(stream):
+            flat = bucket.flatten(device)
+            answers = client.update_weights_from_distributed(
+                bucket.names,
+                bucket.dtypes,
+                bucket.shapes,
+                group_name=group.name,
+                flush_cache=False,
+                weight_version=version if bucket.last else None,
+                load_format=FLATTENED_BUCKET,
+                blocking=False,
+            )
+            work = dist.broadcast(flat, group=group.group, group_src=0, async_op=True)
+            _at_bucket(bucket, lambda w=work, a=answers: _wait_both(w, a, self.cfg.timeout_s))
+            stats.add(bucket)
+            del flat
+        return stats
+
+    # ------------------------------------------------------------------ the group
+    def _backend(self) -> str:
+        if self.cfg.backend != "auto":
+            return self.cfg.backend
+        return "nccl" if torch.cuda.is_available() else "gloo"
+
+    def _ensure_group(self, client: SGLangClient | None) -> None:
+        """Rank 0 and every server rank join a fresh group unless one is up (collective)."""
+
+        def join() -> None:
+            if self._group is not None:
+                return
+            tp_sizes = [int(info.get("tp_size", 1)) for info in client.server_info()]
+            offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
+            world = 1 + sum(tp_sizes)
+            address = self.cfg.master_address or _master_address(client.urls)
+            port = self.cfg.master_port or _free_port()
+            self._generation += 1
+            name = f"{GROUP_NAME}_{self._generation}"  # a retry never meets a half-dead group's keys
+            answers = client.init_weights_update_group(
+                master_address=address,
+                master_port=port,
+                world_size=world,
+                rank_offsets=offsets,
+                group_name=name,
+                backend=self._backend(),
+                blocking=False,
+            )
+            group = init_update_group(
+                master_address=address,
+                master_port=port,
+                rank=0,
+                world_size=world,
+                group_name=name,
+                backend=self._backend(),
+                timeout_s=self.cfg.timeout_s,
+            )
+            answers.result(timeout=self.cfg.timeout_s)
+            self._group = _Group(group, name)
+            logger.info("weight-update group %s: %d server rank(s) at %s:%d", name, world - 1, address, port)
+
+        try:
+            control_plane.on_rank0(join)
+        except Exception as err:
+            raise WeightSyncFailed(
+                f"joining the weight-update group failed: {type(err).__name__}: {err}"
+            ) from err
+
+    def _drop_group(self, client: SGLangClient | None) -> None:
+        def drop() -> None:
+            group, self._group = self._group, None
+            if group is None:
+                return
+            with contextlib.suppress(Exception):  # a dead server cannot leave; its group dies with it
+                client.destroy_weights_update_group(group.name)
+            with contextlib.suppress(Exception):
+                destroy_update_group(group.group)
+
+        control_plane.on_rank0(drop)
+
+
+def _at_bucket(bucket: Bucket, send) -> None:
+    """Run `send`; a failure names the bucket and its first tensor."""
+    try:
+        send()
+    except Exception as err:
+        raise WeightSyncFailed(
+            f"bucket {bucket.index} ({len(bucket.names)} tensors from {bucket.names[0]}, "
+            f"{bucket.nbytes / 2**20:.1f} MiB): {err}"
+        ) from err
+
+
+def _wait_both(work, answers, timeout_s: float) -> None:
+    """Wait for the broadcast and the servers' answers; a server that refused early ends the wait."""
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if answers.done() and answers.exception() is not None:
+            raise answers.exception()  # it will not receive: the group is unusable now
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"broadcast not received within weight_sync.timeout_s={timeout_s}")
+        time.sleep(0.001)
+    work.wait()
+    answers.result(timeout=timeout_s)
+
+
+def _step(what: str, call) -> None:
+    try:
+        call()
+    except Exception as err:
+        raise WeightSyncFailed(f"{what}: {err}") from err
+
+
+def _master_address(urls: list[str]) -> str:
+    """127.0.0.1 when every server is on loopback, else this host's address."""
+    if all(urlparse(u).hostname in _LOOPBACK for u in urls):
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
