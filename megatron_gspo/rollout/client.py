@@ -386,9 +386,13 @@ class SGLangClient:
         """Open a weight-update session on every server (updates are loaded within it)."""
         return self._broadcast("/begin_weight_update", {}, retry=False)
 
-    def end_weight_update(self) -> list[dict[str, Any]]:
-        """Close every server's session (the embedded server applies its staged tensors here)."""
-        return self._broadcast("/end_weight_update", {}, retry=False)
+    def end_weight_update(self, *, abort: bool = False) -> list[dict[str, Any]]:
+        """Close every server's session (the embedded server applies its staged tensors here).
+
+        ``abort=True`` after a failed sync: the embedded server discards what it staged (real
+        SGLang ignores the field and keeps the buckets it already loaded).
+        """
+        return self._broadcast("/end_weight_update", {"abort": True} if abort else {}, retry=False)
 
     def server_info(self) -> list[dict[str, Any]]:
         """Every server's `/get_server_info` (e.g. `tp_size`: its ranks in a weight-update group)."""

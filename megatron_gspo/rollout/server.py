@@ -177,8 +177,11 @@ class RolloutService:
         return self._protocol_step(self.receiver.begin, "Success")
 
     def end_weight_update(self, body: dict) -> tuple[int, Any]:
-        """POST /end_weight_update: apply the session's staged tensors all at once."""
-        return self._protocol_step(self.receiver.end, "Success")
+        """POST /end_weight_update: apply the session's staged tensors all at once (`abort`: discard)."""
+        fields = _typed_fields(body, abort=(bool, False))
+        if isinstance(fields, str):
+            return _failure(fields)
+        return self._protocol_step(lambda: self.receiver.end(**fields), "Success")
 
     def update_weights_from_distributed(self, body: dict) -> tuple[int, Any]:
         """POST /update_weights_from_distributed: receive one broadcast bucket from the trainer."""

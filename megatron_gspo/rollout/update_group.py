@@ -36,19 +36,14 @@ def init_update_group(
         backend: "nccl" between GPUs, "gloo" on CPU.
         timeout_s: rendezvous and collective timeout.
     """
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    # What `tcp://` rendezvous builds, made directly: under torchrun that rendezvous would
+    # expect the launcher's agent to host the store (TORCHELASTIC_USE_AGENT_STORE), not rank 0.
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True
     )
-    store.set_timeout(timeout)
     group, _ = _new_process_group_helper(
         world_size,
         rank,

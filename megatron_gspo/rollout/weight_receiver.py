@@ -11,7 +11,9 @@ SGLang loads each bucket into the live weights as it arrives. This server stages
 and swaps them in at `end_weight_update` in one step under the engine's lock, so a failed
 bucket (bad name or shape, NaN/inf, a broken group) leaves the old weights and the old
 `weight_version` serving; the session is then marked failed and `end_weight_update` reports
-it and discards the staged tensors. Staging costs one extra copy of the updated tensors.
+it and discards the staged tensors. A sender that failed on its side (a bucket lost on the
+way) ends the session with `{"abort": true}` (an extension; SGLang ignores the field and keeps
+what it loaded until the retry overwrites it). Staging costs one extra copy of the updated tensors.
 """
 
 from __future__ import annotations
@@ -167,12 +169,18 @@ class WeightReceiver:
             session.weight_version = str(weight_version)
         return len(received)
 
-    def end(self) -> int:
-        """Close the session: swap the staged tensors in (all at once) or report its failure."""
+    def end(self, *, abort: bool = False) -> int:
+        """Close the session: swap the staged tensors in, all at once.
+
+        The staged tensors are discarded instead when the sender says the sync failed
+        (`abort`) or a bucket failed here.
+        """
         with self._lock:
             session, self._session = self._session, None
             if session is None:
                 raise WeightSyncError("no weight-update session is open; call begin_weight_update first")
+            if abort:
+                return 0
             if session.failure is not None:
                 raise WeightSyncError(
                     f"weight update failed at {session.failure}; the previous weights "

@@ -140,7 +140,7 @@ class WeightSync:
                 stats = send(client, stream, version)
             except BaseException:
                 with contextlib.suppress(Exception):  # the embedded server discards what it staged
-                    client.end_weight_update()
+                    client.end_weight_update(abort=True)
                 raise
             _step("end_weight_update", client.end_weight_update)
             _step("flush_cache", client.flush_cache)

@@ -1,0 +1,103 @@
+"""torchrun worker: a TP x EP trainer streams its weights into an embedded rollout server.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 4 weight_sync_worker.py \
+        --tp 2 --ep 2 --checkpoint DIR --result result.json
+
+For each method (distributed, then tensor): perturb the trainer's weights, sync them as the
+next weight version, and compare the server's teacher-forced log-probs with the trainer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from megatron_gspo.config import WeightSyncConfig
+from megatron_gspo.model import control_plane
+from megatron_gspo.model.builder import build_model
+from megatron_gspo.model.convert import load_hf_checkpoint, random_tokens, read_hf_config
+from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+from megatron_gspo.model.logprobs import sequence_logprobs
+from megatron_gspo.rollout.client import SGLangClient
+from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.training.weight_sync import WeightSync
+
+
+def server_logprobs(client: SGLangClient | None, tokens: torch.Tensor) -> torch.Tensor:
+    """[B, T] teacher-forced log-probs from the server (column 0 is 0), on every rank."""
+
+    def fetch() -> torch.Tensor:
+        rows = []
+        for row in tokens.tolist():
+            answer = client.generate(
+                [
+                    {
+                        "input_ids": row,
+                        "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+                        "return_logprob": True,
+                        "logprob_start_len": 0,
+                    }
+                ]
+            )[0]
+            picked = [lp for lp, _, _ in answer["meta_info"]["input_token_logprobs"][1:]]
+            rows.append([0.0, *picked])
+        return torch.tensor(rows, dtype=torch.float64)
+
+    return control_plane.on_rank0(fetch) if client is not None else control_plane.broadcast_from_rank0(None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, required=True)
+    parser.add_argument("--ep", type=int, required=True)
+    parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument("--result", type=Path, required=True)
+    args = parser.parse_args()
+
+    import torch.distributed as dist
+
+    parallel = ParallelConfig(tensor_parallel=args.tp, expert_parallel=args.ep)
+    init_distributed(parallel, seed=7)
+    cfg = read_hf_config(args.checkpoint)
+    model = build_model(cfg, parallel).eval()
+    load_hf_checkpoint(model, args.checkpoint, cfg)
+    tokens = random_tokens(cfg.vocab_size, batch=3, length=24, seed=5)
+    server = launch_embedded_server(args.checkpoint) if dist.get_rank() == 0 else None
+    client = SGLangClient([server.url]) if server is not None else None
+    results = {}
+    try:
+        for version, method in enumerate(("distributed", "tensor"), start=1):
+            with torch.no_grad():  # same operation on every replica: replicated tensors stay equal
+                for param in model.parameters():
+                    param.mul_(0.9).add_(0.02 * version)
+            ours, _ = sequence_logprobs(model, list(tokens), pad_multiple=args.tp)
+            ours = ours.double()
+            before = server_logprobs(client, tokens)
+            sync = WeightSync(
+                WeightSyncConfig(method=method, bucket_mb=0.05, timeout_s=120), model, cfg, args.result.parent
+            )
+            stats = sync.sync(client, version)
+            after = server_logprobs(client, tokens)
+            served_version = control_plane.on_rank0(lambda: client.server_info()[0]["weight_version"])
+            sync.close(client)
+            results[method] = {
+                "before": (before - ours)[:, 1:].abs().max().item(),
+                "after": (after - ours)[:, 1:].abs().max().item(),
+                "version": served_version,
+                "buckets": stats.buckets,
+                "bytes": stats.bytes,
+            }
+    finally:
+        if server is not None:
+            client.close()
+            server.terminate()
+    if dist.get_rank() == 0:
+        args.result.write_text(json.dumps(results))
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
