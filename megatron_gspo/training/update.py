@@ -146,7 +146,8 @@ class _Mismatch:
     Reported as `rollout/logprob_mismatch_mean` / `_max` (|diff| over tokens), `rollout/k3_kl`
     (KL(pi_rollout || pi_trainer), k3 over tokens) and, per response-length bucket with at
     least one response (`algorithms/mismatch.py`), `rollout/mismatch_by_len/<bucket>/` +
-    `abs_diff_mean`, `k3_kl`, `log_seq_ratio_mean` and `num_seqs`.
+    `abs_diff_mean`, `k3_kl`, `log_seq_ratio_mean` and `num_seqs`. With `old_logprobs=rollout`
+    only the first mini-batch's rows are measured (the later ones see updated weights).
     """
 
     def __init__(self, device: torch.device) -> None:
