@@ -13,7 +13,14 @@ from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed,
 from megatron_gspo.model.logprobs import sequence_logprobs
 from megatron_gspo.model.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_gspo.rollout import RolloutBatch, RolloutSample
-from megatron_gspo.training.update import DataLayout, plan_mini_batches, recompute_and_measure, train_on_batch
+from megatron_gspo.training.forward import MicroBatch
+from megatron_gspo.training.update import (
+    DataLayout,
+    _Mismatch,
+    plan_mini_batches,
+    recompute_and_measure,
+    train_on_batch,
+)
 
 G, GROUPS, T = 4, 4, 0.7
 
@@ -239,3 +246,32 @@ def test_mismatch_by_length_and_first_mini_batch_clipfrac_with_rollout_logprobs(
         assert metrics[prefix + "log_seq_ratio_mean"] == pytest.approx(0.1, abs=1e-5)
         assert metrics[prefix + "k3_kl"] == pytest.approx(k3(0.1), rel=1e-4)
     assert sum(expected.values()) == 8 and sum(c > 0 for c in expected.values()) >= 2
+
+
+def test_mismatch_metrics_of_a_hand_made_batch():
+    # Trainer - rollout: row 0 [-0.2]; row 1 [0.1, -0.3, 0.2]; row 2 [0.4, 0.0], in two micro-batches.
+    def micro(diffs):
+        width = max(len(d) for d in diffs)
+        mask = torch.tensor([[t < len(d) for t in range(width)] for d in diffs])
+        rollout = torch.where(mask, -1.5, 0.0)
+        trainer = rollout + torch.tensor([d + [0.0] * (width - len(d)) for d in diffs])
+        micro = MicroBatch([], None, mask, rollout.clone(), rollout, torch.zeros(len(diffs)))
+        return trainer, micro
+
+    mismatch = _Mismatch(torch.device("cpu"))
+    for diffs in ([[-0.2]], [[0.1, -0.3, 0.2], [0.4, 0.0]]):
+        mismatch.add(*micro(diffs))
+    out = mismatch.reduce(group=None)
+    flat = [-0.2, 0.1, -0.3, 0.2, 0.4, 0.0]
+    assert out["rollout/logprob_mismatch_mean"] == pytest.approx(1.2 / 6, abs=1e-6)
+    assert out["rollout/logprob_mismatch_max"] == pytest.approx(0.4, abs=1e-6)
+    assert out["rollout/k3_kl"] == pytest.approx(sum(k3(d) for d in flat) / 6, rel=1e-5)
+    one, two_three = "rollout/mismatch_by_len/1/", "rollout/mismatch_by_len/2-3/"
+    assert out[one + "num_seqs"] == 1 and out[two_three + "num_seqs"] == 2
+    assert out[one + "abs_diff_mean"] == pytest.approx(0.2, abs=1e-6)
+    assert out[one + "log_seq_ratio_mean"] == pytest.approx(-0.2, abs=1e-6)
+    assert out[one + "k3_kl"] == pytest.approx(k3(-0.2), rel=1e-5)
+    assert out[two_three + "abs_diff_mean"] == pytest.approx(1.0 / 5, abs=1e-6)
+    assert out[two_three + "log_seq_ratio_mean"] == pytest.approx((0.0 / 3 + 0.4 / 2) / 2, abs=1e-6)
+    assert out[two_three + "k3_kl"] == pytest.approx(sum(k3(d) for d in flat[1:]) / 5, rel=1e-5)
+    assert not any("/4-7/" in k for k in out)  # empty buckets are not reported
