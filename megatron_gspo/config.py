@@ -99,6 +99,33 @@ class RolloutConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Correction of the rollout/trainer gap by w(pi_old / pi_rollout) on the policy loss.
+
+    See megatron_gspo/algorithms/rollout_correction.py for the formulas. pi_old is the trainer's
+    recompute, so any method other than none needs algorithm.old_logprobs=recompute.
+    """
+
+    method: Literal["none", "tis", "mis", "icepop"] = "none"
+    """none; tis (w = min(rho, cap)); mis (drop outside [low, high]); icepop (token: w = rho inside
+    [low, high], 0 outside)."""
+    level: Literal["token", "sequence"] = "token"
+    """rho per token, or per response as the geometric mean (gspo/gspo_token: sequence only)."""
+    cap: float | None = None
+    """tis: the truncation C >= 1 (default 2)."""
+    low: float | None = None
+    """mis / icepop: lower bound of the kept band, in [0, 1] (default 0.5)."""
+    high: float | None = None
+    """mis / icepop: upper bound of the kept band, >= 1 (defaults: mis 2, icepop 5)."""
+
+    def build(self):
+        """The validated `RolloutCorrection` (raises ValueError naming `rollout_correction.<field>`)."""
+        from megatron_gspo.algorithms import RolloutCorrection
+
+        return RolloutCorrection.build(self.method, self.level, cap=self.cap, low=self.low, high=self.high)
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantages and policy loss (see megatron_gspo.algorithms)."""
 
@@ -114,6 +141,8 @@ class AlgorithmConfig:
     """Optimizer steps per rollout batch (the GSPO paper: 4)."""
     old_logprobs: Literal["rollout", "recompute"] = "rollout"
     """pi_old: the rollout engine's log-probs, or a trainer forward before the first update."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Reweight / mask the loss by pi_old / pi_rollout (TIS, MIS, IcePop); off by default."""
     reward_norm: str = "group"
     """Advantage normalisation: group (GRPO/GSPO), batch, running or none."""
     whiten_advantages: bool = False
@@ -442,6 +471,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         _dry_run_loss(algo.loss_type, algo.loss_options)
     except ValueError as err:
         raise ConfigError(f"algorithm.loss_options of {algo.loss_type!r}: {err}") from None
+    _check_rollout_correction(algo, spec.sequence_ratio)
     mode = algo.loss_agg_mode or spec.default_agg_mode
     if mode not in LOSS_AGG_MODES:
         raise ConfigError(f"algorithm.loss_agg_mode={mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
@@ -508,6 +538,22 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         raise ConfigError(
             f"prompt ({task.max_prompt_len}) + BOS + rollout.max_new_tokens ({rollout.max_new_tokens}) = "
             f"{longest} exceeds the model's max_position_embeddings={model_cfg.max_position_embeddings}"
+        )
+
+
+def _check_rollout_correction(algo: AlgorithmConfig, sequence_ratio: bool) -> None:
+    """Bounds of the correction, its level against the loss, and the recompute it needs."""
+    try:
+        correction = algo.rollout_correction.build()
+        correction.check_loss(algo.loss_type, sequence_ratio)
+    except ValueError as err:
+        raise ConfigError(f"algorithm.{err}") from None
+    if correction.enabled and algo.old_logprobs != "recompute":
+        raise ConfigError(
+            f"algorithm.rollout_correction.method={correction.method!r} needs "
+            "algorithm.old_logprobs=recompute: the correction weighs pi_old / pi_rollout with pi_old the "
+            "trainer's forward on the rollout weights (with old_logprobs=rollout the two are the same and "
+            "every weight would be 1)"
         )
 
 

@@ -47,6 +47,9 @@ def test_load_errors_name_the_key(overrides, message):
     assert message in str(err.value)
 
 
+RECOMPUTE = ["algorithm.old_logprobs=recompute", "rc.method=tis", "rc.level=sequence"]
+
+
 @pytest.mark.parametrize(
     "overrides, world, message",
     [
@@ -78,6 +81,26 @@ def test_load_errors_name_the_key(overrides, message):
         (["algorithm.use_kl_loss=true"], 1, "reference model"),
         (["algorithm.aux_loss_coeff=-0.001"], 1, "aux_loss_coeff must be >= 0"),
         (
+            ["algorithm.rollout_correction.method=tis", "algorithm.rollout_correction.level=sequence"],
+            1,
+            "algorithm.rollout_correction.method='tis' needs algorithm.old_logprobs=recompute",
+        ),
+        (
+            ["algorithm.rollout_correction.method=tis", "algorithm.old_logprobs=recompute"],
+            1,
+            "algorithm.rollout_correction.level=token with loss 'gspo'",
+        ),
+        (
+            [*RECOMPUTE, "rc.cap=0"],
+            1,
+            "algorithm.rollout_correction.cap must be >= 1",
+        ),
+        ([*RECOMPUTE, "rc.method=mis", "rc.low=0.9", "rc.high=0.95"], 1, "0 <= low <= 1 <= high"),
+        ([*RECOMPUTE, "rc.method=mis", "rc.cap=2"], 1, "algorithm.rollout_correction.cap does not apply"),
+        ([*RECOMPUTE, "rc.method=icepop", "rc.level=token"], 1, "icepop is token-level only"),
+        ([*RECOMPUTE, "rc.high=.inf"], 1, "every number in the config must be finite"),
+        ([*RECOMPUTE, "rc.method=trunc"], 1, "config key 'method' in section 'algorithm.rollout_correction'"),
+        (
             ["parallel.tensor_parallel=2", "engine.use_te=true", "engine.fused_kernels=true"],
             2,
             "expert tensor parallel 2 (parallel.expert_tensor_parallel, default tensor_parallel) with",
@@ -85,6 +108,7 @@ def test_load_errors_name_the_key(overrides, message):
     ],
 )
 def test_validation_errors(overrides, world, message):
+    overrides = [o.replace("rc.", "algorithm.rollout_correction.", 1) for o in overrides]
     try:
         cfg = load_config(DEMO, overrides)
     except ConfigError as err:  # some are caught by a component's own check while loading
@@ -107,3 +131,16 @@ def test_valid_parallel_layout_for_two_ranks():
 def test_missing_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nonexistent.yaml")
+
+
+def test_rollout_correction_configs_that_apply():
+    rc = "algorithm.rollout_correction"
+    recompute = "algorithm.old_logprobs=recompute"
+    check([recompute, f"{rc}.method=tis", f"{rc}.level=sequence", f"{rc}.cap=1.5"])
+    check([recompute, f"{rc}.method=mis", f"{rc}.level=sequence", f"{rc}.low=0.999", f"{rc}.high=1.001"])
+    check([recompute, f"{rc}.method=icepop"], path=GRPO)
+    check([recompute, f"{rc}.method=tis"], path=GRPO)  # token level composes with token ratios
+    cfg = load_config(GRPO, [recompute, f"{rc}.method=icepop", f"{rc}.high=8"])
+    built = cfg.algorithm.rollout_correction.build()
+    assert (built.method, built.level, built.low, built.high) == ("icepop", "token", 0.5, 8.0)
+    assert not load_config(DEMO).algorithm.rollout_correction.build().enabled  # off by default

@@ -44,6 +44,7 @@ def compute_policy_loss(
     loss_agg_mode: str | None = None,
     normalizer: float | Tensor | None = None,
     allow_token_sum_for_gspo: bool = False,
+    token_weights: Tensor | None = None,
     **options,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Computes a registered policy loss over a (micro-)batch of responses.
@@ -61,6 +62,9 @@ def compute_policy_loss(
             (all-reduced over data-parallel ranks); None uses this batch's own.
         allow_token_sum_for_gspo: let a sequence-ratio loss (gspo, gspo_token) use a token-sum
             mode. Only valid for those losses.
+        token_weights: [B, T] constant multipliers of the per-token loss before aggregation
+            (the rollout correction's weights, :mod:`megatron_gspo.algorithms.rollout_correction`);
+            None: all 1. Metrics other than ``actor/pg_loss`` do not depend on them.
         **options: the loss's own options (e.g. ``clip_low``); any other name is an error.
 
     Returns:
@@ -93,11 +97,17 @@ def compute_policy_loss(
             "use 'seq-mean-token-mean' (as published) or pass allow_token_sum_for_gspo=True to force it"
         )
 
-    inputs = build_policy_loss_inputs(log_probs, old_log_probs, advantages, response_mask, normalizer)
+    inputs = build_policy_loss_inputs(
+        log_probs, old_log_probs, advantages, response_mask, normalizer, token_weights=token_weights
+    )
     terms = spec.fn(inputs, **options)
     if normalizer is None:
         normalizer = local_normalizer(inputs.response_mask, mode)
-    loss = aggregate_token_losses(terms.token_losses, inputs.response_mask, mode, normalizer)
+    token_losses = terms.token_losses
+    if token_weights is not None:
+        weights = zero_masked(token_weights.detach().to(token_losses.dtype), inputs.response_mask)
+        token_losses = token_losses * weights
+    loss = aggregate_token_losses(token_losses, inputs.response_mask, mode, normalizer)
     metrics = policy_loss_metrics(inputs, terms)
     metrics["actor/pg_loss"] = loss.detach()
     return loss, metrics
@@ -109,6 +119,8 @@ def build_policy_loss_inputs(
     advantages: Tensor,
     response_mask: Tensor,
     normalizer: float | Tensor | None = None,
+    *,
+    token_weights: Tensor | None = None,
 ) -> PolicyLossInputs:
     """Validates raw tensors (one host synchronisation) and packs them for a loss function.
 
@@ -121,13 +133,17 @@ def build_policy_loss_inputs(
         advantages: [B] or [B, T].
         response_mask: [B, T].
         normalizer: optional, validated to be finite and > 0.
+        token_weights: optional [B, T], validated to be finite at response tokens (applied by the caller).
 
     Returns:
         :class:`PolicyLossInputs` with zeros at masked-out positions.
     """
+    tensors = {"log_probs": log_probs, "old_log_probs": old_log_probs}
+    if token_weights is not None:
+        tensors["token_weights"] = token_weights
     mask = validate_token_inputs(
         response_mask,
-        {"log_probs": log_probs, "old_log_probs": old_log_probs},
+        tensors,
         advantages=advantages,
         normalizer=normalizer,
     )

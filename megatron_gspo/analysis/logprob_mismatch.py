@@ -12,7 +12,10 @@ the log-probs of the same tokens with the Megatron policy loaded from the same H
   against that of sequence log-ratios `mean_t log r_t` (what GSPO clips, arXiv 2507.18071);
 - the fraction of tokens whose ratio `exp(log r_t)` falls outside GRPO's `[1 - 0.2, 1 + 0.27]`,
   of sequences outside GSPO's `[1 - 3e-4, 1 + 4e-4]`, and the k3 estimate of
-  KL(pi_rollout || pi_train) (`mean(exp(log r) - 1 - log r)`).
+  KL(pi_rollout || pi_train) (`mean(exp(log r) - 1 - log r)`);
+- mean |diff|, k3 KL and mean sequence log-ratio by response-length bucket (powers of two:
+  1, 2-3, 4-7, ..., see `megatron_gspo.algorithms.mismatch`), the same table the trainer logs
+  as `rollout/mismatch_by_len/*`.
 
 Which log-prob SGLang returns matters: by default `log_softmax(logits / T)` before top-p/top-k
 (the trainer must divide its logits by the same T), with `--return-original-logprob`
@@ -40,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_gspo.algorithms.mismatch import mismatch_by_length, mismatch_sums
 from megatron_gspo.rollout.types import RolloutSample
 
 GREEDY_EPS = 1e-6  # SGLang treats a temperature below this as greedy (raw log-probs)
@@ -124,7 +128,8 @@ def mismatch_stats(
         JSON-ready dict: `abs_diff_{mean,max}`, `first_token_abs_diff_mean`,
         `rest_abs_diff_mean` (NaN when no response has a second token), `per_position_abs_diff_mean`
         and `per_position_count` (index = position in the response), `log_token_ratio_{mean,std}`,
-        `log_seq_ratio_{mean,std}`, `token_clip_fraction`, `seq_clip_fraction`, `kl_k3`.
+        `log_seq_ratio_{mean,std}`, `token_clip_fraction`, `seq_clip_fraction`, `kl_k3`, and
+        `by_length`: one row per non-empty length bucket (`mismatch_by_length`).
     """
     if len(rollout_logprobs) != len(trainer_logprobs) or not rollout_logprobs:
         raise ValueError(
@@ -152,6 +157,14 @@ def mismatch_stats(
     seq_low, seq_high = seq_clip
     token_out = (flat < math.log(1 - low)) | (flat > math.log(1 + high))
     seq_out = (seq < math.log(1 - seq_low)) | (seq > math.log(1 + seq_high))
+    padded = {
+        name: torch.nn.utils.rnn.pad_sequence([t.double() for t in values], batch_first=True)
+        for name, values in (("rollout", rollout_logprobs), ("trainer", trainer_logprobs))
+    }
+    mask = torch.nn.utils.rnn.pad_sequence(
+        [torch.ones(len(r), dtype=torch.bool) for r in log_ratios], batch_first=True
+    )
+    by_length = mismatch_by_length(mismatch_sums(padded["trainer"], padded["rollout"], mask))
     return {
         "num_sequences": len(log_ratios),
         "num_tokens": int(flat.numel()),
@@ -168,6 +181,7 @@ def mismatch_stats(
         "token_clip_fraction": float(token_out.double().mean()),
         "seq_clip_fraction": float(seq_out.double().mean()),
         "kl_k3": float((flat.exp() - 1 - flat).mean()),
+        "by_length": by_length,
     }
 
 

@@ -4,9 +4,10 @@ megatron-gspo mismatch --checkpoint CKPT --temperatures 1.0 0.7 --out report/
 megatron-gspo mismatch --checkpoint CKPT --original-logprob --ignore-eos --out report/
 megatron-gspo mismatch --checkpoint CKPT --server-url http://gpu-node:30000 --prompts p.jsonl --out r/
 
-Outputs: summary.json (every number), summary.md (a table per comparison),
-mismatch_per_position.png (mean |diff| by response position), ratio_spread.png (token vs
-sequence log-ratio histograms). See megatron_gspo/analysis/logprob_mismatch.py for the method.
+Outputs: summary.json (every number), summary.md (a table of comparisons and one by response
+length per comparison, the latter also printed), mismatch_per_position.png (mean |diff| by
+response position), ratio_spread.png (token vs sequence log-ratio histograms). See
+megatron_gspo/analysis/logprob_mismatch.py for the method.
 """
 
 from __future__ import annotations
@@ -76,6 +77,27 @@ def _fmt(value) -> str:
     return "n/a" if value is None else f"{value:.3g}"
 
 
+def by_length_tables(summary: dict) -> list[str]:
+    """Markdown: per comparison, mean |diff|, k3 KL and mean sequence log-ratio by length bucket."""
+    lines = []
+    for r in summary["comparisons"]:
+        lines += [
+            f"### {r['name']}: by response length",
+            "",
+            "| length | seqs | tokens | mean abs | KL k3 | mean seq log r |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for b in r["by_length"]:
+            cells = [b["abs_diff_mean"], b["kl_k3"], b["log_seq_ratio_mean"]]
+            lines.append(
+                f"| {b['bucket']} | {b['num_sequences']} | {b['num_tokens']} | "
+                + " | ".join(map(_fmt, cells))
+                + " |"
+            )
+        lines.append("")
+    return lines
+
+
 def write_report(report: MismatchReport, out_dir: str | os.PathLike) -> dict:
     """summary.json, summary.md and the two PNGs in `out_dir`; returns the summary dict."""
     out = Path(out_dir)
@@ -119,7 +141,8 @@ def write_report(report: MismatchReport, out_dir: str | os.PathLike) -> dict:
             f"{gap['same_tokens_fraction']:.2f} of responses; |gap| mean "
             f"{_fmt(gap.get('abs_diff_mean'))}, max {_fmt(gap.get('abs_diff_max'))}."
         )
-    lines += ["", *[f"![{f}]({f})" for f in summary["figures"]], ""]
+    lines += ["", "## By response length (buckets 1, 2-3, 4-7, ...)", "", *by_length_tables(summary)]
+    lines += [*[f"![{f}]({f})" for f in summary["figures"]], ""]
     (out / "summary.md").write_text("\n".join(lines))
     return summary
 
@@ -152,7 +175,7 @@ def add_mismatch_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_mismatch_command(args: argparse.Namespace) -> int:
-    """Entry point: generate, compare, write the report; prints the summary JSON."""
+    """Entry point: generate, compare, write the report; prints the summary JSON and the by-length tables."""
     try:
         cfg = MismatchConfig(
             checkpoint=args.checkpoint,
@@ -178,4 +201,5 @@ def run_mismatch_command(args: argparse.Namespace) -> int:
         prompts = task_prompts(args.task, args.num_prompts, AutoTokenizer.from_pretrained(args.checkpoint))
     summary = write_report(run_mismatch(cfg, prompts), args.out)
     print(json.dumps(summary, indent=2))
+    print("\n".join(by_length_tables(summary)))
     return 0

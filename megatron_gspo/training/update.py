@@ -11,8 +11,11 @@ DDP averages gradients over DP, hence the `dp_loss_scale` factor.
 
 pi_old is the rollout engine's log-probs (`old_logprobs=rollout`) or a no-grad trainer forward
 with the rollout weights before the first update (`recompute`). The train/inference mismatch
-|log pi_trainer - log pi_rollout| on response tokens is measured either way while the weights
-still equal the rollout weights: in the recompute pass, or in the first mini-batch's forward.
+|log pi_trainer - log pi_rollout| on response tokens (with its k3 KL and a by-length breakdown)
+is measured either way while the weights still equal the rollout weights: in the recompute
+pass, or in the first mini-batch's forward. With `recompute`, `algorithm.rollout_correction`
+weighs every micro-batch's per-token loss by a function of pi_old / pi_rollout
+(`algorithms/rollout_correction.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.algorithms import compute_loss_normalizer, compute_policy_loss
+from megatron_gspo.algorithms import (
+    NUM_LENGTH_BUCKETS,
+    compute_loss_normalizer,
+    compute_policy_loss,
+    mismatch_by_length,
+    mismatch_sums,
+)
+from megatron_gspo.algorithms.mismatch import SUM_COLUMNS
 from megatron_gspo.config import AlgorithmConfig
 from megatron_gspo.model.aux_loss import aux_loss_scale, set_aux_loss_scale
 from megatron_gspo.model.distributed import compute_device
@@ -131,28 +141,41 @@ def plan_rank_rows(rows: RankRows, num_mini_batches: int, layout: DataLayout) ->
 
 
 class _Mismatch:
-    """Accumulates |log pi_trainer - log pi_rollout| over response tokens."""
+    """Accumulates the log-prob gap log pi_trainer - log pi_rollout on response tokens (no host sync).
+
+    Reported as `rollout/logprob_mismatch_mean` / `_max` (|diff| over tokens), `rollout/k3_kl`
+    (KL(pi_rollout || pi_trainer), k3 over tokens) and, per response-length bucket with at
+    least one response (`algorithms/mismatch.py`), `rollout/mismatch_by_len/<bucket>/` +
+    `abs_diff_mean`, `k3_kl`, `log_seq_ratio_mean` and `num_seqs`. With `old_logprobs=rollout`
+    only the first mini-batch's rows are measured (the later ones see updated weights).
+    """
 
     def __init__(self, device: torch.device) -> None:
-        self.total = torch.zeros((), dtype=torch.float64, device=device)
-        self.count = torch.zeros((), dtype=torch.float64, device=device)
+        self.sums = torch.zeros(NUM_LENGTH_BUCKETS, len(SUM_COLUMNS), dtype=torch.float64, device=device)
         self.max = torch.zeros((), dtype=torch.float64, device=device)
 
     def add(self, logprobs: torch.Tensor, micro: MicroBatch) -> None:
+        self.sums += mismatch_sums(logprobs, micro.rollout_logprobs, micro.response_mask)
         diff = (logprobs.detach().double() - micro.rollout_logprobs.double()).abs()[micro.response_mask]
-        self.total += diff.sum()
-        self.count += diff.numel()
         self.max = torch.maximum(self.max, diff.max())
 
     def reduce(self, group) -> dict[str, float]:
-        sums = torch.stack([self.total, self.count])
         if dist.is_initialized():
-            dist.all_reduce(sums, group=group)
+            dist.all_reduce(self.sums, group=group)
             dist.all_reduce(self.max, op=dist.ReduceOp.MAX, group=group)
-        return {
-            "rollout/logprob_mismatch_mean": float(sums[0] / sums[1].clamp(min=1)),
+        _, tokens, abs_diff, k3, _ = self.sums.sum(dim=0).tolist()
+        out = {
+            "rollout/logprob_mismatch_mean": abs_diff / max(tokens, 1.0),
             "rollout/logprob_mismatch_max": float(self.max),
+            "rollout/k3_kl": k3 / max(tokens, 1.0),
         }
+        for row in mismatch_by_length(self.sums):
+            prefix = f"rollout/mismatch_by_len/{row['bucket']}/"
+            out[prefix + "abs_diff_mean"] = row["abs_diff_mean"]
+            out[prefix + "k3_kl"] = row["kl_k3"]
+            out[prefix + "log_seq_ratio_mean"] = row["log_seq_ratio_mean"]
+            out[prefix + "num_seqs"] = float(row["num_sequences"])
+        return out
 
 
 @torch.no_grad()
@@ -231,6 +254,45 @@ def _reduce_metrics(
     return out
 
 
+def _correction_weights(
+    plan: list[list[MicroBatch]], algo: AlgorithmConfig
+) -> tuple[list[list[torch.Tensor]] | None, list[dict[str, torch.Tensor]]]:
+    """The rollout correction's [B, T] loss weights per micro-batch of `plan`, and their metrics.
+
+    pi_old and pi_rollout stay fixed during the step, so the weights are computed once and
+    reused by every mini-batch's pass. None (and no metrics) when the correction is off.
+    """
+    correction = algo.rollout_correction.build()
+    if not correction.enabled:
+        return None, []
+    if algo.old_logprobs != "recompute":
+        raise ValueError(
+            "algorithm.rollout_correction needs algorithm.old_logprobs=recompute (pi_old = the trainer's "
+            "forward on the rollout weights)"
+        )
+    weights, metrics = [], []
+    for micro_batches in plan:
+        weights.append([])
+        for micro in micro_batches:
+            w, values = correction.weights(micro.old_logprobs, micro.rollout_logprobs, micro.response_mask)
+            weights[-1].append(w)
+            metrics.append(values)
+    return weights, metrics
+
+
+def _clipfrac_by_phase(per_micro: list[dict[str, torch.Tensor]], first_count: int, group) -> dict[str, float]:
+    """`actor/clipfrac_seq` of the first mini-batch and of the later ones, apart.
+
+    The first mini-batch trains on the rollout weights, so its clipped responses measure pi_old's
+    gap to the trainer (the rollout/trainer mismatch with `old_logprobs=rollout`, 0 with
+    `recompute`); the later ones add the policy's own drift. `_later_mbs` is absent with one
+    mini-batch.
+    """
+    first = [{"actor/clipfrac_seq_first_mb": m["actor/clipfrac_seq"]} for m in per_micro[:first_count]]
+    later = [{"actor/clipfrac_seq_later_mbs": m["actor/clipfrac_seq"]} for m in per_micro[first_count:]]
+    return {**_reduce_metrics(first, 1, group), **_reduce_metrics(later, 1, group)}
+
+
 def train_on_batch(
     model,
     optimizer,
@@ -257,15 +319,19 @@ def train_on_batch(
         routing: a `StepRouting` (routing replay and drift capture around each forward/backward).
 
     Returns:
-        `actor/*` loss metrics, `train/grad_norm` (mean over taken steps), `train/lr`,
-        `train/optimizer_steps`, `train/skipped_steps` (non-finite, weights untouched) and,
-        unless pi_old was recomputed, the rollout/trainer log-prob mismatch.
+        `actor/*` loss metrics (with `actor/clipfrac_seq_first_mb` / `_later_mbs`),
+        `train/grad_norm` (mean over taken steps), `train/lr`, `train/optimizer_steps`,
+        `train/skipped_steps` (non-finite, weights untouched), the rollout correction's
+        `rollout_corr/*` when it is on and, unless pi_old was recomputed, the rollout/trainer
+        log-prob mismatch (`_Mismatch`).
     """
     group, device = _dp_group(), compute_device()
     mode = algo.loss_agg_mode or "seq-mean-token-mean"
     norm_kwargs = {"max_response_length": max_response_length} if mode == "seq-mean-token-sum-norm" else {}
     mismatch = _Mismatch(device) if algo.old_logprobs == "rollout" else None
+    weights, correction_metrics = _correction_weights(plan, algo)
     per_micro: list[dict[str, torch.Tensor]] = []
+    first_mb_count = 0
     grad_norms, skipped = [], 0
     for m, micro_batches in enumerate(plan):
         shares = [
@@ -275,7 +341,7 @@ def train_on_batch(
         if dist.is_initialized():
             dist.all_reduce(normalizer, group=group)
         zero_grads(model, optimizer)
-        for micro, share in zip(micro_batches, shares):
+        for j, (micro, share) in enumerate(zip(micro_batches, shares)):
             set_aux_loss_scale(aux_loss_scale(share, normalizer, dp_loss_scale()))  # as the policy loss
             passing = routing.train_pass(m, micro) if routing is not None else contextlib.nullcontext()
             with passing:  # the backward inside: recompute replays the same experts
@@ -293,12 +359,14 @@ def train_on_batch(
                     loss_agg_mode=mode,
                     normalizer=normalizer,
                     allow_token_sum_for_gspo=algo.allow_token_sum_for_gspo,
+                    token_weights=None if weights is None else weights[m][j],
                     **algo.loss_options,
                 )
                 if nan_loss and m == 0:
                     loss = loss * math.nan
                 metrics["actor/entropy"] = entropy[micro.response_mask].mean()
                 per_micro.append(metrics)
+                first_mb_count += m == 0
                 (loss * dp_loss_scale()).backward()
         stepped, grad_norm = optimizer_step(model, optimizer, scheduler)
         if stepped:
@@ -306,6 +374,8 @@ def train_on_batch(
         else:
             skipped += 1
     out = _reduce_metrics(per_micro, len(plan), group)
+    out.update(_clipfrac_by_phase(per_micro, first_mb_count, group))
+    out.update(_reduce_metrics(correction_metrics, 1, group))
     out["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
     out["train/grad_norm_max"] = max(grad_norms) if grad_norms else math.nan
     out["train/optimizer_steps"] = float(len(grad_norms))

@@ -6,20 +6,23 @@ starts a second one in that mode. The Megatron policy is built once in this proc
 
 import json
 import math
+from dataclasses import asdict
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from megatron_gspo.analysis.logprob_mismatch import (
+    Comparison,
     MismatchConfig,
+    MismatchReport,
     collect_rollouts,
     megatron_policy,
     mismatch_stats,
     run_mismatch,
     trainer_logprobs,
 )
-from megatron_gspo.analysis.mismatch_cli import write_report
+from megatron_gspo.analysis.mismatch_cli import by_length_tables, write_report
 from megatron_gspo.cli import main as cli_main
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
@@ -57,6 +60,34 @@ def test_stats_match_hand_computed_values():
     flat = [0.5, 0.0, -0.1, 0.0002]
     assert s["kl_k3"] == pytest.approx(sum(math.exp(x) - 1 - x for x in flat) / 4)
     assert s["log_token_ratio_std"] == pytest.approx(torch.tensor(flat, dtype=torch.float64).std().item())
+    # By length: the one-token response alone in bucket "1", the three-token one in "2-3".
+    one, two_three = s["by_length"]
+    assert (one["bucket"], one["num_sequences"], one["num_tokens"]) == ("1", 1, 1)
+    assert one["abs_diff_mean"] == pytest.approx(0.0002)
+    assert one["kl_k3"] == pytest.approx(math.exp(0.0002) - 1 - 0.0002)
+    assert one["log_seq_ratio_mean"] == pytest.approx(0.0002)
+    assert (two_three["bucket"], two_three["num_sequences"], two_three["num_tokens"]) == ("2-3", 1, 3)
+    assert two_three["abs_diff_mean"] == pytest.approx(0.6 / 3)
+    assert two_three["kl_k3"] == pytest.approx(sum(math.exp(x) - 1 - x for x in flat[:3]) / 3)
+    assert two_three["log_seq_ratio_mean"] == pytest.approx(0.4 / 3)
+
+
+def test_report_prints_the_by_length_table(tmp_path):
+    # Lengths 1, 2, 5: buckets "1", "2-3", "4-7"; |diff| 0.1, 0.2, 0.3 on every token.
+    rollout = [torch.full((n,), -1.0) for n in (1, 2, 5)]
+    trainer = [r + d for r, d in zip(rollout, (0.1, -0.2, 0.3))]
+    report = MismatchReport(
+        asdict(MismatchConfig("ckpt")), [Comparison("scaled", 1.0, 1.0, rollout, trainer)]
+    )
+    summary = write_report(report, tmp_path)
+    table = by_length_tables(summary)
+    assert table[0] == "### scaled T=1 / trainer T=1: by response length"
+    assert table[4:7] == [
+        "| 1 | 1 | 1 | 0.1 | 0.00517 | 0.1 |",
+        "| 2-3 | 1 | 2 | 0.2 | 0.0187 | -0.2 |",
+        "| 4-7 | 1 | 5 | 0.3 | 0.0499 | 0.3 |",
+    ]
+    assert "\n".join(table) in (tmp_path / "summary.md").read_text()
 
 
 def test_stats_and_config_reject_bad_input():

@@ -4,7 +4,7 @@ import pytest
 import torch.distributed as dist
 from test_update import G, T, make_batch
 
-from megatron_gspo.config import AlgorithmConfig
+from megatron_gspo.config import AlgorithmConfig, RolloutCorrectionConfig
 from megatron_gspo.model import control_plane
 from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
@@ -20,8 +20,9 @@ def policy():
     destroy_distributed()
 
 
-@pytest.mark.parametrize("old", ["rollout", "recompute"])
+@pytest.mark.parametrize("old", ["rollout", "recompute", "recompute+tis"])
 def test_loss_and_collective_tensors_live_on_the_model_device(policy, monkeypatch, old):
+    old, _, correction = old.partition("+")
     device = next(policy.parameters()).device
     reduced, loss_inputs = [], []
     all_reduce, loss = dist.all_reduce, update.compute_policy_loss
@@ -31,14 +32,17 @@ def test_loss_and_collective_tensors_live_on_the_model_device(policy, monkeypatc
         return all_reduce(tensor, *args, group=group, **kwargs)
 
     def recording_loss(loss_type, *tensors, normalizer, **kwargs):
-        loss_inputs.append([t.device for t in (*tensors, normalizer)])
+        weights = () if kwargs.get("token_weights") is None else (kwargs["token_weights"],)
+        assert bool(weights) == bool(correction)
+        loss_inputs.append([t.device for t in (*tensors, normalizer, *weights)])
         return loss(loss_type, *tensors, normalizer=normalizer, **kwargs)
 
     monkeypatch.setattr(dist, "all_reduce", recording_all_reduce)
     monkeypatch.setattr(update, "compute_policy_loss", recording_loss)
     batch, adv = make_batch(policy, seed=5)
     optimizer, scheduler = build_optimizer(policy, OptimConfig(lr=1e-6))
-    algo = AlgorithmConfig(loss_type="gspo", num_mini_batches=2, old_logprobs=old)
+    rc = RolloutCorrectionConfig(correction, "sequence") if correction else RolloutCorrectionConfig()
+    algo = AlgorithmConfig(loss_type="gspo", num_mini_batches=2, old_logprobs=old, rollout_correction=rc)
     plan = update.plan_mini_batches(batch, adv, 2, update.DataLayout(micro_batch_size=3))
     for micro in (m for mini in plan for m in mini):
         for tensor in (micro.response_mask, micro.old_logprobs, micro.rollout_logprobs, micro.advantages):

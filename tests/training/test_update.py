@@ -6,14 +6,21 @@ import pytest
 import torch
 
 from megatron_gspo.algorithms import compute_group_advantages
-from megatron_gspo.config import AlgorithmConfig
+from megatron_gspo.config import AlgorithmConfig, RolloutCorrectionConfig
 from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
 from megatron_gspo.model.logprobs import sequence_logprobs
 from megatron_gspo.model.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_gspo.rollout import RolloutBatch, RolloutSample
-from megatron_gspo.training.update import DataLayout, plan_mini_batches, recompute_and_measure, train_on_batch
+from megatron_gspo.training.forward import MicroBatch
+from megatron_gspo.training.update import (
+    DataLayout,
+    _Mismatch,
+    plan_mini_batches,
+    recompute_and_measure,
+    train_on_batch,
+)
 
 G, GROUPS, T = 4, 4, 0.7
 
@@ -141,3 +148,130 @@ def test_recompute_uses_the_trainer_as_pi_old(model):
     assert metrics["rollout/logprob_mismatch_mean"] == pytest.approx(0.1, abs=1e-5)
     assert metrics["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # pi_theta == pi_old before the update
     assert metrics["actor/clipfrac_seq"] == 0.0
+
+
+# ----------------------------------------------------------------------------- rollout correction
+
+
+def run_algo(model, batch, advantages, algo, *, lr=1e-6):
+    """One step with `algo` (SGD: the update is linear in the gradient), recompute pass included."""
+    optimizer, scheduler = build_optimizer(model, OptimConfig(optimizer="sgd", lr=lr, clip_grad=0.0))
+    plan = plan_mini_batches(batch, advantages, algo.num_mini_batches, DataLayout())
+    extra = recompute_and_measure(model, plan, T) if algo.old_logprobs == "recompute" else {}
+    metrics = train_on_batch(model, optimizer, scheduler, plan, algo, temperature=T, max_response_length=4)
+    return {**metrics, **extra}
+
+
+def k3(d):
+    return math.exp(d) - 1 - d
+
+
+def test_sequence_tis_with_gspo_end_to_end(model):
+    # Rollout log-probs = the trainer's own - 0.1: pi_old / pi_rollout = e^0.1 ~ 1.105 on every token,
+    # so the geometric mean of every response is e^0.1 and a cap of 1.05 truncates all of them to
+    # w = 1.05: the gradient is exactly 1.05 times the uncorrected one.
+    batch, adv = make_batch(model, shift=0.1, seed=4)
+    before = snapshot(model)
+    plain = run_algo(
+        model, batch, adv, AlgorithmConfig(loss_type="gspo", num_mini_batches=1, old_logprobs="recompute")
+    )
+    restore(model, before)
+    algo = AlgorithmConfig(
+        loss_type="gspo",
+        num_mini_batches=1,
+        old_logprobs="recompute",
+        rollout_correction=RolloutCorrectionConfig(method="tis", level="sequence", cap=1.05),
+    )
+    corrected = run_algo(model, batch, adv, algo)
+    restore(model, before)
+    assert corrected["train/grad_norm"] == pytest.approx(1.05 * plain["train/grad_norm"], rel=1e-5)
+    assert corrected["rollout_corr/truncfrac_seq"] == 1.0
+    assert corrected["rollout_corr/truncfrac_tokens"] == 1.0
+    assert corrected["rollout_corr/weight_mean"] == pytest.approx(1.05, rel=1e-6)
+    assert corrected["rollout_corr/weight_max"] == pytest.approx(1.05, rel=1e-6)
+    assert corrected["rollout/k3_kl"] == pytest.approx(k3(0.1), rel=1e-4)
+    assert corrected["actor/clipfrac_seq_first_mb"] == 0.0  # pi_theta == pi_old before the update
+    assert "actor/clipfrac_seq_later_mbs" not in corrected  # one mini-batch
+    assert "rollout_corr/weight_mean" not in plain
+    assert all(math.isfinite(v) for v in corrected.values())
+
+
+def test_token_icepop_with_grpo_end_to_end_masks_nothing_inside_the_band(model):
+    # rho = e^0.1 on every token, inside IcePop's [0.5, 5]: w = e^0.1 everywhere, nothing masked;
+    # a band ending at 1.1 < e^0.1 masks every token and leaves no gradient.
+    batch, adv = make_batch(model, shift=0.1, seed=4)
+    before = snapshot(model)
+    grpo = {"loss_type": "grpo", "num_mini_batches": 2, "old_logprobs": "recompute"}
+    plain = run_algo(model, batch, adv, AlgorithmConfig(**grpo))
+    restore(model, before)
+    icepop = run_algo(
+        model, batch, adv, AlgorithmConfig(**grpo, rollout_correction=RolloutCorrectionConfig("icepop"))
+    )
+    restore(model, before)
+    masked = RolloutCorrectionConfig("icepop", high=1.1)
+    dropped = run_algo(model, batch, adv, AlgorithmConfig(**grpo, rollout_correction=masked))
+    restore(model, before)
+    assert icepop["rollout_corr/maskfrac_tokens"] == 0.0 and icepop["rollout_corr/maskfrac_seq"] == 0.0
+    assert icepop["rollout_corr/weight_mean"] == pytest.approx(math.exp(0.1), rel=1e-5)
+    assert icepop["train/grad_norm"] == pytest.approx(math.exp(0.1) * plain["train/grad_norm"], rel=1e-4)
+    assert dropped["rollout_corr/maskfrac_tokens"] == 1.0 and dropped["rollout_corr/weight_max"] == 0.0
+    assert dropped["train/grad_norm"] == 0.0
+    for key in ("actor/clipfrac_seq_first_mb", "actor/clipfrac_seq_later_mbs", "rollout/k3_kl"):
+        assert math.isfinite(icepop[key])
+
+
+def test_mismatch_by_length_and_first_mini_batch_clipfrac_with_rollout_logprobs(model):
+    # pi_old = the rollout's log-probs = the trainer's - 0.1: before any update every GSPO ratio is
+    # e^0.1 > 1 + 4e-4, clipped exactly for the responses with A > 0 (first mini-batch = rows 0-7).
+    batch, adv = make_batch(model, shift=0.1, seed=5)
+    before = snapshot(model)
+    metrics = run(model, batch, adv, mini=2, lr=1e-6)
+    restore(model, before)
+    assert metrics["actor/clipfrac_seq_first_mb"] == pytest.approx(float((adv[:8] > 0).float().mean()))
+    assert 0.0 <= metrics["actor/clipfrac_seq_later_mbs"] <= 1.0
+    assert metrics["rollout/k3_kl"] == pytest.approx(k3(0.1), rel=1e-4)
+    lengths = batch.response_lengths[:8].tolist()  # measured in the first mini-batch's forward only
+    expected = {
+        "1": sum(n == 1 for n in lengths),
+        "2-3": sum(n in (2, 3) for n in lengths),
+        "4-7": sum(n == 4 for n in lengths),
+    }
+    for bucket, count in expected.items():
+        prefix = f"rollout/mismatch_by_len/{bucket}/"
+        if count == 0:
+            assert prefix + "num_seqs" not in metrics
+            continue
+        assert metrics[prefix + "num_seqs"] == count
+        assert metrics[prefix + "abs_diff_mean"] == pytest.approx(0.1, abs=1e-5)
+        assert metrics[prefix + "log_seq_ratio_mean"] == pytest.approx(0.1, abs=1e-5)
+        assert metrics[prefix + "k3_kl"] == pytest.approx(k3(0.1), rel=1e-4)
+    assert sum(expected.values()) == 8 and sum(c > 0 for c in expected.values()) >= 2
+
+
+def test_mismatch_metrics_of_a_hand_made_batch():
+    # Trainer - rollout: row 0 [-0.2]; row 1 [0.1, -0.3, 0.2]; row 2 [0.4, 0.0], in two micro-batches.
+    def micro(diffs):
+        width = max(len(d) for d in diffs)
+        mask = torch.tensor([[t < len(d) for t in range(width)] for d in diffs])
+        rollout = torch.where(mask, -1.5, 0.0)
+        trainer = rollout + torch.tensor([d + [0.0] * (width - len(d)) for d in diffs])
+        micro = MicroBatch([], None, mask, rollout.clone(), rollout, torch.zeros(len(diffs)))
+        return trainer, micro
+
+    mismatch = _Mismatch(torch.device("cpu"))
+    for diffs in ([[-0.2]], [[0.1, -0.3, 0.2], [0.4, 0.0]]):
+        mismatch.add(*micro(diffs))
+    out = mismatch.reduce(group=None)
+    flat = [-0.2, 0.1, -0.3, 0.2, 0.4, 0.0]
+    assert out["rollout/logprob_mismatch_mean"] == pytest.approx(1.2 / 6, abs=1e-6)
+    assert out["rollout/logprob_mismatch_max"] == pytest.approx(0.4, abs=1e-6)
+    assert out["rollout/k3_kl"] == pytest.approx(sum(k3(d) for d in flat) / 6, rel=1e-5)
+    one, two_three = "rollout/mismatch_by_len/1/", "rollout/mismatch_by_len/2-3/"
+    assert out[one + "num_seqs"] == 1 and out[two_three + "num_seqs"] == 2
+    assert out[one + "abs_diff_mean"] == pytest.approx(0.2, abs=1e-6)
+    assert out[one + "log_seq_ratio_mean"] == pytest.approx(-0.2, abs=1e-6)
+    assert out[one + "k3_kl"] == pytest.approx(k3(-0.2), rel=1e-5)
+    assert out[two_three + "abs_diff_mean"] == pytest.approx(1.0 / 5, abs=1e-6)
+    assert out[two_three + "log_seq_ratio_mean"] == pytest.approx((0.0 / 3 + 0.4 / 2) / 2, abs=1e-6)
+    assert out[two_three + "k3_kl"] == pytest.approx(sum(k3(d) for d in flat[1:]) / 5, rel=1e-5)
+    assert not any("/4-7/" in k for k in out)  # empty buckets are not reported
