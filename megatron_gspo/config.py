@@ -495,7 +495,8 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     if 0 < budget < packed:
         raise ConfigError(
             f"trainer.max_tokens_per_micro_batch={budget} is below the longest possible row: prompt "
-            f"({task.max_prompt_len}) + BOS + rollout.max_new_tokens ({rollout.max_new_tokens}) = {longest} "
+            f"({task.max_prompt_len}){' + BOS' * cfg.task.add_bos} + rollout.max_new_tokens "
+            f"({rollout.max_new_tokens}) = {longest} "
             f"tokens, {packed} positions packed (rows pad to a multiple of the sequence-parallel TP {pad})"
         )
 

@@ -133,7 +133,7 @@ def activation_plan(
 
 
 def micro_batch_shape(cfg, task, world_size: int) -> tuple[int, int, str]:
-    """(tokens of the largest micro-batch on one data-parallel rank, longest sequence, how cut).
+    """(tokens of the largest micro-batch on one data-parallel rank, longest sequence, description).
 
     By count: responses x the longest sequence; by tokens: the budget
     (`trainer.max_tokens_per_micro_batch`), whatever the mix of lengths.
@@ -142,12 +142,12 @@ def micro_batch_shape(cfg, task, world_size: int) -> tuple[int, int, str]:
     seq_len = task.max_prompt_len + int(cfg.task.add_bos) + cfg.rollout.max_new_tokens
     budget = cfg.trainer.max_tokens_per_micro_batch
     if budget:
-        return budget, seq_len, "up to trainer.max_tokens_per_micro_batch"
+        return budget, seq_len, f"of up to {budget} tokens (trainer.max_tokens_per_micro_batch)"
     per_rank = (
         cfg.rollout.rollout_batch_size * cfg.rollout.group_size // (cfg.algorithm.num_mini_batches * dp)
     )
     responses = min(cfg.trainer.micro_batch_size or per_rank, per_rank)
-    return responses * seq_len, seq_len, f"{responses} x {seq_len} ="
+    return responses * seq_len, seq_len, f"{responses} x {seq_len} = {responses * seq_len} tokens"
 
 
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
@@ -200,7 +200,7 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     recompute = "on" if act.recompute else "off"
     print(
-        f"activation: micro-batch {cut} {act.tokens} tokens; logits "
+        f"activation: micro-batch {cut}; logits "
         f"{act.logits_bytes / GIB:.1f} GiB ({cfg.engine.dtype} + fp32 copy of [tokens, vocab/TP]), "
         f"layers {act.stored_bytes / GIB:.1f} GiB with recompute {recompute} "
         f"(recompute off: {no_recompute.stored_bytes / GIB:.1f} GiB; "
