@@ -51,7 +51,8 @@ class RankRows:
         rollout_logprobs: [N, S] float32 on the compute device, token-aligned, 0.0 off the response.
         advantages: [N] float32 on the compute device.
         routed_experts: per row `[P + R - 1, layers, k]` on the CPU, or None when not needed.
-        micro_batch_sizes: per mini-batch, the rows of each of its micro-batches, in row order.
+        micro_batch_sizes: per mini-batch, how many rows each of its micro-batches takes (the
+            rows are in training order: micro-batch after micro-batch).
     """
 
     tokens: torch.Tensor
@@ -99,7 +100,7 @@ class RowsHeader:
         tokens: sum of P + R over the rows.
         response_tokens: sum of R.
         routes: (layers, k, dtype) of the routed experts sent, or None.
-        micro_batch_sizes: per mini-batch, the rows of each of its micro-batches.
+        micro_batch_sizes: per mini-batch, how many rows each of its micro-batches takes.
     """
 
     rows: int

@@ -11,10 +11,16 @@ its rows with the cut (`batch_scatter`); the ranks only pack. Mini-batch m is th
   of memory. A micro-batch costs the positions its packing occupies (`packed_size`: prompt +
   response of each row, padded as the layout pads) and never exceeds the budget. The
   mini-batch's rows go into C micro-batches of nearly equal cost (sorted greedy,
-  `balanced_partition`), C the fewest multiple of D under which every one fits, and the C go
-  to the ranks C / D each, again balancing cost. A row that alone exceeds the budget is an
-  error: the budget is a memory limit, and config validation already refuses a budget below
-  the longest possible row.
+  `balanced_partition`): C starts at the smallest multiple of D that could hold the
+  mini-batch's cost and grows by D until every micro-batch fits. The C micro-batches go to
+  the ranks C / D each, again balancing cost, so the rows are balanced by tokens rather than
+  strided. A row that alone exceeds the budget is an error rather than a micro-batch of its
+  own: the budget is a memory limit, and config validation already refuses a budget below
+  the longest possible row, so only a config/data mismatch can reach it.
+
+Under expert parallelism `uniform_shape` pads each micro-batch to its peers' shape: for THD the
+longest of their totals (within the budget); for the mask layout (CPU) the most rows times the
+longest row, which can exceed it.
 
 Every rank runs the same number of micro-batches per mini-batch: the ranks of an
 expert-parallel group exchange tokens in every forward and backward (and `uniform_shape`

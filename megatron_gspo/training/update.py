@@ -4,11 +4,10 @@ The batch (rows group-major, on rank 0) is cut into `num_mini_batches` contiguou
 mini-batches, one optimizer step each; rank 0 decides which rows each data-parallel rank
 trains on and how it cuts them into micro-batches, by count or by a token budget
 (`micro_batching`), and sends each rank only those (`batch_scatter`); each rank packs its
-micro-batches once per step. Per-token data, the loss and
-every tensor a collective touches live on `compute_device()`. The loss
-normaliser of a mini-batch is computed over all its rows (all-reduced over DP) and every
-micro-batch divides by it, so the summed gradient does not depend on the split; megatron's
-DDP averages gradients over DP, hence the `dp_loss_scale` factor.
+micro-batches once per step. Per-token data, the loss and every tensor a collective touches
+live on `compute_device()`. The loss normaliser of a mini-batch is computed over all its rows
+(all-reduced over DP) and every micro-batch divides by it, so the summed gradient does not
+depend on the split; megatron's DDP averages gradients over DP, hence the `dp_loss_scale` factor.
 
 pi_old is the rollout engine's log-probs (`old_logprobs=rollout`) or a no-grad trainer forward
 with the rollout weights before the first update (`recompute`). The train/inference mismatch
