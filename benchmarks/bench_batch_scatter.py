@@ -21,7 +21,8 @@ import time
 import torch
 
 from megatron_gspo.rollout import RolloutBatch, RolloutSample
-from megatron_gspo.training.batch_scatter import dp_rows, encode_rows
+from megatron_gspo.training.batch_scatter import encode_rows
+from megatron_gspo.training.micro_batching import dp_rows
 
 LAYERS, TOPK, GROUP = 48, 8, 16
 
@@ -59,8 +60,9 @@ def after_bytes(batch: RolloutBatch, advantages: torch.Tensor, dp: int, mini: in
     """Bytes each rank receives with the per-rank scatter (padded buffer + the pickled headers)."""
     headers = []
     for d in range(dp):
+        rows = dp_rows(batch.batch_size, mini, d, dp)
         header, buffer = encode_rows(
-            batch, advantages, dp_rows(batch.batch_size, mini, d, dp), routed_experts=routes
+            batch, advantages, rows, routed_experts=routes, micro_batch_sizes=[[len(rows) // mini]] * mini
         )
         assert buffer.numel() == header.nbytes
         headers.append(header)

@@ -224,6 +224,10 @@ class TrainerConfig:
     """Seed of weight init, prompt stream and sampling seeds."""
     micro_batch_size: int = 0
     """Responses per forward/backward on one rank (0: the rank's whole mini-batch)."""
+    max_tokens_per_micro_batch: int | None = None
+    """Cut micro-batches by tokens instead: at most this many packed positions (prompt +
+    response of each row, padded as the packing pads) per forward/backward, rows balanced over
+    data-parallel ranks by tokens; at least the longest possible row (null or 0: off)."""
     run_dir: str = "runs/tiny_moe_cpu"
     """Where metrics, TensorBoard logs, checkpoints and exported weights go."""
     save_every: int = 0
@@ -518,6 +522,16 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         raise ConfigError(f"rollout.max_new_tokens must be >= 1, got {rollout.max_new_tokens}")
     if trainer.micro_batch_size < 0:
         raise ConfigError(f"trainer.micro_batch_size must be >= 0, got {trainer.micro_batch_size}")
+    budget = trainer.max_tokens_per_micro_batch or 0
+    if budget < 0:
+        raise ConfigError(
+            f"trainer.max_tokens_per_micro_batch must be a positive int (0 or null: off), got {budget}"
+        )
+    if budget and trainer.micro_batch_size:
+        raise ConfigError(
+            f"trainer.micro_batch_size={trainer.micro_batch_size} and trainer.max_tokens_per_micro_batch="
+            f"{budget} both cut micro-batches; set one of them (the other 0)"
+        )
     if trainer.steps < 0 or trainer.save_every < 0 or cfg.eval.every < 0 or trainer.keep_last < 1:
         raise ConfigError(
             "trainer.steps, trainer.save_every and eval.every must be >= 0, trainer.keep_last >= 1"
@@ -538,6 +552,15 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         raise ConfigError(
             f"prompt ({task.max_prompt_len}) + BOS + rollout.max_new_tokens ({rollout.max_new_tokens}) = "
             f"{longest} exceeds the model's max_position_embeddings={model_cfg.max_position_embeddings}"
+        )
+    pad = cfg.parallel.tensor_parallel if cfg.parallel.use_sequence_parallel else 1
+    packed = -(-longest // pad) * pad  # sequence parallelism pads every row to a multiple of TP
+    if 0 < budget < packed:
+        raise ConfigError(
+            f"trainer.max_tokens_per_micro_batch={budget} is below the longest possible row: prompt "
+            f"({task.max_prompt_len}){' + BOS' * cfg.task.add_bos} + rollout.max_new_tokens "
+            f"({rollout.max_new_tokens}) = {longest} "
+            f"tokens, {packed} positions packed (rows pad to a multiple of the sequence-parallel TP {pad})"
         )
 
 

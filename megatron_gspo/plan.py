@@ -132,14 +132,22 @@ def activation_plan(
     return ActivationPlan(tokens, logits, layer, stored, engine.recompute_activations)
 
 
-def micro_batch_shape(cfg, task, world_size: int) -> tuple[int, int]:
-    """(responses per micro-batch, longest sequence) on one data-parallel rank."""
+def micro_batch_shape(cfg, task, world_size: int) -> tuple[int, int, str]:
+    """(tokens of the largest micro-batch on one data-parallel rank, longest sequence, description).
+
+    By count: responses x the longest sequence; by tokens: the budget
+    (`trainer.max_tokens_per_micro_batch`), whatever the mix of lengths.
+    """
     dp = cfg.parallel.check_world_size(world_size)
+    seq_len = task.max_prompt_len + int(cfg.task.add_bos) + cfg.rollout.max_new_tokens
+    budget = cfg.trainer.max_tokens_per_micro_batch
+    if budget:
+        return budget, seq_len, f"of up to {budget} tokens (trainer.max_tokens_per_micro_batch)"
     per_rank = (
         cfg.rollout.rollout_batch_size * cfg.rollout.group_size // (cfg.algorithm.num_mini_batches * dp)
     )
     responses = min(cfg.trainer.micro_batch_size or per_rank, per_rank)
-    return responses, task.max_prompt_len + int(cfg.task.add_bos) + cfg.rollout.max_new_tokens
+    return responses * seq_len, seq_len, f"{responses} x {seq_len} = {responses * seq_len} tokens"
 
 
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
@@ -164,10 +172,10 @@ def run_plan(args: argparse.Namespace) -> int:
     validate(cfg, world_size=args.world_size)
     model = build_model_config(cfg)
     plan = shard_plan(model, cfg.parallel, cfg.engine, args.world_size)
-    responses, seq_len = micro_batch_shape(cfg, build_task(cfg), args.world_size)
+    tokens, seq_len, cut = micro_batch_shape(cfg, build_task(cfg), args.world_size)
     flash = cfg.engine.use_te is not False  # the TE spec's fused attention on a GPU node
     act = activation_plan(
-        model, cfg.parallel, cfg.engine, tokens=responses * seq_len, seq_len=seq_len, flash_attention=flash
+        model, cfg.parallel, cfg.engine, tokens=tokens, seq_len=seq_len, flash_attention=flash
     )
     no_recompute = activation_plan(
         model,
@@ -192,7 +200,7 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     recompute = "on" if act.recompute else "off"
     print(
-        f"activation: micro-batch {responses} x {seq_len} = {act.tokens} tokens; logits "
+        f"activation: micro-batch {cut}; logits "
         f"{act.logits_bytes / GIB:.1f} GiB ({cfg.engine.dtype} + fp32 copy of [tokens, vocab/TP]), "
         f"layers {act.stored_bytes / GIB:.1f} GiB with recompute {recompute} "
         f"(recompute off: {no_recompute.stored_bytes / GIB:.1f} GiB; "
@@ -211,6 +219,6 @@ def run_plan(args: argparse.Namespace) -> int:
     print(
         f"DOES NOT FIT: {over / GIB:.1f} GiB over the {args.gpu_memory_gb:g} GiB GPU; raise "
         "expert_parallel / tensor_parallel, use the distributed optimizer, turn on "
-        "engine.recompute_activations or lower trainer.micro_batch_size"
+        "engine.recompute_activations or lower trainer.micro_batch_size / trainer.max_tokens_per_micro_batch"
     )
     return 1

@@ -144,3 +144,49 @@ def test_rollout_correction_configs_that_apply():
     built = cfg.algorithm.rollout_correction.build()
     assert (built.method, built.level, built.low, built.high) == ("icepop", "token", 0.5, 8.0)
     assert not load_config(DEMO).algorithm.rollout_correction.build().enabled  # off by default
+
+
+BUDGET = "trainer.max_tokens_per_micro_batch"
+
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        # The demo's longest row: prompt (6) + BOS + max_new_tokens (4) = 11 tokens.
+        (
+            [f"{BUDGET}=10"],
+            1,
+            f"{BUDGET}=10 is below the longest possible row: prompt (6) + BOS + rollout.max_new_tokens (4) "
+            "= 11 tokens, 11 positions packed",
+        ),
+        # Sequence parallelism over TP 2 pads the 11 tokens to 12 positions.
+        (
+            [f"{BUDGET}=11", "parallel.tensor_parallel=2"],
+            2,
+            "= 11 tokens, 12 positions packed (rows pad to a multiple of the sequence-parallel TP 2)",
+        ),
+        ([f"{BUDGET}=-5"], 1, f"{BUDGET} must be a positive int"),
+        (
+            [f"{BUDGET}=64", "trainer.micro_batch_size=4"],
+            1,
+            f"trainer.micro_batch_size=4 and {BUDGET}=64 both cut micro-batches",
+        ),
+    ],
+)
+def test_token_budget_errors_name_the_field(overrides, world, message):
+    with pytest.raises(ConfigError) as err:
+        check(overrides, world_size=world)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, world",
+    [
+        ([f"{BUDGET}=11"], 1),  # exactly the longest row
+        ([f"{BUDGET}=12", "parallel.tensor_parallel=2"], 2),
+        ([f"{BUDGET}=0"], 1),  # off
+        ([f"{BUDGET}=null"], 1),  # off
+    ],
+)
+def test_token_budget_accepted(overrides, world):
+    check(overrides, world_size=world)

@@ -198,3 +198,36 @@ def test_gpu_engine_settings_load_on_cpu_but_refuse_to_build():
         with pytest.raises(ValueError, match="bf16 needs a GPU"):
             engine.check_hardware()
     assert GIB == 1024**3
+
+
+def test_plan_sizes_the_activation_by_the_token_budget(math_data):
+    base = [
+        "--config",
+        "configs/qwen3_30b_a3b_gspo.yaml",
+        "--world-size",
+        "16",
+        f"task.options.path={math_data}",
+    ]
+    by_count = plan(*base)  # 4 responses x (1024 + 8192) = 36864 tokens per micro-batch
+    budget = [*base, "trainer.micro_batch_size=0"]
+    small = plan(*budget, "trainer.max_tokens_per_micro_batch=9216")
+    large = plan(*budget, "trainer.max_tokens_per_micro_batch=18432")
+    assert small.returncode == large.returncode == 0, small.stdout + small.stderr
+
+    def activation(result):
+        line = next(line for line in result.stdout.splitlines() if line.startswith("activation: "))
+        return line, float(line.rsplit("= ", 1)[1].split(" GiB")[0])
+
+    line, small_gib = activation(small)
+    assert "micro-batch of up to 9216 tokens (trainer.max_tokens_per_micro_batch)" in line
+    assert "micro-batch 4 x 9216 = 36864 tokens" in activation(by_count)[0]
+    # Activations grow with the tokens: twice the budget, about twice the memory; the count-based
+    # 36864 tokens about four times.
+    assert activation(large)[1] == pytest.approx(2 * small_gib, rel=0.1)
+    assert activation(by_count)[1] == pytest.approx(4 * small_gib, rel=0.1)
+    too_small = plan(*budget, "trainer.max_tokens_per_micro_batch=9000")
+    assert too_small.returncode != 0
+    assert (
+        "trainer.max_tokens_per_micro_batch=9000 is below the longest possible row: prompt (1024) + "
+        "rollout.max_new_tokens (8192) = 9216 tokens" in too_small.stdout + too_small.stderr
+    )

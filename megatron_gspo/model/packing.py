@@ -181,28 +181,45 @@ def pack_sequences(
     lengths = [len(s) for s in seqs]
     if min(lengths) < 1:
         raise PackingError(f"pack_sequences: sample {lengths.index(0)} is empty")
+    if layout == "thd" and (row_len is not None or min_rows != 1):
+        raise PackingError("row_len / min_rows apply to the mask layout; thd packs one row")
+    segments, rows, length = _arrange(lengths, layout, row_len or 0, pad_multiple)
+    tokens, labels, position_ids = _place(seqs, segments, max(rows, min_rows), length)
+    return PackedBatch(tokens, labels, position_ids, segments, layout, pad_multiple)
+
+
+def _arrange(
+    lengths: list[int], layout: str, row_len: int, pad_multiple: int
+) -> tuple[list[tuple[int, int, int]], int, int]:
+    """Where each sample of a layout goes: (segments, rows, row length); host arithmetic only."""
     if layout == "thd":
-        if row_len is not None or min_rows != 1:
-            raise PackingError("row_len / min_rows apply to the mask layout; thd packs one row")
         padded = [-(-n // pad_multiple) * pad_multiple for n in lengths]
-        starts = torch.tensor([0, *padded]).cumsum(0).tolist()
-        segments = [(0, starts[b], n) for b, n in enumerate(lengths)]
-        tokens, labels, position_ids = _place(seqs, segments, 1, starts[-1])
-        return PackedBatch(tokens, labels, position_ids, segments, "thd", pad_multiple)
-    capacity = max(row_len or 0, max(lengths))
+        starts = [0]
+        for n in padded:
+            starts.append(starts[-1] + n)
+        return [(0, starts[b], n) for b, n in enumerate(lengths)], 1, starts[-1]
+    capacity = max(row_len, max(lengths))
     capacity = -(-capacity // pad_multiple) * pad_multiple
     used: list[int] = []  # filled length per row
-    segments = [(0, 0, 0)] * len(seqs)
-    for i in sorted(range(len(seqs)), key=lambda j: -lengths[j]):
+    segments = [(0, 0, 0)] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
         row = next((r for r, u in enumerate(used) if u + lengths[i] <= capacity), None)
         if row is None:
             used.append(0)
             row = len(used) - 1
         segments[i] = (row, used[row], lengths[i])
         used[row] += lengths[i]
-    rows = max(len(used), min_rows)
-    tokens, labels, position_ids = _place(seqs, segments, rows, capacity)
-    return PackedBatch(tokens, labels, position_ids, segments, "mask", pad_multiple)
+    return segments, len(used), capacity
+
+
+def packed_size(lengths: list[int], *, layout: str = "mask", pad_multiple: int = 1) -> int:
+    """Positions (rows x row length) `pack_sequences` gives samples of these lengths (defaults).
+
+    What a micro-batch costs before `uniform_shape` pads it to its expert-parallel peers' shape:
+    THD the sum of the padded lengths; mask rows of the longest sample's length, first-fit.
+    """
+    _, rows, length = _arrange(lengths, layout, 0, pad_multiple)
+    return rows * length
 
 
 def pad_to_shape(packed: PackedBatch, rows: int, length: int) -> PackedBatch:

@@ -1,13 +1,14 @@
 """Moving a step's rollout rows from rank 0 to the data-parallel ranks that train on them.
 
 Rank 0 alone holds the `RolloutBatch`. Each data-parallel rank trains on its own rows only
-(`dp_rows`), so rank 0 sends each one exactly those rows, unpadded, as one flat byte buffer:
+(`split_batch`), so rank 0 sends each one exactly those rows, unpadded, as one flat byte buffer:
 
     lengths int64 [N, 2] (prompt, response) | advantages f32 [N] | rollout_logprobs f32 [sum R]
     | tokens int32 [sum (P + R)] | routed_experts [sum (P + R - 1), layers, k] (only when asked)
 
 (fields ordered by item size, so every field starts aligned for its dtype). `response_mask`
 is not sent: it is 1 exactly on `tokens[b, P_b : P_b + R_b]` and is rebuilt from the lengths.
+The rows arrive in training order; the header says how many rows each micro-batch takes.
 
 Transport, in two hops that mirror megatron's own data path:
 
@@ -32,24 +33,7 @@ import torch.distributed as dist
 
 from megatron_gspo.model.control_plane import broadcast_from_rank0, call_on_rank0
 from megatron_gspo.rollout import RolloutBatch
-
-
-def dp_rows(batch_size: int, num_mini_batches: int, dp_rank: int, dp_size: int) -> list[int]:
-    """Rows of a `batch_size`-row batch that data-parallel rank `dp_rank` trains on, in order.
-
-    Mini-batch m is rows `[m * size, (m + 1) * size)`; the rank takes every `dp_size`-th of
-    them starting at `dp_rank`. The result lists mini-batch 0's rows, then mini-batch 1's, ...
-
-    Raises:
-        ValueError: the rows do not split evenly into mini-batches x data-parallel ranks.
-    """
-    size = batch_size // num_mini_batches if num_mini_batches > 0 else 0
-    if num_mini_batches < 1 or size * num_mini_batches != batch_size or size % dp_size:
-        raise ValueError(
-            f"{batch_size} responses do not split into {num_mini_batches} mini-batches x "
-            f"{dp_size} data-parallel ranks"
-        )
-    return [i for m in range(num_mini_batches) for i in range(m * size + dp_rank, (m + 1) * size, dp_size)]
+from megatron_gspo.training.micro_batching import DataLayout, flatten, split_batch
 
 
 @dataclass
@@ -67,6 +51,8 @@ class RankRows:
         rollout_logprobs: [N, S] float32 on the compute device, token-aligned, 0.0 off the response.
         advantages: [N] float32 on the compute device.
         routed_experts: per row `[P + R - 1, layers, k]` on the CPU, or None when not needed.
+        micro_batch_sizes: per mini-batch, how many rows each of its micro-batches takes (the
+            rows are in training order: micro-batch after micro-batch).
     """
 
     tokens: torch.Tensor
@@ -76,6 +62,7 @@ class RankRows:
     rollout_logprobs: torch.Tensor
     advantages: torch.Tensor
     routed_experts: list[torch.Tensor] | None
+    micro_batch_sizes: list[list[int]]
 
     @property
     def num_rows(self) -> int:
@@ -91,9 +78,16 @@ class RankRows:
         *,
         routed_experts: bool,
         device: torch.device | str = "cpu",
+        micro_batch_sizes: list[list[int]] | None = None,
     ) -> RankRows:
-        """Rows `rows` of a batch held locally (a world of one, tests): what a scatter delivers."""
-        header, buffer = encode_rows(batch, advantages, rows, routed_experts=routed_experts)
+        """Rows `rows` of a batch held locally (a world of one, tests): what a scatter delivers.
+
+        `micro_batch_sizes` defaults to one micro-batch of all the rows.
+        """
+        sizes = [[len(rows)]] if micro_batch_sizes is None else micro_batch_sizes
+        header, buffer = encode_rows(
+            batch, advantages, rows, routed_experts=routed_experts, micro_batch_sizes=sizes
+        )
         return decode_rows(header, buffer.to(device))
 
 
@@ -106,12 +100,14 @@ class RowsHeader:
         tokens: sum of P + R over the rows.
         response_tokens: sum of R.
         routes: (layers, k, dtype) of the routed experts sent, or None.
+        micro_batch_sizes: per mini-batch, how many rows each of its micro-batches takes.
     """
 
     rows: int
     tokens: int
     response_tokens: int
     routes: tuple[int, int, torch.dtype] | None
+    micro_batch_sizes: tuple[tuple[int, ...], ...]
 
     def fields(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """(name, dtype, shape) of each field, in buffer order."""
@@ -133,9 +129,14 @@ class RowsHeader:
 
 
 def encode_rows(
-    batch: RolloutBatch, advantages: torch.Tensor, rows: list[int], *, routed_experts: bool
+    batch: RolloutBatch,
+    advantages: torch.Tensor,
+    rows: list[int],
+    *,
+    routed_experts: bool,
+    micro_batch_sizes: list[list[int]],
 ) -> tuple[RowsHeader, torch.Tensor]:
-    """One rank's rows as (header, flat uint8 buffer on the CPU)."""
+    """One rank's rows, in training order, as (header, flat uint8 buffer on the CPU)."""
     idx = torch.tensor(rows, dtype=torch.long)
     prompt, response = batch.prompt_lengths[idx], batch.response_lengths[idx]
     positions = torch.arange(batch.tokens.shape[1])
@@ -151,7 +152,10 @@ def encode_rows(
         chosen = [batch.routed_experts[i] for i in rows]
         values["routed_experts"] = torch.cat(chosen)
         routes = (int(chosen[0].shape[1]), int(chosen[0].shape[2]), chosen[0].dtype)
-    header = RowsHeader(len(rows), int(in_sample.sum()), int(response.sum()), routes)
+    sizes = tuple(tuple(mini) for mini in micro_batch_sizes)
+    if sum(map(sum, sizes)) != len(rows):
+        raise ValueError(f"rank rows: micro-batches of {sizes} rows do not cover the {len(rows)} rows")
+    header = RowsHeader(len(rows), int(in_sample.sum()), int(response.sum()), routes, sizes)
     parts = []
     for name, dtype, shape in header.fields():
         value = values[name]
@@ -193,6 +197,7 @@ def decode_rows(header: RowsHeader, buffer: torch.Tensor) -> RankRows:
         rollout_logprobs=logprobs,
         advantages=values["advantages"].clone(),
         routed_experts=routes,
+        micro_batch_sizes=[list(mini) for mini in header.micro_batch_sizes],
     )
 
 
@@ -201,6 +206,7 @@ def scatter_rank_rows(
     advantages: torch.Tensor | None,
     *,
     num_mini_batches: int,
+    layout: DataLayout,
     routed_experts: bool,
     device: torch.device,
 ) -> RankRows:
@@ -209,7 +215,9 @@ def scatter_rank_rows(
     Args:
         batch: the step's batch on global rank 0 (ignored elsewhere).
         advantages: [B] on global rank 0, computed over the whole batch (ignored elsewhere).
-        num_mini_batches: optimizer steps of the step (decides which rows a rank takes).
+        num_mini_batches: optimizer steps of the step.
+        layout: this rank's place and the micro-batch rule (with the mini-batches, decides
+            which rows each rank takes and how it cuts them: `split_batch`).
         routed_experts: send the rollout engine's routing when the rollouts carry it (R3
             targets, inference->training drift); otherwise it stays on rank 0.
         device: the compute device; the buffers cross the wire there.
@@ -219,18 +227,15 @@ def scatter_rank_rows(
     """
     from megatron.core import parallel_state as ps
 
-    dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-
     def encode_all() -> list[tuple[RowsHeader, torch.Tensor]]:
-        return [
-            encode_rows(
-                batch,
-                advantages,
-                dp_rows(batch.batch_size, num_mini_batches, d, dp_size),
-                routed_experts=routed_experts,
+        lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+        out = []
+        for split in split_batch(lengths, num_mini_batches, layout):
+            rows, sizes = flatten(split)
+            out.append(
+                encode_rows(batch, advantages, rows, routed_experts=routed_experts, micro_batch_sizes=sizes)
             )
-            for d in range(dp_size)
-        ]
+        return out
 
     encoded = call_on_rank0(encode_all)
     headers = broadcast_from_rank0(
@@ -248,4 +253,4 @@ def scatter_rank_rows(
         dist.scatter(buffer, chunks, src=0, group=ps.get_data_parallel_group())
     if dist.get_world_size(model_parallel) > 1:
         dist.broadcast(buffer, src=dist.get_global_rank(model_parallel, 0), group=model_parallel)
-    return decode_rows(headers[dp_rank], buffer)
+    return decode_rows(headers[layout.dp_rank], buffer)

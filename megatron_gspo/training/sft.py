@@ -18,7 +18,7 @@ from megatron_gspo.model.optim import OptimConfig, build_optimizer, dp_loss_scal
 from megatron_gspo.tasks import PromptStream, Task, sft_batches
 from megatron_gspo.tasks.tokenizer import encode_prompt, encode_text
 from megatron_gspo.training.forward import forward_microbatch, pack_uniform
-from megatron_gspo.training.update import DataLayout
+from megatron_gspo.training.micro_batching import DataLayout
 
 logger = logging.getLogger(__name__)
 

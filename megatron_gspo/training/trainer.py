@@ -44,12 +44,13 @@ from megatron_gspo.tasks import PromptStream, evaluate_accuracy
 from megatron_gspo.training.batch_scatter import scatter_rank_rows
 from megatron_gspo.training.checkpoint import load_checkpoint, resumable_step, save_checkpoint
 from megatron_gspo.training.metrics import MetricsLogger
+from megatron_gspo.training.micro_batching import DataLayout
 from megatron_gspo.training.rollout_step import RolloutEngine, rollout_servers
 from megatron_gspo.training.routing_step import StepRouting
 from megatron_gspo.training.sft import run_sft
 from megatron_gspo.training.shm_exports import claim_export_dir
 from megatron_gspo.training.update import (
-    DataLayout,
+    plan_metrics,
     plan_rank_rows,
     recompute_and_measure,
     recompute_old_logprobs,
@@ -170,7 +171,12 @@ class Trainer:
             tp_size=sp_tp,
             sequence_parallel=cfg.parallel.use_sequence_parallel,
         )
-        self.layout = DataLayout.from_megatron(cfg.trainer.micro_batch_size, sp_tp, packing_layout(model))
+        self.layout = DataLayout.from_megatron(
+            cfg.trainer.micro_batch_size,
+            sp_tp,
+            packing_layout(model),
+            max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch or 0,
+        )
         self.stream = PromptStream(self.task, cfg.rollout.rollout_batch_size, seed=cfg.trainer.seed)
         self.running = RunningMeanStd() if cfg.algorithm.reward_norm == "running" else None
         self.counters = {"skipped_steps": 0, "all_zero_adv_batches": 0, "dropped_groups": 0}
@@ -318,10 +324,12 @@ class Trainer:
                 batch,
                 advantages,
                 num_mini_batches=algo.num_mini_batches,
+                layout=self.layout,
                 routed_experts=self._needs_routed_experts(),
                 device=compute_device(),
             )
             plan = plan_rank_rows(rows, algo.num_mini_batches, self.layout)
+            metrics.update(plan_metrics(plan))
             routing = self.routing if self.routing.active else None
             if routing is not None:
                 routing.begin_step(rows)

@@ -1,13 +1,13 @@
 """Update stage of an RL step: rollout batch -> mini-batches -> micro-batches -> optimizer steps.
 
 The batch (rows group-major, on rank 0) is cut into `num_mini_batches` contiguous
-mini-batches, one optimizer step each; data-parallel rank `r` of `D` trains on rows
-`r, r + D, ...` of every mini-batch (`dp_rows`; rank 0 sends each rank only those,
-`batch_scatter`), cut into micro-batches packed once per step. Per-token data, the loss and
-every tensor a collective touches live on `compute_device()`. The loss
-normaliser of a mini-batch is computed over all its rows (all-reduced over DP) and every
-micro-batch divides by it, so the summed gradient does not depend on the split; megatron's
-DDP averages gradients over DP, hence the `dp_loss_scale` factor.
+mini-batches, one optimizer step each; rank 0 decides which rows each data-parallel rank
+trains on and how it cuts them into micro-batches, by count or by a token budget
+(`micro_batching`), and sends each rank only those (`batch_scatter`); each rank packs its
+micro-batches once per step. Per-token data, the loss and every tensor a collective touches
+live on `compute_device()`. The loss normaliser of a mini-batch is computed over all its rows
+(all-reduced over DP) and every micro-batch divides by it, so the summed gradient does not
+depend on the split; megatron's DDP averages gradients over DP, hence the `dp_loss_scale` factor.
 
 pi_old is the rollout engine's log-probs (`old_logprobs=rollout`) or a no-grad trainer forward
 with the rollout weights before the first update (`recompute`). The train/inference mismatch
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,43 +39,9 @@ from megatron_gspo.model.aux_loss import aux_loss_scale, set_aux_loss_scale
 from megatron_gspo.model.distributed import compute_device
 from megatron_gspo.model.optim import dp_loss_scale, optimizer_step, zero_grads
 from megatron_gspo.rollout import RolloutBatch
-from megatron_gspo.training.batch_scatter import RankRows, dp_rows
+from megatron_gspo.training.batch_scatter import RankRows
 from megatron_gspo.training.forward import MicroBatch, forward_microbatch, pack_uniform
-
-
-@dataclass
-class DataLayout:
-    """Where this rank sits among the data-parallel ranks and how it cuts its rows.
-
-    Attributes:
-        dp_rank: this rank's data-parallel index.
-        dp_size: data-parallel ranks.
-        micro_batch_size: responses per forward/backward (0: the rank's whole mini-batch).
-        pad_multiple: packed row length (mask) / sequence length (thd) multiple: the TP size
-            under sequence parallelism.
-        packing: "mask" (local spec) or "thd" (TransformerEngine): `packing_layout(model)`.
-    """
-
-    dp_rank: int = 0
-    dp_size: int = 1
-    micro_batch_size: int = 0
-    pad_multiple: int = 1
-    packing: str = "mask"
-
-    @classmethod
-    def from_megatron(
-        cls, micro_batch_size: int, sequence_parallel_tp: int, packing: str = "mask"
-    ) -> DataLayout:
-        """The layout of the current process from megatron's parallel state."""
-        from megatron.core import parallel_state as ps
-
-        return cls(
-            dp_rank=ps.get_data_parallel_rank(),
-            dp_size=ps.get_data_parallel_world_size(),
-            micro_batch_size=micro_batch_size,
-            pad_multiple=sequence_parallel_tp,
-            packing=packing,
-        )
+from megatron_gspo.training.micro_batching import DataLayout, flatten, split_batch
 
 
 def plan_mini_batches(
@@ -88,10 +53,13 @@ def plan_mini_batches(
         batch: the step's rollout batch ([B, S] tensors).
         advantages: [B] one advantage per response.
         num_mini_batches: optimizer steps of the step; B must split evenly into them x DP.
-        layout: this rank's place.
+        layout: this rank's place and the micro-batch rule.
     """
-    rows = dp_rows(batch.batch_size, num_mini_batches, layout.dp_rank, layout.dp_size)
-    local = RankRows.from_batch(batch, advantages, rows, routed_experts=False, device=compute_device())
+    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+    rows, sizes = flatten(split_batch(lengths, num_mini_batches, layout)[layout.dp_rank])
+    local = RankRows.from_batch(
+        batch, advantages, rows, routed_experts=False, device=compute_device(), micro_batch_sizes=sizes
+    )
     return plan_rank_rows(local, num_mini_batches, layout)
 
 
@@ -99,26 +67,26 @@ def plan_rank_rows(rows: RankRows, num_mini_batches: int, layout: DataLayout) ->
     """This rank's micro-batches of every mini-batch, packed (collective over the EP group).
 
     Args:
-        rows: this rank's rows in mini-batch order (`dp_rows`), N = num_mini_batches x n.
+        rows: this rank's rows in training order, cut by `rows.micro_batch_sizes`.
         num_mini_batches: optimizer steps of the step.
-        layout: this rank's place (micro-batch size, padding multiple).
+        layout: this rank's place (padding multiple, packing layout).
 
     Returns:
         Per mini-batch, its micro-batches; `MicroBatch.indices` index `rows`, and the
         per-token tensors live on the device of `rows.response_mask` (the compute device).
     """
-    n = rows.num_rows // num_mini_batches
-    if n * num_mini_batches != rows.num_rows or n == 0:
+    sizes = rows.micro_batch_sizes
+    if len(sizes) != num_mini_batches or not all(sizes):
         raise ValueError(
-            f"{rows.num_rows} rows of this rank do not split into {num_mini_batches} mini-batches"
+            f"this rank's rows are cut into {len(sizes)} mini-batches, expected {num_mini_batches}"
         )
     lengths = (rows.prompt_lengths + rows.response_lengths).tolist()
-    plan = []
-    for m in range(num_mini_batches):
-        step = layout.micro_batch_size or n
+    plan, start = [], 0
+    for mini in sizes:
         micro_batches = []
-        for start in range(m * n, (m + 1) * n, step):
-            idx = list(range(start, min(start + step, (m + 1) * n)))
+        for size in mini:
+            idx = list(range(start, start + size))
+            start += size
             packed = pack_uniform(
                 [rows.tokens[i, : lengths[i]] for i in idx],
                 pad_multiple=layout.pad_multiple,
@@ -138,6 +106,28 @@ def plan_rank_rows(rows: RankRows, num_mini_batches: int, layout: DataLayout) ->
             )
         plan.append(micro_batches)
     return plan
+
+
+def plan_metrics(plan: list[list[MicroBatch]]) -> dict[str, float]:
+    """How well the step's micro-batches use their packed shapes, over all DP ranks (collective).
+
+    Returns:
+        `perf/padding_frac`: packed positions holding no token / all packed positions (after
+        the expert-parallel peers' common shape); `perf/dp_token_imbalance`: most / fewest
+        tokens (prompt + response) one data-parallel rank trains on in the step.
+    """
+    micro_batches = [micro for mini in plan for micro in mini]
+    tokens = sum(micro.num_tokens for micro in micro_batches)
+    positions = sum(micro.packed.tokens.numel() for micro in micro_batches)
+    sums = torch.tensor([tokens, positions], dtype=torch.float64, device=compute_device())
+    extremes = torch.tensor([tokens, -tokens], dtype=torch.float64, device=compute_device())
+    if dist.is_initialized():
+        dist.all_reduce(sums, group=_dp_group())
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=_dp_group())
+    return {
+        "perf/padding_frac": float(1 - sums[0] / sums[1]),
+        "perf/dp_token_imbalance": float(extremes[0] / -extremes[1]),
+    }
 
 
 class _Mismatch:

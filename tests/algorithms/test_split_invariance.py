@@ -1,4 +1,5 @@
-"""One mini-batch == 4 micro-batches x 2 simulated data-parallel ranks (global normaliser)."""
+"""One mini-batch == its micro-batches on 2 simulated data-parallel ranks (global normaliser):
+strided rows in 4 micro-batches each, or a token budget with rows balanced by tokens."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from megatron_gspo.algorithms import (
     compute_loss_normalizer,
     compute_policy_loss,
 )
+from megatron_gspo.training.micro_batching import DataLayout, split_by_tokens
 
 ROWS, WIDTH, DP, MICRO = 16, 11, 2, 4
 
@@ -49,8 +51,8 @@ def _trim(tensor, mask):
     return tensor[:, :width] if tensor.dim() == 2 else tensor
 
 
-@pytest.mark.parametrize("loss_type,mode", CASES)
-def test_policy_loss_is_split_invariant(loss_type, mode):
+def _full_and_split(loss_type, mode, ranks):
+    """Loss and gradient of the whole batch, and of `ranks` (per rank, its micro-batches' rows)."""
     log_probs, old, mask, adv = _batch(loss_type)
     options = _options(loss_type, mode)
 
@@ -61,13 +63,12 @@ def test_policy_loss_is_split_invariant(loss_type, mode):
     assert full_metrics["actor/clipfrac_tokens"].item() > 0 or loss_type == "sapo"
 
     split_lp = log_probs.clone().requires_grad_(True)
-    rank_rows = torch.arange(ROWS).chunk(DP)
     extra = {"max_response_length": WIDTH} if mode == "seq-mean-token-sum-norm" else {}
     # Each rank computes its share; the sum plays the role of all_reduce(SUM).
-    normalizer = sum(compute_loss_normalizer(mask[rows], mode, **extra) for rows in rank_rows)
+    normalizer = sum(compute_loss_normalizer(mask[torch.cat(micros)], mode, **extra) for micros in ranks)
     total = torch.zeros((), dtype=torch.float64)
-    for rows in rank_rows:
-        for micro in rows.chunk(MICRO):
+    for micros in ranks:
+        for micro in micros:
             m = _trim(mask[micro], mask[micro])
             loss, _ = compute_policy_loss(
                 loss_type,
@@ -80,10 +81,30 @@ def test_policy_loss_is_split_invariant(loss_type, mode):
             )
             loss.backward()  # gradients of all micro-batches and ranks accumulate (summed)
             total = total + loss.detach()
-
-    torch.testing.assert_close(total, full_loss.detach(), rtol=0, atol=1e-10)
-    torch.testing.assert_close(split_lp.grad, full_lp.grad, rtol=0, atol=1e-10)
     assert full_lp.grad.abs().sum() > 0
+    return (full_loss.detach(), full_lp.grad), (total, split_lp.grad)
+
+
+@pytest.mark.parametrize("loss_type,mode", CASES)
+def test_policy_loss_is_split_invariant(loss_type, mode):
+    ranks = [rows.chunk(MICRO) for rows in torch.arange(ROWS).chunk(DP)]
+    (full, full_grad), (split, split_grad) = _full_and_split(loss_type, mode, ranks)
+    torch.testing.assert_close(split, full, rtol=0, atol=1e-10)
+    torch.testing.assert_close(split_grad, full_grad, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("loss_type,mode", CASES)
+def test_policy_loss_is_invariant_to_token_budget_micro_batches(loss_type, mode):
+    # Uneven response lengths 1..11 cut by a budget of 20 tokens, rows balanced over the ranks
+    # by tokens (not strided): micro-batches of different row counts and lengths on each rank.
+    _, _, mask, _ = _batch(loss_type)
+    lengths = mask.sum(-1).tolist()
+    cut = split_by_tokens(lengths, DP, 20, DataLayout(packing="thd").cost)
+    ranks = [[torch.tensor(micro) for micro in micros] for micros in cut]
+    assert len({len(micro) for micros in ranks for micro in micros}) > 1
+    (full, full_grad), (split, split_grad) = _full_and_split(loss_type, mode, ranks)
+    torch.testing.assert_close(split, full, rtol=0, atol=1e-10)
+    torch.testing.assert_close(split_grad, full_grad, rtol=0, atol=1e-10)
 
 
 def test_local_normalizer_differs_from_global():

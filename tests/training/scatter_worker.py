@@ -24,7 +24,8 @@ from megatron_gspo.model.distributed import (
     init_distributed,
 )
 from megatron_gspo.rollout import RolloutBatch, RolloutSample
-from megatron_gspo.training.batch_scatter import RankRows, dp_rows, scatter_rank_rows
+from megatron_gspo.training.batch_scatter import RankRows, scatter_rank_rows
+from megatron_gspo.training.micro_batching import DataLayout, dp_rows
 
 G, GROUPS, MINI, LAYERS, TOPK = 4, 4, 2, 3, 2
 LAYOUTS = {"tp2": (2, 1), "ep2": (1, 2), "tp2ep2": (2, 2)}
@@ -116,12 +117,15 @@ def main() -> None:
                 full if rank == 0 else None,
                 advantages if rank == 0 else None,
                 num_mini_batches=MINI,
+                layout=DataLayout.from_megatron(0, 1),
                 routed_experts=routes,
                 device=compute_device(),
             )
             for name in ("broadcast_object_list", "scatter", "broadcast"):
                 setattr(dist, name, getattr(dist.distributed_c10d, name))
-            expected = RankRows.from_batch(full, advantages, mine, routed_experts=routes)
+            expected = RankRows.from_batch(
+                full, advantages, mine, routed_experts=routes, micro_batch_sizes=[[len(mine) // MINI]] * MINI
+            )
             control = control_plane.control_group()
             out[f"{layout}/routes={routes}"] = {
                 "dp_rank": dp_rank,
@@ -145,6 +149,7 @@ def main() -> None:
                 full if rank == 0 else None,
                 advantages[:3] if rank == 0 else None,
                 num_mini_batches=MINI,
+                layout=DataLayout.from_megatron(0, 1),
                 routed_experts=False,
                 device=compute_device(),
             )

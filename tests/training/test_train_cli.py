@@ -56,6 +56,8 @@ REQUIRED = [
     "train/all_zero_adv_batch",
     "counters/skipped_steps",
     "perf/train_tokens_per_s",
+    "perf/padding_frac",
+    "perf/dp_token_imbalance",
     "time/rollout_s",
     "time/train_s",
     "time/sync_s",

@@ -1,4 +1,5 @@
-"""The same short run under torchrun with EP2 (two gloo workers) matches a world of one."""
+"""The same short run under torchrun with EP2 (two gloo workers), micro-batches by count or by a
+token budget, matches a world of one."""
 
 import os
 import subprocess
@@ -40,12 +41,29 @@ def test_ep2_run_matches_world_of_one(tmp_path):
     config.write_text(CONFIG.format(hf=hf))
     single = run(config, tmp_path / "world1")
     ep2 = run(config, tmp_path / "ep2", "parallel.expert_parallel=2", "--nproc", "2")
-    assert [r["step"] for r in ep2] == [r["step"] for r in single] == [0, 1, 2]
-    for a, b in zip(single, ep2):
-        if "eval/accuracy" in a:
-            assert b["eval/accuracy"] == a["eval/accuracy"]
-        if a["step"] == 0:
-            continue
-        assert b["rollout/reward_mean"] == a["rollout/reward_mean"]
-        for key in ("actor/pg_loss", "train/grad_norm", "actor/ratio_mean", "rollout/logprob_mismatch_mean"):
-            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
+    # Rows of 5..11 tokens under a 24-token budget: several micro-batches per rank, balanced by tokens.
+    budget = run(
+        config,
+        tmp_path / "budget",
+        "parallel.expert_parallel=2",
+        "trainer.max_tokens_per_micro_batch=24",
+        "--nproc",
+        "2",
+    )
+    for other in (ep2, budget):
+        assert [r["step"] for r in other] == [r["step"] for r in single] == [0, 1, 2]
+        for a, b in zip(single, other):
+            if "eval/accuracy" in a:
+                assert b["eval/accuracy"] == a["eval/accuracy"]
+            if a["step"] == 0:
+                continue
+            assert b["rollout/reward_mean"] == a["rollout/reward_mean"]
+            for key in (
+                "actor/pg_loss",
+                "train/grad_norm",
+                "actor/ratio_mean",
+                "rollout/logprob_mismatch_mean",
+            ):
+                assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
+    for a, b in zip(ep2[1:], budget[1:]):
+        assert b["perf/dp_token_imbalance"] <= a["perf/dp_token_imbalance"]

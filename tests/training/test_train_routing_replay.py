@@ -28,9 +28,26 @@ TINY = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["r2", "r3"])
-def test_grpo_with_routing_replay_logs_per_layer_drift(tmp_path, mode):
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", *TINY, f"algorithm.routing_replay={mode}"]
+@pytest.mark.parametrize(
+    "mode,extra",
+    [
+        ("r2", []),
+        ("r3", []),
+        # Token-budget micro-batches (rows of 5..11 tokens, budget 24): the routed experts follow
+        # the rows into micro-batches of different sizes.
+        ("r3", ["trainer.max_tokens_per_micro_batch=24"]),
+    ],
+)
+def test_grpo_with_routing_replay_logs_per_layer_drift(tmp_path, mode, extra):
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_gspo.cli",
+        "train",
+        *TINY,
+        f"algorithm.routing_replay={mode}",
+        *extra,
+    ]
     done = subprocess.run(
         [*cmd, f"trainer.run_dir={tmp_path}"],
         env={**os.environ, "OMP_NUM_THREADS": "1"},

@@ -17,6 +17,7 @@ from megatron_gspo.training.forward import MicroBatch
 from megatron_gspo.training.update import (
     DataLayout,
     _Mismatch,
+    plan_metrics,
     plan_mini_batches,
     recompute_and_measure,
     train_on_batch,
@@ -44,14 +45,15 @@ def restore(model, state):
             current[k].copy_(v)
 
 
-def make_batch(model, shift=0.0, seed=0):
+def make_batch(model, shift=0.0, seed=0, max_response=4):
     """Random groups whose rollout log-probs are the model's own (at temperature T) minus `shift`."""
     gen = torch.Generator().manual_seed(seed)
     samples = []
     for g in range(GROUPS):
         prompt = torch.randint(3, 32, (int(torch.randint(2, 5, (1,), generator=gen)),), generator=gen)
         for _ in range(G):
-            response = torch.randint(3, 32, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen)
+            size = int(torch.randint(1, max_response + 1, (1,), generator=gen))
+            response = torch.randint(3, 32, (size,), generator=gen)
             samples.append(
                 RolloutSample(
                     prompt,
@@ -76,10 +78,13 @@ def make_batch(model, shift=0.0, seed=0):
     return batch, advantages
 
 
-def run(model, batch, advantages, *, mini=1, micro=0, nan_loss=False, old="rollout", lr=1e-2, opt="adam"):
+def run(
+    model, batch, advantages, *, mini=1, micro=0, budget=0, nan_loss=False, old="rollout", lr=1e-2, opt="adam"
+):
     optimizer, scheduler = build_optimizer(model, OptimConfig(optimizer=opt, lr=lr, clip_grad=0.0))
     algo = AlgorithmConfig(loss_type="gspo", num_mini_batches=mini, old_logprobs=old)
-    plan = plan_mini_batches(batch, advantages, mini, DataLayout(micro_batch_size=micro))
+    layout = DataLayout(micro_batch_size=micro, max_tokens_per_micro_batch=budget)
+    plan = plan_mini_batches(batch, advantages, mini, layout)
     extra = recompute_and_measure(model, plan, T) if old == "recompute" else {}
     metrics = train_on_batch(
         model, optimizer, scheduler, plan, algo, temperature=T, max_response_length=4, nan_loss=nan_loss
@@ -125,6 +130,44 @@ def test_micro_batch_split_does_not_change_the_update(model):
     assert split["actor/pg_loss"] == pytest.approx(whole["actor/pg_loss"], rel=1e-5, abs=1e-7)
     for k in after_whole:
         torch.testing.assert_close(after_split[k], after_whole[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mini", [1, 2])
+def test_token_budget_micro_batches_do_not_change_the_update(model, mini):
+    # Responses of 1..24 tokens cut by a 40-token budget: micro-batches of different row counts.
+    batch, adv = make_batch(model, seed=4, max_response=24)
+    layout = DataLayout(max_tokens_per_micro_batch=40)
+    plan = plan_mini_batches(batch, adv, mini, layout)
+    rows = [micro.packed.num_samples for mini_batch in plan for micro in mini_batch]
+    assert len(rows) > 2 * mini and len(set(rows)) > 1
+    assert all(micro.packed.tokens.numel() <= 40 for mini_batch in plan for micro in mini_batch)
+    before = snapshot(model)
+    whole = run(model, batch, adv, mini=mini, opt="sgd")
+    after_whole = snapshot(model)
+    restore(model, before)
+    split = run(model, batch, adv, mini=mini, budget=40, opt="sgd")
+    after_split = snapshot(model)
+    restore(model, before)
+    assert split["train/grad_norm"] == pytest.approx(whole["train/grad_norm"], rel=1e-5)
+    assert split["actor/pg_loss"] == pytest.approx(whole["actor/pg_loss"], rel=1e-5, abs=1e-7)
+    assert any(not torch.equal(after_whole[k], before[k]) for k in before)
+    for k in after_whole:
+        torch.testing.assert_close(after_split[k], after_whole[k], rtol=1e-5, atol=1e-6)
+
+
+def test_padding_metrics_count_the_packed_positions(model):
+    # Mask layout, one micro-batch of 16 samples of 4..8 tokens (96 in all) in rows of 8, first-fit:
+    # only the two 4s share a row -> 15 rows x 8 = 120 positions, 24 of them padding.
+    batch, adv = make_batch(model, seed=5)
+    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+    assert sorted(lengths)[:3] == [4, 4, 5] and max(lengths) == 8 and sum(lengths) == 96
+    plan = plan_mini_batches(batch, adv, 1, DataLayout())
+    assert plan[0][0].packed.tokens.shape == (15, 8)
+    metrics = plan_metrics(plan)
+    assert metrics["perf/padding_frac"] == pytest.approx(24 / 120)
+    assert metrics["perf/dp_token_imbalance"] == 1.0  # a world of one
+    one_each = plan_metrics(plan_mini_batches(batch, adv, 1, DataLayout(micro_batch_size=1)))
+    assert one_each["perf/padding_frac"] == 0.0  # a sample alone fills its row exactly
 
 
 def test_mismatch_and_gspo_ratio_against_a_known_shift(model):

@@ -1,0 +1,110 @@
+"""Padding waste and data-parallel imbalance per RL step: micro-batches by count vs by tokens.
+
+    python benchmarks/bench_micro_batching.py [--responses 512 --dp 8 --mini-batches 4 --tp 4]
+
+A reasoning-shaped step: responses of lognormal length (median 2k, clipped to 200..32k tokens)
+to 100..1024-token prompts. Only the cut is computed (`split_batch`, what rank 0 runs each
+step), no model: each micro-batch costs the THD positions of its packing (sequences padded to
+a multiple of the TP size under sequence parallelism), and the ranks of an expert-parallel
+group (here all the DP ranks) pad their i-th micro-batches to the largest of them
+(`uniform_shape`), which is where a strided count-based cut wastes most.
+
+- before: `trainer.micro_batch_size` responses per micro-batch, rows strided over the ranks;
+- after: `trainer.max_tokens_per_micro_batch`, rows balanced over the ranks by tokens.
+
+Prints per cut: micro-batches per rank and mini-batch, the largest micro-batch (positions:
+what sizes activation memory), padding (positions holding no token / all positions), the
+DP imbalance (most / fewest tokens one rank trains on) and rank 0's planning time; then the
+before/after ratios. Runs in seconds.
+"""
+
+import argparse
+import math
+import random
+import time
+
+from megatron_gspo.training.micro_batching import DataLayout, split_batch
+
+
+def lengths(responses: int, seed: int = 0) -> list[int]:
+    """Prompt + response tokens of each row, a long tail of responses."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(responses):
+        response = min(32_768, max(200, int(rng.lognormvariate(math.log(2000), 1.0))))
+        rows.append(rng.randint(100, 1024) + response)
+    return rows
+
+
+def measure(rows: list[int], mini: int, layout: DataLayout) -> dict[str, float]:
+    """The cut's micro-batch count, largest micro-batch, padding and DP imbalance (see the docstring)."""
+    start = time.perf_counter()
+    splits = split_batch(rows, mini, layout)
+    ms = (time.perf_counter() - start) * 1e3
+    tokens = [sum(rows[i] for mb in split for micro in mb for i in micro) for split in splits]
+    positions, largest, counts = 0, 0, set()
+    for m in range(mini):
+        for slot in zip(*(split[m] for split in splits), strict=True):  # equal counts on every rank
+            shape = max(layout.cost([rows[i] for i in micro]) for micro in slot)  # uniform_shape (THD)
+            positions += shape * len(slot)
+            largest = max(largest, shape)
+        counts.add(len(splits[0][m]))
+    return {
+        "micro": sum(counts) / len(counts),
+        "largest": largest,
+        "padding": 1 - sum(tokens) / positions,
+        "imbalance": max(tokens) / min(tokens),
+        "ms": ms,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--responses", type=int, default=512)
+    parser.add_argument("--dp", type=int, default=8)
+    parser.add_argument("--mini-batches", type=int, default=4)
+    parser.add_argument("--tp", type=int, default=4, help="sequence-parallel TP: THD sequences pad to it")
+    parser.add_argument("--micro-batch-size", type=int, default=4, help="the count-based cut (before)")
+    parser.add_argument(
+        "--budget", type=int, default=36_864, help="the token-budget cut (after): >= 1024 + 32768"
+    )
+    args = parser.parse_args()
+    rows = lengths(args.responses)
+    per_rank = args.responses // (args.mini_batches * args.dp)
+    print(
+        f"{args.responses} responses ({sum(rows) / 1e6:.2f}M tokens, rows {min(rows)}..{max(rows)}, "
+        f"median {sorted(rows)[len(rows) // 2]}), {args.mini_batches} mini-batches x DP={args.dp} "
+        f"({per_rank} rows per rank), THD padded to TP={args.tp}, EP peers = the DP ranks"
+    )
+    base = DataLayout(dp_size=args.dp, pad_multiple=args.tp, packing="thd")
+    cuts = {
+        f"by count, {n} per micro-batch": DataLayout(**{**vars(base), "micro_batch_size": n})
+        for n in sorted({1, args.micro_batch_size, per_rank})
+    }
+    for budget in (args.budget, 2 * args.budget, 4 * args.budget):
+        cuts[f"by tokens, budget {budget}"] = DataLayout(
+            **{**vars(base), "max_tokens_per_micro_batch": budget}
+        )
+    results = {}
+    print(
+        f"{'cut':34s} {'micro/rank':>10s} {'largest':>9s} {'padding':>8s} {'imbalance':>9s} {'plan ms':>8s}"
+    )
+    for name, layout in cuts.items():
+        r = results[name] = measure(rows, args.mini_batches, layout)
+        print(
+            f"{name:34s} {r['micro']:10.1f} {r['largest']:9d} {r['padding']:8.1%} "
+            f"{r['imbalance']:9.3f} {r['ms']:8.1f}"
+        )
+    before = results[f"by count, {args.micro_batch_size} per micro-batch"]
+    after = results[f"by tokens, budget {args.budget}"]
+    ratio = before["padding"] / after["padding"]
+    print(
+        f"before (count {args.micro_batch_size}) / after (budget {args.budget}): padding "
+        f"{before['padding']:.1%} -> {after['padding']:.1%} ({ratio:.1f}x less), DP imbalance "
+        f"{before['imbalance']:.3f} -> {after['imbalance']:.3f}, largest micro-batch "
+        f"{before['largest']} -> {after['largest']} positions ({before['largest'] / after['largest']:.2f}x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
