@@ -124,8 +124,15 @@ class Bucket:
         return [list(t.shape) for t in self.tensors]
 
     def flatten(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """All tensors' bytes, concatenated in order: a uint8 tensor of `nbytes` on `device`."""
-        device = device if device is not None else self.tensors[0].device
+        """All tensors' bytes, concatenated in order: a uint8 tensor of `nbytes` on `device`.
+
+        A bucket of one contiguous tensor already on `device` is viewed, not copied (a tensor
+        bigger than the bucket size travels alone, so this spares the largest copies).
+        """
+        device = torch.device(device) if device is not None else self.tensors[0].device
+        first = self.tensors[0]
+        if len(self.tensors) == 1 and first.is_contiguous() and first.device == device:
+            return first.detach().reshape(-1).view(torch.uint8)
         flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
         offset = 0
         for tensor in self.tensors:

@@ -191,15 +191,13 @@ class GenerationEngine:
     def update_weights_from_tensors(
         self, named_tensors: dict[str, torch.Tensor], weight_version: str | None
     ) -> int:
-        """Copy named tensors (HF on-disk or in-memory names; partial sets allowed) into the model."""
-        params = dict(self.model.named_parameters())
+        """Copy named tensors (HF on-disk or in-memory names; partial sets allowed) into the model.
+
+        All or nothing without a backup copy: `copy_into_model` checks every name and shape
+        before it copies anything.
+        """
         with self._lock:
-            backup = {n: p.detach().clone() for n, p in params.items()}
-            try:
-                count = copy_into_model(self.model, named_tensors)
-            except Exception:
-                copy_into_model(self.model, backup)  # all or nothing
-                raise
+            count = copy_into_model(self.model, named_tensors)
             self._bump_version(weight_version)
         return count
 

@@ -186,6 +186,11 @@ class WeightSync:
         return stats
 
     def _send_distributed(self, client: SGLangClient, stream, version: int) -> SyncStats:
+        """Send bucket by bucket, each answered before the next request goes out.
+
+        So a refused bucket is known before any server enters another receive: no server is
+        left waiting in a broadcast that will not come.
+        """
         stats = SyncStats()
         group = self._group
         device = torch.device("cpu") if self._backend() == "gloo" else compute_device()
