@@ -3,8 +3,10 @@
     python -m torch.distributed.run --standalone --nproc_per_node 2 parity_bug_worker.py \
         expert_swap --tp 1 --ep 2 --dtype bf16
 
-The bug is applied where the layout run loads the reference's global weights, so the sharded
-model holds what a wrong shard mapping would give it; the TP=1 runs are untouched.
+A weight bug is applied where the layout run loads the reference's global weights, so the
+sharded model holds what a wrong shard mapping would give it; `unscaled_dp_loss` drops the
+data-parallel loss factor (`dp_loss_scale`) in the layout run, so its gradients are halved.
+The TP=1 runs are untouched.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 
 import torch
 
-from megatron_gspo.model import parity, sharding
+from megatron_gspo.model import optim, parity, sharding
 
 EXPERTS = "decoder.layers.0.mlp.experts.local_experts"
 FC2 = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"
@@ -35,20 +37,26 @@ def tp_slice_swap(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {**weights, FC2: torch.cat([second, first], dim=1)}
 
 
-BUGS = {"expert_swap": expert_swap, "tp_slice_swap": tp_slice_swap}
+WEIGHT_BUGS = {"expert_swap": expert_swap, "tp_slice_swap": tp_slice_swap}
+
+
+def sharded() -> bool:
+    """Whether this is the layout run (not one of the TP=1 runs)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size() * ps.get_expert_model_parallel_world_size() > 1
 
 
 def main() -> int:
-    bug = BUGS[sys.argv[1]]
-    correct = sharding.load_global_state_dict
-
-    def load_with_bug(model, weights):
-        from megatron.core import parallel_state as ps
-
-        sharded = ps.get_tensor_model_parallel_world_size() * ps.get_expert_model_parallel_world_size() > 1
-        correct(model, bug(weights) if sharded else weights)
-
-    sharding.load_global_state_dict = load_with_bug
+    bug = sys.argv[1]
+    if bug == "unscaled_dp_loss":
+        correct_scale = optim.dp_loss_scale
+        optim.dp_loss_scale = lambda: 1 if sharded() else correct_scale()
+    else:
+        correct_load = sharding.load_global_state_dict
+        sharding.load_global_state_dict = lambda model, weights: correct_load(
+            model, WEIGHT_BUGS[bug](weights) if sharded() else weights
+        )
     parser = argparse.ArgumentParser()
     parity.add_parity_args(parser)
     return parity.run_parity(parser.parse_args(sys.argv[2:]))

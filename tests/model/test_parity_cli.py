@@ -6,7 +6,8 @@ as much as bf16 rounding itself changes the log-probs (both are one bf16 roundin
 the same computation; measured mean |d| 1.8e-3 for TP2 vs 3.1e-3 for bf16 vs fp32), far
 above fp32's 1e-5. The bound is `BF16_FACTOR` (2) x that bf16-vs-fp32 distance, measured in
 the same run; the negative controls inject sharding bugs (a swapped expert pair as a wrong
-EP mapping, one expert's TP slices exchanged) and must fail on the log-probs alone.
+EP mapping, one expert's TP slices exchanged) that must fail on the log-probs alone, and a
+missing data-parallel loss factor that only the grad-norm bound sees.
 """
 
 import os
@@ -104,6 +105,18 @@ def test_bf16_bound_catches_a_sharding_bug(bug, layout):
     assert result.returncode != 0 and "FAIL" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
     f = bf16_figures(result.stdout)
     assert f["logprob_mean"] > BF16_FACTOR * f["rounding_mean"]  # the log-probs alone catch it
+
+
+def test_bf16_bound_catches_an_unscaled_data_parallel_loss():
+    """EP2 runs two data-parallel ranks: without the DP loss factor the gradients are halved. The
+    first Adam step is invariant to the scale, so only the grad-norm bound can catch it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(BUG_WORKER), "unscaled_dp_loss", "--tp", "1", "--ep", "2", "--dtype", "bf16"]
+    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0 and "FAIL" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
+    f = bf16_figures(result.stdout)
+    assert f["grad_norm_rel"] == pytest.approx(0.5, abs=0.01)
+    assert f["logprob_max"] == 0.0 and f["weight_mean"] <= BF16_WEIGHT_MEAN
 
 
 def test_bf16_refuses_an_fp32_tolerance():
