@@ -93,6 +93,9 @@ class RolloutConfig:
     """How long to wait for the embedded server (or the given URLs) to become healthy."""
     server_threads: int = 1
     """torch threads of the embedded server."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """The embedded server's model dtype (its --dtype; log-probs then come from bf16 logits, as
+    SGLang's). SGLang servers in `server_urls` run with their own --dtype."""
     deterministic_inference: bool = False
     """Reproducible rollouts: a row's sampling seed always gives the same tokens. SGLang needs
     `--enable-deterministic-inference` for that (launch/sglang_servers.sh passes it; slower)."""
