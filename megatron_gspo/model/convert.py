@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from megatron_gspo.model import control_plane
 from megatron_gspo.model.config import MoEModelConfig
-from megatron_gspo.model.hf_checkpoint import SAFE_WEIGHTS_INDEX_NAME, save_hf_state_dict
+from megatron_gspo.model.hf_checkpoint import SAFE_WEIGHTS_INDEX_NAME, non_finite, save_hf_state_dict
 from megatron_gspo.model.sharding import local_shard_plan
 
 _COPY, _QKV, _FC1 = "copy", "qkv", "fc1"
@@ -341,7 +341,8 @@ def load_hf_checkpoint(
         What this rank read.
 
     Raises:
-        ConversionError: config.json or a tensor does not match the model (the field/tensor is named).
+        ConversionError: config.json or a tensor does not match the model, or a tensor (this
+            rank's part of it) holds NaN/inf (the field/tensor is named).
     """
     hf_dir = Path(hf_dir)
     checkpoint_cfg = read_hf_config(hf_dir)
@@ -372,6 +373,10 @@ def load_hf_checkpoint(
                 if mapping.kind == _COPY and stride != 1:
                     raise ConversionError(f"{global_name}: unexpected TP partition stride {stride}")
             parts = [reader.read(name, dim, tp_rank, tp_world) for name in mapping.hf]
+            for name, part in zip(mapping.hf, parts):
+                problem = non_finite(name, part)
+                if problem is not None:
+                    raise ConversionError(f"{hf_dir}: {problem}; refusing to load it")
             source = _merge(mapping, parts, cfg)
             _check_shape(f"{global_name} (TP rank {tp_rank}/{tp_world})", source.shape, tuple(target.shape))
             target.copy_(source)
@@ -413,6 +418,10 @@ def export_hf_checkpoint(
 
     Returns:
         The checkpoint path on global rank 0, None on the other ranks (after the write finished).
+
+    Raises:
+        ConversionError: on every rank, when a tensor holds NaN/inf (named): nothing is written
+            and the previous export at `out_dir` stays in place for the rollout servers.
     """
     from megatron_gspo.model.sharding import iter_global_tensors
 
@@ -421,13 +430,21 @@ def export_hf_checkpoint(
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
     table = {t.megatron: t for t in name_table(model_cfg)}
     hf_state: dict[str, torch.Tensor] = {}
+    problem = None
     for name, tensor in iter_global_tensors(model):
+        if problem is None:  # checked where the gathered tensor is, before any copy
+            problem = non_finite(name, tensor)
         if not is_writer:
             continue
         if name not in table:
             raise ConversionError(f"model tensor {name!r} has no HF counterpart in the name table")
         # To host memory as it arrives: on GPUs rank 0 would otherwise keep a second device copy.
         hf_state.update(_megatron_tensor_to_hf(table.pop(name), tensor.to("cpu"), model_cfg))
+    # Replicated tensors are each rank's own copy, so ranks may disagree: one small collective
+    # makes every rank raise together instead of some waiting at the barrier below.
+    problems = [p for p in control_plane.all_gather_objects(problem) if p is not None]
+    if problems:
+        raise ConversionError(f"refusing to export to {out_dir}: {problems[0]} (previous export kept)")
     path = None
     if is_writer:
         if table:

@@ -182,6 +182,10 @@ class RolloutService:
 
     def continue_generation(self, body: Any) -> tuple[int, Any]:
         """POST /continue_generation."""
+        try:
+            check_object(body)
+        except RequestError as exc:
+            return _bad_request(str(exc))
         self.scheduler.resume()
         return HTTPStatus.OK, {"message": "Generation continued successfully.", "status": "ok"}
 
@@ -202,6 +206,10 @@ class RolloutService:
 
     def flush_cache(self, body: Any) -> tuple[int, Any]:
         """GET/POST /flush_cache: nothing is cached across requests, so always succeeds."""
+        try:
+            check_object(body)
+        except RequestError as exc:
+            return _bad_request(str(exc))
         return HTTPStatus.OK, "Cache flushed.\n"
 
     def model_info(self, body: Any = None) -> tuple[int, Any]:
