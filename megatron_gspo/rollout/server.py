@@ -16,6 +16,22 @@ What it implements, and how it differs from SGLang:
   is no cache between requests); GET /health, /health_generate, /get_model_info,
   /get_server_info, /get_weight_version (and their un-prefixed aliases).
 
+What it guarantees (tests/rollout/test_server_robustness.py):
+
+- Every request gets an HTTP answer, never a dropped connection: broken framing (bad
+  Content-Length, ...) a 400 naming the header; a body that is not UTF-8, not JSON, nested
+  too deeply or not an object a 400; a body over `--max-body-mb` a 413.
+- Every field an endpoint reads is checked for type and range before use (`server_fields`):
+  booleans must be JSON booleans, integers int64 within the field's range, numbers finite
+  (NaN / Infinity refused), `rid` a string or one string per row, `text` encodable; the 400
+  names the field (`sampling_params[1].temperature`, `rid[2]`, ...).
+- A weight update holding NaN/inf is refused naming the tensor; the old weights and
+  `weight_version` keep serving.
+- GET /health_generate answers within seconds: 503 while generation is paused (SGLang's
+  status when it cannot generate), or when no token came within 20 s.
+- HTTP is aiohttp (`server_http.py`) with a listen backlog of 4096; endpoint calls run in a
+  thread pool sized for a full batch of concurrent /generate calls.
+
     megatron-gspo serve --model DIR --port 30000
     python -m megatron_gspo.rollout.server --model DIR --port 30000
 """

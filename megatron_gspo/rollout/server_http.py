@@ -58,8 +58,8 @@ def decode_body(raw: bytes) -> Any:
 def _encode(status: int, payload: Any) -> tuple[int, bytes, str]:
     if isinstance(payload, str):
         return int(status), payload.encode(), "text/plain"
-    # allow_nan=False: a NaN would be invalid JSON for the client, so it is a server error here.
-    return int(status), json.dumps(payload, allow_nan=False).encode(), "application/json"
+    # NaN stays NaN (Python's JSON dialect): the client's validation names the field it is in.
+    return int(status), json.dumps(payload).encode(), "application/json"
 
 
 def _error(status: int, message: str) -> tuple[int, bytes, str]:

@@ -395,3 +395,24 @@ def test_listen_backlog_is_large(server):
     out = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True)
     backlogs = [int(line.split()[2]) for line in out.stdout.splitlines() if line.startswith("LISTEN")]
     assert backlogs and min(backlogs) >= 1024, out.stdout
+
+
+def test_concurrent_generate_requests_wait_together_and_finish(server, client):
+    """Each /generate runs in a pool thread: all of them reach the batcher's queue at once."""
+    assert client.post(f"{server.url}/pause_generation", json={"mode": "in_place"}).status_code == 200
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    with cf.ThreadPoolExecutor(12) as pool:
+        futures = [
+            pool.submit(httpx.post, f"{server.url}/generate", json=body, timeout=60) for _ in range(12)
+        ]
+        try:
+            deadline = time.monotonic() + 20
+            pending = 0
+            while time.monotonic() < deadline and pending < 12:
+                pending = client.get(f"{server.url}/get_server_info").json()["num_pending_requests"]
+                time.sleep(0.05)
+            assert pending == 12  # queued side by side, so the next batch takes all of them
+        finally:
+            client.post(f"{server.url}/continue_generation", json={})
+        answers = [f.result() for f in futures]
+    assert all(a.status_code == 200 and len(a.json()["output_ids"]) == 3 for a in answers)
