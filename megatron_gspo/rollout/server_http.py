@@ -53,6 +53,8 @@ def decode_body(raw: bytes) -> Any:
         raise BodyError(f"request body is not JSON: {exc}") from None
     except RecursionError:
         raise BodyError("request body is JSON nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        raise BodyError(f"request body is not JSON this server accepts: {exc}") from None
 
 
 def _encode(status: int, payload: Any) -> tuple[int, bytes, str]:

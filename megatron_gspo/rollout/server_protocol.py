@@ -68,7 +68,7 @@ SGLANG_SAMPLING_KEYS = (
     "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width",
     "watermark", "choice",
 )  # fmt: skip
-# Checked fields (server_fields) -> (lowest value, default); integers are int64, floats finite.
+# Fields checked by type and range before use (server_fields), each 400 naming the field.
 _REQUEST_FLAGS = (
     "stream",
     "return_text_in_logprobs",
@@ -83,7 +83,7 @@ _SAMPLING_FLAGS = {
     "spaces_between_special_tokens": True,
     "no_stop_trim": False,
 }
-_SAMPLING_INTS = {
+_SAMPLING_INTS = {  # int64 -> (lowest value, default)
     "max_new_tokens": (0, 128),
     "top_k": (-1, -1),
     "min_new_tokens": (0, 0),
@@ -92,7 +92,7 @@ _SAMPLING_INTS = {
     "stream_interval": (1, None),
     "beam_width": (0, None),
 }
-# SGLang's SamplingParams.verify ranges: (low, high, low excluded, default).
+# Finite numbers in SGLang's SamplingParams.verify ranges -> (low, high, low excluded, default).
 _SAMPLING_FLOATS = {
     "temperature": (0.0, math.inf, False, 1.0),
     "top_p": (0.0, 1.0, True, 1.0),

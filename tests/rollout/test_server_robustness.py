@@ -119,7 +119,14 @@ NOT_UTF8 = [
 def test_undecodable_bodies_get_400_and_the_connection_stays_usable(server, path):
     sock = socket.create_connection(_address(server), timeout=30)
     try:
-        for body in [*NOT_UTF8, b"{not json", b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 50_000 + b"1"]:
+        huge_int = b'{"input_ids": [' + b"9" * 5000 + b"]}"  # past Python's int-parsing digit limit
+        for body in [
+            *NOT_UTF8,
+            b"{not json",
+            b"[" * 100_000 + b"]" * 100_000,
+            b'{"a":' * 50_000 + b"1",
+            huge_int,
+        ]:
             sock.sendall(_post_bytes(path, body))
             (
                 status,
@@ -416,3 +423,30 @@ def test_concurrent_generate_requests_wait_together_and_finish(server, client):
             client.post(f"{server.url}/continue_generation", json={})
         answers = [f.result() for f in futures]
     assert all(a.status_code == 200 and len(a.json()["output_ids"]) == 3 for a in answers)
+
+
+NASTY = ["NaN", "-Infinity", "1e400", "-1", "0", "1", "2", "-9223372036854775809", "9223372036854775808",
+         "0.5", "true", "false", "null", '""', '"x"', '"\\ud800"', "[]", "[1]", '["a"]', "[[1]]", "{}",
+         '{"a": 1}', "[null]", "[true, false]"]  # fmt: skip
+
+
+def test_any_value_in_any_field_gets_200_or_a_400_never_a_500(server, client):
+    """Deterministic sweep: every field SGLang's contract knows, each with every nasty JSON value."""
+    api = contract.require()
+    top = [f for f in typing.get_type_hints(api.GenerateRequest) if f not in ("input_ids", "text")]
+    sampling = list(typing.get_type_hints(api.SamplingParams))
+    statuses = {}
+    for literal in NASTY:
+        for field in top + ["return_routed_experts"]:
+            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}, field: "@"}
+            r = _send(client, server, _with_literal(body, literal))
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            assert r.status_code in (200, 400), (field, literal, r.status_code, r.text)
+            assert r.status_code == 200 or len(r.text) > 20
+        for field in sampling:
+            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1, field: "@"}}
+            r = _send(client, server, _with_literal(body, literal))
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            assert r.status_code in (200, 400), (field, literal, r.status_code, r.text)
+    print(f"field x value sweep: {statuses}")
+    assert statuses.get(200, 0) > 50 and statuses.get(400, 0) > 500  # both outcomes really happen
