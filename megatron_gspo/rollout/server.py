@@ -29,8 +29,9 @@ What it guarantees (tests/rollout/test_server_robustness.py):
   `weight_version` keep serving.
 - GET /health_generate answers within seconds: 503 while generation is paused (SGLang's
   status when it cannot generate), or when no token came within 20 s.
-- HTTP is aiohttp (`server_http.py`) with a listen backlog of 4096; endpoint calls run in a
-  thread pool sized for a full batch of concurrent /generate calls.
+- HTTP is aiohttp (`server_http.py`) with a listen backlog of 4096; endpoint calls run in
+  thread pools: one sized for a full batch of concurrent /generate calls, one for control
+  calls (so /continue_generation and /abort_request run however many /generate calls wait).
 
     megatron-gspo serve --model DIR --port 30000
     python -m megatron_gspo.rollout.server --model DIR --port 30000
@@ -287,6 +288,11 @@ POST_ROUTES = {
 }
 
 
+# Calls that wait on generation run in their own thread pool, so a flood of them can never keep
+# the calls that end the wait (/continue_generation, /abort_request) from running.
+GENERATION_PATHS = frozenset({"/generate", "/health_generate"})
+
+
 def _update_fields(body: dict) -> tuple[str | None, str | None, bool]:
     """`model_path`, `weight_version` and `abort_all_requests` of a weight update, checked."""
     model_path = body.get("model_path")
@@ -367,13 +373,22 @@ def build_service(args: argparse.Namespace) -> RolloutService:
     return RolloutService(engine, scheduler, check_responses=args.check_responses)
 
 
-def build_app(service: RolloutService, pool: cf.Executor, max_body_bytes: int):
-    """The aiohttp application of `service` (routes bound to it)."""
+def build_app(service: RolloutService, max_batch_size: int, max_body_bytes: int):
+    """The aiohttp application of `service` (routes bound to it) and its thread pools."""
 
     def bind(table):
         return {path: (lambda body, method=method: method(service, body)) for path, method in table.items()}
 
-    return server_http.build_app(bind(GET_ROUTES), bind(POST_ROUTES), pool, max_body_bytes=max_body_bytes)
+    # Room for a full batch of single-row /generate calls plus health checks (threads start on demand).
+    generation = cf.ThreadPoolExecutor(max_batch_size + 32, thread_name_prefix="rollout-generate")
+    control = cf.ThreadPoolExecutor(16, thread_name_prefix="rollout-control")
+    app = server_http.build_app(
+        bind(GET_ROUTES),
+        bind(POST_ROUTES),
+        lambda path: generation if path in GENERATION_PATHS else control,
+        max_body_bytes=max_body_bytes,
+    )
+    return app, (generation, control)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -386,10 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     service = build_service(args)
     sock = server_http.bind(args.host, args.port)
     service.host, service.port = sock.getsockname()[:2]
-    # A /generate call holds a thread until its batch is done: room for a full batch of
-    # single-row requests plus control calls (threads start on demand).
-    pool = cf.ThreadPoolExecutor(max_workers=args.max_batch_size + 32, thread_name_prefix="rollout-endpoint")
-    app = build_app(service, pool, int(args.max_body_mb * 2**20))
+    app, pools = build_app(service, args.max_batch_size, int(args.max_body_mb * 2**20))
     # The launcher waits for this line (it carries the port when --port 0 was given); the
     # socket already listens, so connections made right after it queue in the backlog.
     print(f"embedded rollout server listening on http://{service.host}:{service.port}", flush=True)
@@ -399,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         service.scheduler.close()
-        pool.shutdown(wait=False, cancel_futures=True)
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
         sock.close()
     return 0
 

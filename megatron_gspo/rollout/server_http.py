@@ -6,9 +6,9 @@ framing (negative / non-numeric / overflowing Content-Length, ...) with a 400 na
 header, and a body-size limit answered with 413 before the body is read.
 
 The event loop only moves bytes. Every endpoint call, body decoding and JSON encoding
-included, runs in a thread pool: a /generate call blocks its thread until the batch it
-joined is done (`BatchScheduler` batches concurrent calls, so the pool must hold at least a
-batch's worth of threads), a weight reload takes seconds.
+included, runs in a thread pool chosen by path: a /generate call blocks its thread until the
+batch it joined is done (`BatchScheduler` batches concurrent calls, so that pool must hold at
+least a batch's worth of threads), a weight reload takes seconds.
 
 A route is `endpoint(body) -> (status, payload)`: `body` is the decoded JSON of a POST (`{}`
 for GET), `payload` a str (sent as text/plain) or anything JSON-encodable.
@@ -83,11 +83,11 @@ def call_endpoint(endpoint: Endpoint, raw: bytes | None, path: str) -> tuple[int
 def build_app(
     get_routes: Mapping[str, Endpoint],
     post_routes: Mapping[str, Endpoint],
-    pool: cf.Executor,
+    pool_for: Callable[[str], cf.Executor],
     *,
     max_body_bytes: int,
 ) -> web.Application:
-    """An aiohttp application dispatching `path -> endpoint` tables through `pool`."""
+    """An aiohttp application dispatching `path -> endpoint` tables, each call in `pool_for(path)`."""
     routes = {"GET": get_routes, "POST": post_routes}
 
     async def dispatch(request: web.Request) -> web.StreamResponse:
@@ -99,7 +99,9 @@ def build_app(
         # read() raises HTTPRequestEntityTooLarge (413) past client_max_size.
         raw = await request.read() if request.method == "POST" else None
         loop = asyncio.get_running_loop()
-        status, data, ctype = await loop.run_in_executor(pool, call_endpoint, endpoint, raw, request.path)
+        status, data, ctype = await loop.run_in_executor(
+            pool_for(request.path), call_endpoint, endpoint, raw, request.path
+        )
         return web.Response(status=status, body=data, content_type=ctype, charset="utf-8")
 
     app = web.Application(client_max_size=max_body_bytes)

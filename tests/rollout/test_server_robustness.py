@@ -28,6 +28,7 @@ TOKENIZER = build_char_tokenizer()
 CFG = tiny(vocab_size=len(TOKENIZER))
 PROMPT = TOKENIZER.encode("12+34=")
 MAX_BODY_MB = 1
+MAX_BATCH = 4  # the server's /generate thread pool then holds MAX_BATCH + 32 threads
 POST_PATHS = (
     "/generate",
     "/update_weights_from_disk",
@@ -42,7 +43,9 @@ POST_PATHS = (
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     ckpt = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("robust") / "m", CFG, seed=0)
-    with launch_embedded_server(ckpt, extra_args=["--max-body-mb", str(MAX_BODY_MB)]) as srv:
+    with launch_embedded_server(
+        ckpt, extra_args=["--max-body-mb", str(MAX_BODY_MB), "--max-batch-size", str(MAX_BATCH)]
+    ) as srv:
         yield srv
 
 
@@ -404,23 +407,25 @@ def test_listen_backlog_is_large(server):
     assert backlogs and min(backlogs) >= 1024, out.stdout
 
 
-def test_concurrent_generate_requests_wait_together_and_finish(server, client):
-    """Each /generate runs in a pool thread: all of them reach the batcher's queue at once."""
+@pytest.mark.parametrize("n", [MAX_BATCH + 4, MAX_BATCH + 32 + 12])
+def test_concurrent_generate_requests_wait_together_and_control_calls_still_run(server, client, n):
+    """Each /generate waits in a pool thread, side by side in the batcher's queue; with more
+    waiting calls than generation threads, /continue_generation (control pool) still runs."""
     assert client.post(f"{server.url}/pause_generation", json={"mode": "in_place"}).status_code == 200
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
-    with cf.ThreadPoolExecutor(12) as pool:
-        futures = [
-            pool.submit(httpx.post, f"{server.url}/generate", json=body, timeout=60) for _ in range(12)
-        ]
+    with cf.ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(httpx.post, f"{server.url}/generate", json=body, timeout=60) for _ in range(n)]
         try:
+            expect = min(n, MAX_BATCH + 32)  # the rest wait for a generation thread
             deadline = time.monotonic() + 20
             pending = 0
-            while time.monotonic() < deadline and pending < 12:
+            while time.monotonic() < deadline and pending < expect:
                 pending = client.get(f"{server.url}/get_server_info").json()["num_pending_requests"]
                 time.sleep(0.05)
-            assert pending == 12  # queued side by side, so the next batch takes all of them
+            assert pending == expect
         finally:
-            client.post(f"{server.url}/continue_generation", json={})
+            r = client.post(f"{server.url}/continue_generation", json={}, timeout=10)
+        assert r.status_code == 200
         answers = [f.result() for f in futures]
     assert all(a.status_code == 200 and len(a.json()["output_ids"]) == 3 for a in answers)
 
