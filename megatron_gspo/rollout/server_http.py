@@ -3,7 +3,7 @@
 aiohttp because it gives what the stdlib server lacked: a real listen backlog (64 clients
 opening fresh connections at once are queued, not reset), a C parser that answers broken
 framing (negative / non-numeric / overflowing Content-Length, ...) with a 400 naming the
-header, and a body-size limit answered with 413 before the body is read.
+header, and a body-size limit answered with 413 (nothing past the limit is buffered).
 
 The event loop only moves bytes. Every endpoint call, body decoding and JSON encoding
 included, runs in a thread pool chosen by path: a /generate call blocks its thread until the
