@@ -23,8 +23,8 @@ def show(value: Any) -> str:
     """`value` as JSON, cut short (for error messages)."""
     try:
         text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
+    except (TypeError, ValueError, RecursionError):
+        text = f"<{type(value).__name__}>"
     return text if len(text) <= 60 else text[:57] + "..."
 
 

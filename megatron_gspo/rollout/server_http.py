@@ -75,6 +75,8 @@ def call_endpoint(endpoint: Endpoint, raw: bytes | None, path: str) -> tuple[int
         return _encode(*endpoint(body))
     except BodyError as exc:
         return _error(HTTPStatus.BAD_REQUEST, str(exc))
+    except RecursionError:  # parsed, but too deep for a check or the contract walking it
+        return _error(HTTPStatus.BAD_REQUEST, "request body is JSON nested too deeply")
     except Exception as exc:  # noqa: BLE001 - a bug must still answer, not drop the connection
         logger.exception("error serving %s", path)
         return _error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}")

@@ -145,6 +145,26 @@ def test_undecodable_bodies_get_400_and_the_connection_stays_usable(server, path
         sock.close()
 
 
+@pytest.mark.parametrize(
+    "template",
+    [
+        '{"input_ids": [1, 2], "sampling_params": {"custom_params": %s}}',
+        '{"input_ids": [1, 2], "sampling_params": {"logit_bias": {"1": %s}}}',
+        '{"input_ids": [1, 2], "rid": %s}',
+        '{"input_ids": [1, 2], "sampling_params": %s}',
+        '{"input_ids": %s}',
+        '{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}, "unknown": %s}',
+    ],
+)
+def test_deep_json_inside_a_field_gets_400(server, client, template):
+    """Nesting the parser just accepts (depths up to its limit), inside fields a check walks into."""
+    for depth in [200, 600, 900, *range(950, 1001), 5000]:
+        r = _send(client, server, template.replace("%s", "[" * depth + "]" * depth))
+        # 200 only for "unknown", ignored as SGLang ignores unknown keys.
+        assert r.status_code in (200, 400), (depth, r.text)
+        assert r.status_code == 200 or "error" in r.json()
+
+
 @pytest.mark.parametrize("path", POST_PATHS)
 @pytest.mark.parametrize("body", [[], "x", 3, None, [{"input_ids": [1]}]])
 def test_non_object_bodies_get_400(server, client, path, body):
