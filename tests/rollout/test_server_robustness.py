@@ -475,3 +475,27 @@ def test_any_value_in_any_field_gets_200_or_a_400_never_a_500(server, client):
             assert r.status_code in (200, 400), (field, literal, r.status_code, r.text)
     print(f"field x value sweep: {statuses}")
     assert statuses.get(200, 0) > 50 and statuses.get(400, 0) > 500  # both outcomes really happen
+
+
+def test_any_value_in_any_control_field_gets_200_or_a_400_never_a_500(server, client):
+    update = ["load_format", "weight_version", "flush_cache", "abort_all_requests"]
+    endpoints = {
+        "/update_weights_from_disk": ({"model_path": "/nonexistent"}, ["model_path", *update]),
+        "/update_weights_from_tensor": (
+            {"serialized_named_tensors": ""},
+            ["serialized_named_tensors", *update],
+        ),
+        "/abort_request": ({}, ["rid", "abort_all"]),
+        "/pause_generation": ({}, ["mode"]),
+    }
+    try:
+        for path, (base, fields) in endpoints.items():
+            for field in fields:
+                for literal in NASTY:
+                    r = client.post(
+                        f"{server.url}{path}", content=_with_literal({**base, field: "@"}, literal)
+                    )
+                    assert r.status_code in (200, 400), (path, field, literal, r.status_code, r.text)
+    finally:
+        client.post(f"{server.url}/continue_generation", json={})
+    assert client.get(f"{server.url}/health_generate").status_code == 200
