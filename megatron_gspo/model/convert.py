@@ -430,10 +430,14 @@ def export_hf_checkpoint(
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
     table = {t.megatron: t for t in name_table(model_cfg)}
     hf_state: dict[str, torch.Tensor] = {}
-    problem = None
+    # A finiteness flag per tensor, computed where the gathered tensor is and read once at the
+    # end: no host sync per tensor on GPUs.
+    finite: list[torch.Tensor] = []
+    checked: list[str] = []
     for name, tensor in iter_global_tensors(model):
-        if problem is None:  # checked where the gathered tensor is, before any copy
-            problem = non_finite(name, tensor)
+        if tensor.is_floating_point():
+            finite.append(torch.isfinite(tensor).all())
+            checked.append(name)
         if not is_writer:
             continue
         if name not in table:
@@ -442,6 +446,8 @@ def export_hf_checkpoint(
         hf_state.update(_megatron_tensor_to_hf(table.pop(name), tensor.to("cpu"), model_cfg))
     # Replicated tensors are each rank's own copy, so ranks may disagree: one small collective
     # makes every rank raise together instead of some waiting at the barrier below.
+    flags = torch.stack(finite).cpu() if finite else torch.ones(0, dtype=torch.bool)
+    problem = None if flags.all() else f"tensor {checked[int((~flags).nonzero()[0])]} has NaN/inf values"
     problems = [p for p in control_plane.all_gather_objects(problem) if p is not None]
     if problems:
         raise ConversionError(f"refusing to export to {out_dir}: {problems[0]} (previous export kept)")
