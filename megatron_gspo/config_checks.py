@@ -68,7 +68,7 @@ def check_rollout(rollout: Any) -> None:
         raise ValueCheckError(f"rollout.top_k={rollout.top_k}: use -1 (off) or a positive k")
     if rollout.max_retries < 0:
         raise ValueCheckError(f"rollout.max_retries must be >= 0, got {rollout.max_retries}")
-    for name in ("request_timeout_s", "server_start_timeout_s"):
+    for name in ("request_timeout_s", "batch_timeout_s", "server_start_timeout_s"):
         if getattr(rollout, name) <= 0:
             raise ValueCheckError(f"rollout.{name} must be > 0 seconds, got {getattr(rollout, name)}")
     if rollout.server_threads < 1:

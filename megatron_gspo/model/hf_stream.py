@@ -27,21 +27,34 @@ import torch.distributed as dist
 
 from megatron_gspo.model import control_plane
 from megatron_gspo.model.config import MoEModelConfig
-from megatron_gspo.model.convert import ConversionError, megatron_tensor_to_hf, name_table
+from megatron_gspo.model.convert import ConversionError, _unwrap, megatron_tensor_to_hf, name_table
 from megatron_gspo.model.sharding import iter_global_tensors
 
 T = TypeVar("T")
 
 
-class NonFiniteWeightError(ValueError):
+class NonFiniteWeightError(ConversionError):
     """A weight about to leave the trainer holds NaN or inf (the tensor is named)."""
 
 
-def check_finite(name: str, tensor: torch.Tensor) -> None:
-    """Raise `NonFiniteWeightError` naming `name` if `tensor` holds NaN/inf (checked where it lives)."""
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-        bad = int((~torch.isfinite(tensor)).sum())
-        raise NonFiniteWeightError(f"weight {name} holds {bad} non-finite value(s) (NaN/inf)")
+def refuse_non_finite(model: torch.nn.Module, what: str) -> None:
+    """Collective: raise `NonFiniteWeightError` on every rank if any rank's shard holds NaN/inf.
+
+    Every rank checks its own parameters (replicated ones included: a replica may differ), one
+    flag per tensor computed where it lives and read back once; the first offender is named.
+    """
+    named = [(n, p) for n, p in _unwrap(model).named_parameters() if p.is_floating_point()]
+    problem = None
+    if named:
+        flags = torch.stack([torch.isfinite(p).all() for _, p in named]).cpu()
+        if not bool(flags.all()):
+            problem = named[int((~flags).nonzero()[0])][0]
+    found = [(r, p) for r, p in enumerate(control_plane.all_gather_objects(problem)) if p is not None]
+    if found:
+        r, name = found[0]
+        raise NonFiniteWeightError(
+            f"refusing to {what}: tensor {name} has NaN/inf values on rank {r} (previous weights kept)"
+        )
 
 
 def iter_hf_tensors(

@@ -177,7 +177,12 @@ def rollout_servers(
             urls = [server.url]
             logger.info("embedded rollout server on %s serving %s", server.url, model_dir)
         client = stack.enter_context(
-            SGLangClient(urls, timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries)
+            SGLangClient(
+                urls,
+                timeout_s=cfg.request_timeout_s,
+                max_retries=cfg.max_retries,
+                batch_timeout_s=cfg.batch_timeout_s,
+            )
         )
         client.wait_until_healthy(cfg.server_start_timeout_s)
         yield client

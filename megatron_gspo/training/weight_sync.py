@@ -38,7 +38,7 @@ from megatron_gspo.model import control_plane
 from megatron_gspo.model.config import MoEModelConfig
 from megatron_gspo.model.convert import export_hf_checkpoint
 from megatron_gspo.model.distributed import compute_device
-from megatron_gspo.model.hf_stream import Bucket, check_finite, iter_buckets, run_on_hf_stream
+from megatron_gspo.model.hf_stream import Bucket, iter_buckets, refuse_non_finite, run_on_hf_stream
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.server_protocol import TENSOR_LOAD_FORMAT, serialize_named_tensors
 from megatron_gspo.rollout.update_group import destroy_update_group, init_update_group
@@ -130,6 +130,7 @@ class WeightSync:
     def _attempt(self, client: SGLangClient | None, version: int) -> SyncStats:
         if self.cfg.method == "disk":
             return self._via_disk(client, version)
+        refuse_non_finite(self.model, "sync weights to the rollout servers")  # never serve NaN/inf
         if self.cfg.method == "distributed":
             self._ensure_group(client)
         send = self._send_distributed if self.cfg.method == "distributed" else self._send_tensors
@@ -162,12 +163,7 @@ class WeightSync:
             raise WeightSyncFailed(f"{type(err).__name__}: {err}") from err
 
     def _buckets(self, stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[Bucket]:
-        def checked():
-            for name, tensor in stream:
-                check_finite(name, tensor)  # never ship NaN/inf: the servers would serve it
-                yield name, tensor
-
-        return iter_buckets(checked(), int(self.cfg.bucket_mb * 2**20))
+        return iter_buckets(stream, int(self.cfg.bucket_mb * 2**20))
 
     def _send_tensors(self, client: SGLangClient, stream, version: int) -> SyncStats:
         stats = SyncStats()
