@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron_gspo.model import control_plane
 from megatron_gspo.model.config import MoEModelConfig
 from megatron_gspo.model.convert import ConversionError, _unwrap, megatron_tensor_to_hf, name_table
+from megatron_gspo.model.hf_checkpoint import finite_flag
 from megatron_gspo.model.sharding import iter_global_tensors
 
 T = TypeVar("T")
@@ -46,7 +47,7 @@ def refuse_non_finite(model: torch.nn.Module, what: str) -> None:
     named = [(n, p) for n, p in _unwrap(model).named_parameters() if p.is_floating_point()]
     problem = None
     if named:
-        flags = torch.stack([torch.isfinite(p).all() for _, p in named]).cpu()
+        flags = torch.stack([finite_flag(p) for _, p in named]).cpu()
         if not bool(flags.all()):
             problem = named[int((~flags).nonzero()[0])][0]
     found = [(r, p) for r, p in enumerate(control_plane.all_gather_objects(problem)) if p is not None]

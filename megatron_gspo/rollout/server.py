@@ -12,6 +12,10 @@ What it implements, and how it differs from SGLang:
 - POST /update_weights_from_disk: really reloads safetensors from `model_path` (same
   architecture), all-or-nothing; /update_weights_from_tensor: base64 safetensors payload
   (`server_protocol.serialize_named_tensors`) instead of SGLang's CUDA-IPC pickle.
+- POST /init_weights_update_group, /begin_weight_update, /update_weights_from_distributed
+  (plain or `flattened_bucket`), /end_weight_update, /destroy_weights_update_group: SGLang's
+  distributed update for real, over torch.distributed (gloo on CPU), one rank per server;
+  a session is applied all-or-nothing at its end (`weight_receiver.py`).
 - POST /pause_generation, /continue_generation, /abort_request, /flush_cache (no-op: there
   is no cache between requests); GET /health, /health_generate, /get_model_info,
   /get_server_info, /get_weight_version (and their un-prefixed aliases).

@@ -182,31 +182,42 @@ class WeightSync:
         return stats
 
     def _send_distributed(self, client: SGLangClient, stream, version: int) -> SyncStats:
-        """Send bucket by bucket, each answered before the next request goes out.
+        """Send bucket by bucket; each is answered before the next request goes out.
 
         So a refused bucket is known before any server enters another receive: no server is
-        left waiting in a broadcast that will not come.
+        left waiting in a broadcast that will not come. What overlaps is the sender's own work:
+        bucket k+1 is gathered and flattened while the servers receive and check bucket k.
         """
         stats = SyncStats()
-        group = self._group
         device = torch.device("cpu") if self._backend() == "gloo" else compute_device()
+        in_flight = None
         for bucket in self._buckets(stream):
             flat = bucket.flatten(device)
-            answers = client.update_weights_from_distributed(
-                bucket.names,
-                bucket.dtypes,
-                bucket.shapes,
-                group_name=group.name,
-                flush_cache=False,
-                weight_version=version if bucket.last else None,
-                load_format=FLATTENED_BUCKET,
-                blocking=False,
-            )
-            work = dist.broadcast(flat, group=group.group, group_src=0, async_op=True)
-            _at_bucket(bucket, lambda w=work, a=answers: _wait_both(w, a, self.cfg.timeout_s))
-            stats.add(bucket)
-            del flat
+            if in_flight is not None:
+                stats.add(self._finish(*in_flight))
+            in_flight = (bucket, flat, *self._start(client, bucket, flat, version))
+        if in_flight is not None:
+            stats.add(self._finish(*in_flight))
         return stats
+
+    def _start(self, client: SGLangClient, bucket: Bucket, flat: torch.Tensor, version: int) -> tuple:
+        """Announce `bucket` to the servers (answers in the background), then broadcast it."""
+        answers = client.update_weights_from_distributed(
+            bucket.names,
+            bucket.dtypes,
+            bucket.shapes,
+            group_name=self._group.name,
+            flush_cache=False,
+            weight_version=version if bucket.last else None,
+            load_format=FLATTENED_BUCKET,
+            blocking=False,
+        )
+        return dist.broadcast(flat, group=self._group.group, group_src=0, async_op=True), answers
+
+    def _finish(self, bucket: Bucket, flat: torch.Tensor, work, answers) -> Bucket:
+        """Wait until every server received and accepted `bucket` (`flat` is alive until then)."""
+        _at_bucket(bucket, lambda: _wait_both(work, answers, self.cfg.timeout_s))
+        return bucket
 
     # ------------------------------------------------------------------ the group
     def _backend(self) -> str:
