@@ -250,7 +250,8 @@ class TrainerConfig:
     resume_or_start: bool = False
     """With `resume`: start a fresh run when run_dir holds no checkpoint yet (job schedulers' restarts)."""
     weight_sync_dir: str | None = None
-    """Where weights are exported for the rollout engine (default: /dev/shm when present)."""
+    """Where weights are exported for `weight_sync.method=disk` and for an embedded server's
+    start (default: /dev/shm when present); servers on other nodes must see it (disk method)."""
 
 
 @dataclass
@@ -272,8 +273,8 @@ class WeightSyncConfig:
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Weight-update group backend; auto: nccl when the trainer runs on CUDA, else gloo."""
     master_address: str = ""
-    """Address the servers reach the trainer's rank 0 at ("": 127.0.0.1 when every server is on
-    loopback, else this host's address)."""
+    """Address the servers reach the trainer's rank 0 at ("": this host's address on the route to
+    the first server, 127.0.0.1 for a local one)."""
     master_port: int = 0
     """Rendezvous port of the weight-update group (0: a free port)."""
     timeout_s: float = 600.0

@@ -47,7 +47,6 @@ from megatron_gspo.rollout.weight_receiver import FLATTENED_BUCKET
 logger = logging.getLogger(__name__)
 
 GROUP_NAME = "megatron_gspo_weights"
-_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 class WeightSyncFailed(RuntimeError):
@@ -62,7 +61,6 @@ class SyncStats:
     buckets: int = 0
     largest_bucket_bytes: int = 0
     attempts: int = 1
-    seconds: float = 0.0
 
     def add(self, bucket: Bucket) -> None:
         """Count one bucket sent."""
@@ -75,6 +73,7 @@ class SyncStats:
         return {
             "sync/bytes": float(self.bytes),
             "sync/buckets": float(self.buckets),
+            "sync/largest_bucket_bytes": float(self.largest_bucket_bytes),
             "sync/attempts": float(self.attempts),
         }
 
@@ -107,7 +106,6 @@ class WeightSync:
         Raises:
             WeightSyncFailed: on every rank, after `retries` + 1 failed attempts.
         """
-        start = time.perf_counter()
         for attempt in range(1, self.cfg.retries + 2):
             try:
                 stats = self._attempt(client, weight_version)
@@ -118,7 +116,6 @@ class WeightSync:
                     raise WeightSyncFailed(f"weight sync failed {attempt} time(s); last: {err}") from None
                 continue
             stats.attempts = attempt
-            stats.seconds = time.perf_counter() - start
             return stats
         raise AssertionError("unreachable")
 
@@ -312,10 +309,15 @@ def _step(what: str, call) -> None:
 
 
 def _master_address(urls: list[str]) -> str:
-    """127.0.0.1 when every server is on loopback, else this host's address."""
-    if all(urlparse(u).hostname in _LOOPBACK for u in urls):
-        return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+    """This host's address on the route to the first server (127.0.0.1 for a local server).
+
+    A UDP `connect` sends nothing; it only picks the outgoing interface, which avoids
+    `gethostbyname(gethostname())` answering 127.0.1.1 on hosts that map their name so.
+    """
+    url = urlparse(urls[0])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((url.hostname, url.port or 80))
+        return sock.getsockname()[0]
 
 
 def _free_port() -> int:
