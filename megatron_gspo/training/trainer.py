@@ -406,7 +406,12 @@ class Trainer:
                 if self.rank0 else None
             )  # fmt: skip
             if must_sync:
+                logger.info(
+                    "start-up: syncing the trainer's weights (version %d) to the servers", self.weight_version
+                )
                 self.weight_sync.sync(client, self.weight_version)
+            else:
+                logger.info("start-up: the servers already serve the trainer's weights; nothing sent")
             if self.step == 0 and cfg.eval.at_start:
                 record = {**start_metrics, **self._evaluate(engine), "weight_version": 0.0}
                 log.log(0, record)
