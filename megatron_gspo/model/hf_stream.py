@@ -142,6 +142,9 @@ def unflatten_bucket(
     if not (len(names) == len(dtypes) == len(shapes)):
         raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
     out, offset = {}, 0
+    described = sum(torch.Size(s).numel() * getattr(torch, str(d)).itemsize for d, s in zip(dtypes, shapes))
+    if described != flat.numel():
+        raise ValueError(f"bucket holds {flat.numel()} bytes, its tensors describe {described}")
     for name, dtype_name, shape in zip(names, dtypes, shapes):
         dtype = getattr(torch, str(dtype_name), None)
         if not isinstance(dtype, torch.dtype):
@@ -153,13 +156,13 @@ def unflatten_bucket(
             raise ValueError(f"{name}: byte offset {offset} is not aligned to {dtype}")
         out[name] = flat[offset : offset + size].view(dtype).reshape(shape)
         offset += size
-    if offset != flat.numel():
-        raise ValueError(f"bucket holds {flat.numel()} bytes, its tensors describe {offset}")
     return out
 
 
 def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
     """Group a (name, tensor) stream into buckets of at most `bucket_bytes` (a bigger tensor goes alone).
+
+    A tensor whose byte offset would not be a multiple of its element size starts a new bucket.
 
     A bucket is yielded once the next tensor is in hand, so the final one knows it is `last`.
     """
@@ -168,7 +171,9 @@ def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -
     bucket = Bucket(index=0)
     for name, tensor in named:
         nbytes = tensor.numel() * tensor.element_size()
-        if bucket.names and bucket.nbytes + nbytes > bucket_bytes:
+        # Receivers view each tensor in place, so its byte offset must suit its dtype.
+        misaligned = bucket.nbytes % tensor.element_size() != 0
+        if bucket.names and (bucket.nbytes + nbytes > bucket_bytes or misaligned):
             yield bucket
             bucket = Bucket(index=bucket.index + 1)
         bucket.add(name, tensor)

@@ -1,0 +1,205 @@
+"""Weight sync into a real embedded server: the protocol, faults and retries (a world of one).
+
+Faults are injected at the HTTP boundary by a forwarding proxy that answers one chosen
+request with 503 instead of passing it on, as a dying server or a broken link would.
+"""
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+import torch
+
+from megatron_gspo.config import WeightSyncConfig
+from megatron_gspo.model.builder import build_model
+from megatron_gspo.model.config import tiny
+from megatron_gspo.model.convert import load_hf_checkpoint, random_tokens
+from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf_stream import NonFiniteWeightError
+from megatron_gspo.model.logprobs import sequence_logprobs
+from megatron_gspo.rollout.client import SGLangClient
+from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.training.weight_sync import WeightSync, WeightSyncFailed
+
+CFG = tiny(vocab_size=80, init_std=0.2)
+TOKENS = random_tokens(CFG.vocab_size, batch=2, length=16, seed=3)
+
+
+class FaultyProxy:
+    """Forwards every request to `target`; answers the n-th POST to `path` with 503 instead."""
+
+    def __init__(self, target: str):
+        self.target, self.fail_path, self.fail_at, self.seen = target, None, 0, 0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _forward(self, method: str) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if method == "POST" and self.path == proxy.fail_path:
+                    proxy.seen += 1
+                    if proxy.seen == proxy.fail_at:
+                        self._answer(503, b'{"error": "injected fault"}')
+                        return
+                answer = httpx.request(method, proxy.target + self.path, content=body, timeout=120)
+                self._answer(answer.status_code, answer.content)
+
+            def _answer(self, status: int, data: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._forward("GET")
+
+            def do_POST(self):
+                self._forward("POST")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def fail_once(self, path: str, at: int) -> None:
+        self.fail_path, self.fail_at, self.seen = path, at, 0
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    checkpoint = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("hf") / "ckpt", CFG)
+    init_distributed(ParallelConfig(), seed=3)
+    model = build_model(CFG, ParallelConfig()).eval()
+    load_hf_checkpoint(model, checkpoint, CFG)
+    server = launch_embedded_server(checkpoint)
+    proxy = FaultyProxy(server.url)
+    client = SGLangClient([proxy.url], max_retries=0)
+    yield model, client, proxy, server, tmp_path_factory.mktemp("export")
+    client.close()
+    proxy.server.shutdown()
+    server.terminate()
+    destroy_distributed()
+
+
+def served_logprobs(client: SGLangClient) -> torch.Tensor:
+    rows = []
+    for row in TOKENS.tolist():
+        body = {
+            "input_ids": row,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+        answer = client.generate([body])[0]
+        rows.append([lp for lp, _, _ in answer["meta_info"]["input_token_logprobs"][1:]])
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def trainer_logprobs(model) -> torch.Tensor:
+    ours, _ = sequence_logprobs(model, list(TOKENS))
+    return ours.double()[:, 1:]
+
+
+def served_version(client: SGLangClient) -> str:
+    return client.server_info()[0]["weight_version"]
+
+
+def perturb(model, scale: float) -> None:
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(scale)
+
+
+def make_sync(model, export_dir, **overrides) -> WeightSync:
+    cfg = WeightSyncConfig(bucket_mb=0.05, timeout_s=60, **overrides)
+    return WeightSync(cfg, model, CFG, export_dir)
+
+
+def test_failed_bucket_leaves_old_weights_and_version_then_retry_succeeds(setup):
+    model, client, proxy, _, export_dir = setup
+    perturb(model, 1.1)
+    old, old_version = served_logprobs(client), served_version(client)
+    assert (old - trainer_logprobs(model)).abs().max() > 1e-2  # the sync below has something to show
+
+    sync = make_sync(model, export_dir, retries=0)
+    proxy.fail_once("/update_weights_from_distributed", at=3)
+    with pytest.raises(WeightSyncFailed) as err:
+        sync.sync(client, 7)
+    message = str(err.value)
+    assert "bucket 2" in message and proxy.url in message and "injected fault" in message
+    assert served_version(client) == old_version  # buckets 0-1 arrived, none was applied
+    assert torch.equal(served_logprobs(client), old)
+
+    sync = make_sync(model, export_dir, retries=1)
+    proxy.fail_once("/update_weights_from_distributed", at=2)
+    stats = sync.sync(client, 7)
+    sync.close(client)
+    assert stats.attempts == 2 and stats.buckets > 3
+    assert served_version(client) == "7"
+    assert (served_logprobs(client) - trainer_logprobs(model)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("method", ["tensor", "disk"])
+def test_tensor_and_disk_methods_serve_the_trainer_weights(setup, method):
+    model, client, _, _, export_dir = setup
+    perturb(model, 0.95)
+    version = {"tensor": 8, "disk": 9}[method]
+    stats = make_sync(model, export_dir, method=method).sync(client, version)
+    assert stats.attempts == 1
+    assert served_version(client) == str(version)
+    assert (served_logprobs(client) - trainer_logprobs(model)).abs().max() <= 1e-5
+
+
+def test_a_nonfinite_weight_is_never_sent(setup):
+    model, client, _, _, export_dir = setup
+    before, version = served_logprobs(client), served_version(client)
+    param = next(p for n, p in model.named_parameters() if "linear_fc2" in n)
+    saved = param.detach().clone()
+    with torch.no_grad():
+        param[0, 0] = float("nan")
+    try:
+        with pytest.raises(NonFiniteWeightError, match="down_proj"):
+            make_sync(model, export_dir, retries=2).sync(client, 99)
+    finally:
+        with torch.no_grad():
+            param.copy_(saved)
+    assert served_version(client) == version
+    assert torch.equal(served_logprobs(client), before)
+
+
+def test_protocol_misuse_gets_400_naming_the_problem(setup):
+    _, _, _, server, _ = setup
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+
+        def post(path, body):
+            answer = http.post(path, json=body)
+            assert answer.status_code == 400, (path, answer.text)
+            return answer.json()["message"]
+
+        shape = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[32]]}
+        assert "not initialised" in post("/update_weights_from_distributed", {**shape, "group_name": "nope"})
+        assert "no weight-update session" in post("/end_weight_update", {})
+        assert http.post("/begin_weight_update", json={}).status_code == 200
+        assert "already open" in post("/begin_weight_update", {})
+        assert http.post("/end_weight_update", json={"abort": True}).status_code == 200
+        assert "names must be list" in post("/update_weights_from_distributed", {**shape, "names": "x"})
+        assert "master_port is required" in post(
+            "/init_weights_update_group", {"master_address": "127.0.0.1", "rank_offset": 1, "world_size": 2}
+        )
+        base = {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2}
+        assert "backend='mpi' unsupported" in post(
+            "/init_weights_update_group", {**base, "rank_offset": 1, "backend": "mpi"}
+        )
+        assert "needs a CUDA device" in post(
+            "/init_weights_update_group", {**base, "rank_offset": 1, "backend": "nccl"}
+        )
+        assert "rank_offset=0" in post(
+            "/init_weights_update_group", {**base, "rank_offset": 0, "backend": "gloo"}
+        )
+        assert "does not exist" in post("/destroy_weights_update_group", {"group_name": "nope"})
