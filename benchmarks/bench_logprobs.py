@@ -159,8 +159,12 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     ratio, ours_ms, naive_ms = timing_ratio(args.batch, args.seq, args.repeats)  # also starts the world
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        print(f"peak extra memory / logits bytes, logits [S={args.seq}, B={args.batch}, V={args.vocab}] {dtype_name}:")
-        for name, method in (("ours (vocab-parallel CE, in place)", ours), ("naive log_softmax + gather", naive)):
+        shape = f"[S={args.seq}, B={args.batch}, V={args.vocab}]"
+        print(f"peak extra memory / logits bytes, logits {shape} {dtype_name}:")
+        for name, method in (
+            ("ours (vocab-parallel CE, in place)", ours),
+            ("naive log_softmax + gather", naive),
+        ):
             forward, total = memory_fraction(method, args.seq, args.batch, args.vocab, dtype=dtype)
             print(f"  {name:36s} forward {forward:5.2f}   forward+backward {total:5.2f}")
     print(

@@ -70,7 +70,9 @@ def server_tokens_per_s(model_dir: Path, prompts, new_tokens: int, temperature: 
     return statistics.median(rates)
 
 
-def generate_tokens_per_s(model_dir: Path, prompts, new_tokens: int, temperature: float, repeats: int) -> float:
+def generate_tokens_per_s(
+    model_dir: Path, prompts, new_tokens: int, temperature: float, repeats: int
+) -> float:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

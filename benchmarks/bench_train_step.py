@@ -185,7 +185,11 @@ def measure(quick: bool = False) -> dict[str, float]:
         r2 = StepRouting(grpo.model, mode="r2", drift=False)
         algo = grpo.cfg.algorithm
         # Two timings: recording the targets at every step would clear the ones recorded once.
-        t.update(timed({"grpo": grpo.update(algo, minis), "grpo_r2": grpo.update(algo, minis, routing=r2)}, repeats))
+        t.update(
+            timed(
+                {"grpo": grpo.update(algo, minis), "grpo_r2": grpo.update(algo, minis, routing=r2)}, repeats
+            )
+        )
         record = grpo.update(algo, minis, routing=r2, record=True)
         t.update(timed({"grpo_again": grpo.update(algo, minis), "grpo_r2_record": record}, repeats))
         r2.close()

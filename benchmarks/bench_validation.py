@@ -73,10 +73,15 @@ def time_module(module, responses, routing: bool) -> float:
     return time.perf_counter() - start
 
 
-def measure(quick: bool = False, *, responses: int | None = None, response_len: int | None = None,
-            routing: bool = True) -> dict[str, float]:
+def measure(
+    quick: bool = False,
+    *,
+    responses: int | None = None,
+    response_len: int | None = None,
+    routing: bool = True,
+) -> dict[str, float]:
     """Milliseconds per million tokens before / after, and their ratio (routed experts included)."""
-    responses = responses or (4 if quick else 64)
+    responses = responses or (4 if quick else 16)
     response_len = response_len or (512 if quick else 4096)
     rng = random.Random(0)
     bodies = [synthetic_response(rng, response_len, routing) for _ in range(responses)]
@@ -103,8 +108,11 @@ def main() -> None:
     parser.add_argument("--with-routing", action="store_true", help="also decode 48x8 routed experts")
     args = parser.parse_args()
     r = measure(responses=args.responses, response_len=args.response_len, routing=args.with_routing)
-    print(f"{args.responses} responses x ({PROMPT} + {args.response_len}) tokens = {int(r['tokens']):,} tokens"
-          f"{', routed experts 48x8' if args.with_routing else ''}")  # fmt: skip
+    routing = ", routed experts 48x8" if args.with_routing else ""
+    tokens = int(r["tokens"])
+    print(
+        f"{args.responses} responses x ({PROMPT} + {args.response_len}) tokens = {tokens:,} tokens{routing}"
+    )
     print(f"before ({BEFORE_COMMIT}): {r['before_ms_per_m_tokens']:8.1f} ms per million tokens")
     print(f"after:            {r['after_ms_per_m_tokens']:8.1f} ms per million tokens")
     print(f"after / before:   {r['after_vs_before']:8.3f}")

@@ -572,6 +572,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
 
 def _check_sft_target(sft: SFTConfig) -> None:
     """The early stop of the cold start: a reachable target, a cap, a check interval."""
+    if sft.check_every < 1:
+        raise ConfigError(
+            f"sft.check_every must be >= 1 (steps between accuracy checks), got {sft.check_every}"
+        )
     if sft.target_accuracy is None:
         return
     if not 0 < sft.target_accuracy <= 1:
@@ -583,8 +587,6 @@ def _check_sft_target(sft: SFTConfig) -> None:
             f"sft.target_accuracy={sft.target_accuracy} with sft.steps={sft.steps}: sft.steps is the cap "
             "of the early-stopped cold start and must be >= 1"
         )
-    if sft.check_every < 1:
-        raise ConfigError(f"sft.check_every must be >= 1 (steps between accuracy checks), got {sft.check_every}")
 
 
 def _check_rollout_correction(algo: AlgorithmConfig, sequence_ratio: bool) -> None:

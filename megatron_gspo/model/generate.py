@@ -72,9 +72,13 @@ def greedy_generate(
         packed = pack_sequences(sequences, layout=layout, pad_multiple=pad_multiple)
         packed = pad_to_shape(packed, *uniform_shape(packed))
         logits = model(
-            packed.tokens.to(device), packed.position_ids.to(device), **attention_inputs(model, packed, device)
+            packed.tokens.to(device),
+            packed.position_ids.to(device),
+            **attention_inputs(model, packed, device),
         )  # [R, L, V/tp]: with no labels GPTModel returns batch-first logits
-        last = torch.tensor([row * packed.tokens.shape[1] + start + n - 1 for row, start, n in packed.segments])
+        last = torch.tensor(
+            [row * packed.tokens.shape[1] + start + n - 1 for row, start, n in packed.segments]
+        )
         picked = _full_vocab(logits.reshape(-1, logits.shape[-1])[last.to(device)]).argmax(-1).tolist()
         if not open_rows:
             continue

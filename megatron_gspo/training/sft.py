@@ -63,7 +63,9 @@ def heldout_accuracy(
     over the data-parallel group, so every rank returns the same accuracy.
     """
     mine = list(problems[layout.dp_rank :: layout.dp_size])
-    prompts = [encode_prompt(tokenizer, p.prompt, add_bos=add_bos, chat_template=task.chat_template) for p in mine]
+    prompts = [
+        encode_prompt(tokenizer, p.prompt, add_bos=add_bos, chat_template=task.chat_template) for p in mine
+    ]
     outputs = greedy_generate(
         model,
         prompts,
@@ -148,14 +150,18 @@ def run_sft(
     }
 
 
-def _sft_step(model, optimizer, scheduler, batch, task: Task, tokenizer, layout: DataLayout, add_bos: bool) -> float:
-    """One optimizer step on a global batch of (prompt, target) pairs; returns the rank-local loss estimate."""
+def _sft_step(
+    model, optimizer, scheduler, batch, task: Task, tokenizer, layout: DataLayout, add_bos: bool
+) -> float:
+    """One optimizer step on a global batch of (prompt, target) pairs; returns the rank-local loss."""
     examples = [
         sft_example_ids(tokenizer, p, t, add_bos=add_bos, chat_template=task.chat_template) for p, t in batch
     ]
     total_targets = sum(int(mask.sum()) for _, mask in examples)
     mine = examples[layout.dp_rank :: layout.dp_size]
-    packed = pack_uniform([tokens for tokens, _ in mine], pad_multiple=layout.pad_multiple, layout=layout.packing)
+    packed = pack_uniform(
+        [tokens for tokens, _ in mine], pad_multiple=layout.pad_multiple, layout=layout.packing
+    )
     zero_grads(model, optimizer)
     logprobs, _ = forward_microbatch(model, packed)
     mask = torch.zeros(logprobs.shape, dtype=torch.bool)  # built on the host, moved once
