@@ -99,6 +99,7 @@ def measure(quick: bool = False) -> dict[str, float]:
         "demo_padding": demo_padding(5 if quick else 50),
         "reasoning_padding_by_count": by_count["padding"],
         "reasoning_padding_by_tokens": by_tokens["padding"],
+        "reasoning_rows": float(len(rows)),
     }
 
 

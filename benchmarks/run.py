@@ -40,13 +40,17 @@ BENCHES = {
 
 @dataclass(frozen=True)
 class Row:
-    """One line of the table: a figure from one benchmark and its goal (`op` None: no goal)."""
+    """One line of the table: a figure from one benchmark, its goal (`op` None: none) and what lies behind it.
+
+    `detail` is formatted with the benchmark's result dict (e.g. "{rl_ms:.1f} ms").
+    """
 
     name: str
     bench: str
     key: str
     op: str | None = None
     goal: float | None = None
+    detail: str = ""
     percent: bool = False
 
     def met(self, value: float) -> bool | None:
@@ -58,33 +62,42 @@ class Row:
         return f"{value:.1%}" if self.percent else f"{value:.3f}"
 
 
+STEP = "{rows:.0f} rows, medians of {repeats:.0f}"
+MINIS = "{mini_batches:.0f} mini-batches, "
 ROWS = [
     Row("RL train step / plain Megatron LM (cross-entropy) step, same packed tokens", "train_step",
-        "rl_vs_lm", "<=", 1.10),
+        "rl_vs_lm", "<=", 1.10, "GSPO {rl_ms:.1f} ms vs LM {lm_ms:.1f} ms; " + MINIS + STEP),
     Row("step with rollout log-probs / step recomputing pi_old, 1 mini-batch", "train_step",
-        "rollout_vs_recompute_1mb", "<=", 0.75),
+        "rollout_vs_recompute_1mb", "<=", 0.75,
+        "{rollout_1mb_ms:.1f} ms vs {recompute_1mb_ms:.1f} ms; " + STEP),
     Row("step with rollout log-probs / step recomputing pi_old, 4 mini-batches (demo)", "train_step",
-        "rollout_vs_recompute", "<=", 0.75),
-    Row("GRPO+R2 step / GRPO step, without the recording pass", "train_step", "r2_vs_grpo", "<=", 1.05),
-    Row("GRPO+R2 step / GRPO step, with the recording pass", "train_step", "r2_record_vs_grpo"),
+        "rollout_vs_recompute", "<=", 0.75, "{rl_ms:.1f} ms vs {recompute_ms:.1f} ms; " + STEP),
+    Row("GRPO+R2 step / GRPO step, without the recording pass", "train_step", "r2_vs_grpo", "<=", 1.05,
+        "{grpo_r2_ms:.1f} ms vs {grpo_ms:.1f} ms; " + MINIS + STEP),
+    Row("GRPO+R2 step / GRPO step, with the recording pass", "train_step", "r2_record_vs_grpo", None, None,
+        "{grpo_r2_record_ms:.1f} ms vs {grpo_again_ms:.1f} ms; " + MINIS + STEP),
     Row("log-prob peak extra memory / logits size, fp32 (forward)", "logprobs", "ours_fp32_forward",
-        "<=", 0.25),
+        "<=", 0.25, "naive: {naive_fp32_forward:.2f}; logits [{seq:.0f}, {batch:.0f}, {vocab:.0f}]"),
     Row("log-prob peak extra memory / logits size, bf16 (forward)", "logprobs", "ours_bf16_forward",
-        "<=", 0.25),
+        "<=", 0.25, "naive: {naive_bf16_forward:.2f}; megatron's CE upcasts the logits to fp32"),
     Row("log-prob peak extra memory / logits size, fp32 (forward+backward)", "logprobs",
-        "ours_fp32_forward_backward"),
+        "ours_fp32_forward_backward", None, None, "naive: {naive_fp32_forward_backward:.2f}"),
     Row("padding waste of packed micro-batches, demo config", "micro_batching", "demo_padding", "<=", 0.05,
-        percent=True),
-    Row("padding waste, reasoning-shaped step, token-budget cut", "micro_batching",
-        "reasoning_padding_by_tokens", "<=", 0.05, percent=True),
+        "answers + EOS as responses, whole mini-batch per micro-batch", percent=True),
+    Row("padding waste, reasoning-shaped step (DP 8), token-budget cut", "micro_batching",
+        "reasoning_padding_by_tokens", "<=", 0.05,
+        "{reasoning_rows:.0f} rows; by count (4 rows): {reasoning_padding_by_count:.1%}", percent=True),
     Row("embedded server completion tokens/s / transformers generate", "server_throughput",
-        "server_vs_generate", ">=", 0.5),
+        "server_vs_generate", ">=", 0.5, "{server_tokens_per_s:.0f} vs {generate_tokens_per_s:.0f} tokens/s; "
+        "{batch:.0f} prompts x {new_tokens:.0f} tokens, 1 thread each"),
     Row("weight sync: sending-rank peak extra memory / bucket size", "weight_sync", "memory_over_bucket",
-        "<=", 2.5),
-    Row("weight sync: time distributed / disk", "weight_sync", "time_distributed_over_disk", "<=", 0.5),
-    Row("rollout validation: time after / before vectorising", "validation", "after_vs_before"),
+        "<=", 2.5, "{parameters:.3g} parameters, {bucket_mb:g} MiB buckets"),
+    Row("weight sync: time distributed / disk", "weight_sync", "time_distributed_over_disk", "<=", 0.5,
+        "{methods[distributed][seconds]:.2f} s vs {methods[disk][seconds]:.2f} s"),
+    Row("rollout validation: time after / before vectorising", "validation", "after_vs_before", None, None,
+        "{tokens:.0f} tokens with routed experts 48x8"),
     Row("rollout validation: ms per million tokens (routed experts 48x8)", "validation",
-        "after_ms_per_m_tokens"),
+        "after_ms_per_m_tokens", None, None, "before: {before_ms_per_m_tokens:.0f} ms"),
 ]  # fmt: skip
 
 
@@ -141,15 +154,17 @@ def run_all(quick: bool) -> tuple[dict[str, dict], dict[str, float]]:
 
 def table(results: dict[str, dict]) -> tuple[list[dict], str]:
     """The rows as records and as a markdown table."""
-    records, lines = [], ["| figure | measured | goal | met |", "|---|---:|---:|:---:|"]
+    records, lines = [], ["| figure | measured | goal | met | behind it |", "|---|---:|---:|:---:|---|"]
     for row in ROWS:
         value = float(results[row.bench][row.key])
         met = row.met(value)
         goal = f"{row.op} {row.fmt(row.goal)}" if row.op else "-"
+        detail = row.detail.format(**results[row.bench])
         records.append({"name": row.name, "bench": row.bench, "key": row.key, "value": value,
-                        "goal": None if row.op is None else f"{row.op} {row.goal}", "met": met})  # fmt: skip
+                        "goal": None if row.op is None else f"{row.op} {row.goal}", "met": met,
+                        "detail": detail})  # fmt: skip
         mark = {True: "yes", False: "**no**", None: "-"}[met]
-        lines.append(f"| {row.name} | {row.fmt(value)} | {goal} | {mark} |")
+        lines.append(f"| {row.name} | {row.fmt(value)} | {goal} | {mark} | {detail} |")
     return records, "\n".join(lines)
 
 
