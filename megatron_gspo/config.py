@@ -195,6 +195,8 @@ class SFTConfig:
     problems) reaches this, so every seed starts RL from a comparable policy (null: run all steps)."""
     check_every: int = 25
     """With target_accuracy: measure the held-out accuracy every this many steps (and at the last)."""
+    target_window: int = 1
+    """With target_accuracy: the mean of the last this many checks must reach it (one check is noisy)."""
     lr: float = 3e-3
     """Learning rate (constant after warm-up)."""
     warmup_steps: int = 10
@@ -575,6 +577,10 @@ def _check_sft_target(sft: SFTConfig) -> None:
     if sft.check_every < 1:
         raise ConfigError(
             f"sft.check_every must be >= 1 (steps between accuracy checks), got {sft.check_every}"
+        )
+    if sft.target_window < 1:
+        raise ConfigError(
+            f"sft.target_window must be >= 1 (checks averaged against the target), got {sft.target_window}"
         )
     if sft.target_accuracy is None:
         return

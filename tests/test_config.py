@@ -201,6 +201,7 @@ def test_token_budget_accepted(overrides, world):
         (["sft.target_accuracy=0.4", "sft.steps=0"], "sft.steps is the cap"),
         (["sft.target_accuracy=0.4", "sft.check_every=0"], "sft.check_every must be >= 1"),
         (["sft.check_every=-1"], "sft.check_every must be >= 1"),
+        (["sft.target_window=0"], "sft.target_window must be >= 1"),
         (["sft.target_accuracy=high"], "config key 'target_accuracy' in section 'sft'"),
     ],
 )

@@ -87,3 +87,15 @@ def test_greedy_generate_matches_a_step_by_step_argmax(model):
                 if ids[-1] == eos:
                     break
         assert generated == ids[len(prompt) :]
+
+
+def test_window_stops_on_the_mean_of_the_last_checks(model, caplog):
+    with caplog.at_level(logging.INFO, logger="megatron_gspo.training.sft"):
+        out = sft(model, steps=300, target_accuracy=0.5, check_every=10, target_window=3)
+    checks = [float(r.getMessage().split("accuracy ")[1].split(",")[0]) for r in caplog.records
+              if r.getMessage().startswith("SFT step") and "held-out" in r.getMessage()]  # fmt: skip
+    assert out["sft/hit_cap"] == 0.0 and len(checks) >= 3
+    means = [sum(checks[i - 3 : i]) / 3 for i in range(3, len(checks) + 1)]
+    assert means[-1] >= 0.5 and all(m < 0.5 for m in means[:-1])  # the first window that reaches it
+    assert out["sft/accuracy_window"] == pytest.approx(means[-1], abs=1e-3)
+    assert out["sft/accuracy"] == checks[-1]
