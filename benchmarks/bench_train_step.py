@@ -1,4 +1,4 @@
-"""RL step costs on the demo policy, as ratios of medians measured in one run (interleaved repeats).
+"""RL step costs on the demo policy, as ratios measured in one run (interleaved, paired repeats).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_train_step.py [--quick]
 
@@ -91,8 +91,8 @@ def lm_step(model, optimizer, scheduler, plan) -> None:
         scheduler.step(increment=1)
 
 
-def timed(variants: dict, repeats: int) -> dict[str, float]:
-    """Median seconds per call of each variant, calls interleaved to share the machine's drift."""
+def timed(variants: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds of every call of each variant, calls interleaved to share the machine's drift."""
     for fn in variants.values():
         fn()  # warm-up
     times = {name: [] for name in variants}
@@ -101,7 +101,12 @@ def timed(variants: dict, repeats: int) -> dict[str, float]:
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def paired_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
+    """Median over repeats of a / b within each repeat: load changes slower than one repeat cancel."""
+    return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
 
 
 @dataclass
@@ -195,14 +200,14 @@ def measure(quick: bool = False) -> dict[str, float]:
         r2.close()
     finally:
         destroy_distributed()
-    out = {f"{name}_ms": seconds * 1e3 for name, seconds in t.items()}
+    out = {f"{name}_ms": statistics.median(seconds) * 1e3 for name, seconds in t.items()}
     out.update(
         {
-            "rl_vs_lm": t["rl"] / t["lm"],
-            "rollout_vs_recompute_1mb": t["rollout_1mb"] / t["recompute_1mb"],
-            "rollout_vs_recompute": t["rl"] / t["recompute"],
-            "r2_vs_grpo": t["grpo_r2"] / t["grpo"],
-            "r2_record_vs_grpo": t["grpo_r2_record"] / t["grpo_again"],
+            "rl_vs_lm": paired_ratio(t, "rl", "lm"),
+            "rollout_vs_recompute_1mb": paired_ratio(t, "rollout_1mb", "recompute_1mb"),
+            "rollout_vs_recompute": paired_ratio(t, "rl", "recompute"),
+            "r2_vs_grpo": paired_ratio(t, "grpo_r2", "grpo"),
+            "r2_record_vs_grpo": paired_ratio(t, "grpo_r2_record", "grpo_again"),
             "mini_batches": float(minis),
             "rows": float(gspo.batch.batch_size),
             "repeats": float(repeats),

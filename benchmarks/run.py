@@ -62,7 +62,7 @@ class Row:
         return f"{value:.1%}" if self.percent else f"{value:.3f}"
 
 
-STEP = "{rows:.0f} rows, medians of {repeats:.0f}"
+STEP = "{rows:.0f} rows, median ms and paired ratio of {repeats:.0f} repeats"
 MINIS = "{mini_batches:.0f} mini-batches, "
 ROWS = [
     Row("RL train step / plain Megatron LM (cross-entropy) step, same packed tokens", "train_step",
@@ -137,6 +137,7 @@ def machine() -> dict[str, str | int]:
         "os": platform.platform(),
         "commit": commit or "unknown",
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "load_average_1min_at_start": f"{os.getloadavg()[0]:.1f}",  # other work sharing the cores
     }
 
 
@@ -193,6 +194,7 @@ def main() -> None:
     args = parser.parse_args()
     info = machine()
     results, seconds = run_all(args.quick)
+    info["load_average_1min_at_end"] = f"{os.getloadavg()[0]:.1f}"
     report = write(args.out, args.quick, info, results, seconds)
     print(report.read_text())
 
