@@ -63,16 +63,21 @@ def check_finite(cfg: Any) -> None:
 
 
 def check_rollout(rollout: Any) -> None:
-    """Sampling, retry, timeout, thread and server-URL values of `rollout`."""
+    """Sampling, retry, timeout, thread, dtype and server-URL values of `rollout`."""
     if rollout.top_k == 0 or rollout.top_k < -1:
         raise ValueCheckError(f"rollout.top_k={rollout.top_k}: use -1 (off) or a positive k")
     if rollout.max_retries < 0:
         raise ValueCheckError(f"rollout.max_retries must be >= 0, got {rollout.max_retries}")
-    for name in ("request_timeout_s", "server_start_timeout_s"):
+    for name in ("request_timeout_s", "batch_timeout_s", "server_start_timeout_s"):
         if getattr(rollout, name) <= 0:
             raise ValueCheckError(f"rollout.{name} must be > 0 seconds, got {getattr(rollout, name)}")
     if rollout.server_threads < 1:
         raise ValueCheckError(f"rollout.server_threads must be >= 1, got {rollout.server_threads}")
+    if rollout.server_urls and rollout.dtype != "fp32":
+        raise ValueCheckError(
+            f"rollout.dtype={rollout.dtype} sets the embedded server's dtype; the SGLang servers in "
+            "rollout.server_urls run with their own --dtype: remove rollout.dtype"
+        )
     for url in rollout.server_urls:
         parts = urlsplit(str(url))
         if parts.scheme not in ("http", "https") or not parts.hostname:

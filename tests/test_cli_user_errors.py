@@ -109,6 +109,7 @@ def test_nproc_worker_error_reported_once(tmp_path):
         ("rollout.top_k=0", "rollout.top_k=0"),
         ("rollout.max_retries=-1", "rollout.max_retries must be >= 0"),
         ("rollout.request_timeout_s=-5", "rollout.request_timeout_s must be > 0"),
+        ("rollout.batch_timeout_s=0", "rollout.batch_timeout_s must be > 0"),
         ("rollout.server_threads=0", "rollout.server_threads must be >= 1"),
         ("rollout.server_urls=[ftp://host:1]", "is not an http(s) URL"),
         ("rollout.server_urls=[localhost:30000]", "is not an http(s) URL"),

@@ -40,6 +40,7 @@ def test_dotlist_overrides_are_typed():
         (["trainer.steps"], "overrides must look like section.key=value"),
         (["optim.lr=-1"], "lr > 0"),
         (["parallel.token_dispatcher=flex"], "config key 'token_dispatcher' in section 'parallel'"),
+        (["rollout.dtype=fp16"], "config key 'dtype' in section 'rollout'"),
     ],
 )
 def test_load_errors_name_the_key(overrides, message):
@@ -72,6 +73,11 @@ RECOMPUTE = ["algorithm.old_logprobs=recompute", "rc.method=tis", "rc.level=sequ
         (["algorithm.routing_replay=r3", "engine.fused_kernels=true", "engine.use_te=false"], 1, None),
         (["algorithm.routing_replay=r2", "engine.router_fusion=true"], 1, "silently bypasses"),
         (["rollout.temperature=0"], 1, "temperature > 0"),
+        (
+            ["rollout.dtype=bf16", "rollout.server_urls=[http://10.0.0.5:30000]"],
+            1,
+            "rollout.dtype=bf16 sets the embedded server's dtype",
+        ),
         (["rollout.max_new_tokens=600"], 1, "exceeds the model's max_position_embeddings=512"),
         (["task.name=chess"], 1, "available: addition"),
         (["task.options.max_digitz=3"], 1, "does not take option(s) ['max_digitz']"),
@@ -119,6 +125,13 @@ def test_validation_errors(overrides, world, message):
         validate(cfg, world_size=world)
     if message is not None:
         assert message in str(err.value)
+
+
+def test_bf16_on_both_sides_validates_on_cpu():
+    cfg = load_config(DEMO, ["engine.dtype=bf16", "rollout.dtype=bf16"])
+    validate(cfg)
+    cfg.engine.check_hardware()  # bf16 needs no GPU: megatron's mixed precision runs on CPU
+    assert (cfg.engine.dtype, cfg.rollout.dtype) == ("bf16", "bf16")
 
 
 def test_valid_parallel_layout_for_two_ranks():

@@ -1,4 +1,5 @@
-"""The GPU smoke checks' bodies (tests/gpu/gpu_checks.py) run on CPU in fp32 with the local spec.
+"""The GPU smoke checks' bodies (tests/gpu/gpu_checks.py) run on CPU with the local spec (fp32; the
+build, packing and HF checks in bf16 too, megatron's mixed precision on CPU, at the bf16 bounds).
 
 The GPU suite runs only where a GPU exists; this keeps its code in step with the package on
 every CPU run, and shows that its bf16 tolerances still catch the defects they are for: a
@@ -18,19 +19,22 @@ import gpu_checks as checks  # noqa: E402
 from megatron_gspo.model.builder import EngineConfig  # noqa: E402
 
 CPU = EngineConfig(dtype="fp32", use_te=False)
+CPU_BF16 = EngineConfig(dtype="bf16", use_te=False)  # megatron's mixed precision runs on CPU too
 
 
 def test_world_of_one():
     assert "gloo on cpu" in checks.check_world_of_one()
 
 
-def test_build():
-    assert "layout mask" in checks.check_build(checks.tiny_model(), CPU, expect_te=False)
+@pytest.mark.parametrize("engine", [CPU, CPU_BF16], ids=["fp32", "bf16"])
+def test_build(engine):
+    assert "layout mask" in checks.check_build(checks.tiny_model(), engine, expect_te=False)
 
 
+@pytest.mark.parametrize("engine", [CPU, CPU_BF16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("layout", ["mask", "thd"])
-def test_packed_equals_per_row(layout):
-    checks.check_packed_equals_per_row(checks.tiny_model(), CPU, layout=layout, te=False)
+def test_packed_equals_per_row(layout, engine):
+    checks.check_packed_equals_per_row(checks.tiny_model(), engine, layout=layout, te=False)
 
 
 def test_packed_check_catches_a_leak_at_bf16_tolerance(monkeypatch):
@@ -47,8 +51,9 @@ def test_packed_check_catches_a_leak_at_bf16_tolerance(monkeypatch):
         checks.check_packed_equals_per_row(checks.tiny_model(), CPU, layout="mask", te=False)
 
 
-def test_hf_roundtrip(tmp_path):
-    assert "exact" in checks.check_hf_roundtrip(tmp_path, checks.tiny_model(), CPU, te=False)
+@pytest.mark.parametrize("engine", [CPU, CPU_BF16], ids=["fp32", "bf16"])
+def test_hf_roundtrip(tmp_path, engine):
+    assert "exact" in checks.check_hf_roundtrip(tmp_path, checks.tiny_model(), engine, te=False)
 
 
 def test_hf_check_catches_gate_up_swapped_at_bf16_tolerance(tmp_path, monkeypatch):

@@ -4,7 +4,9 @@ The mapping to `TransformerConfig` reproduces HF Qwen3-MoE numerically (RMSNorm 
 the checkpoint, QK-norm, GQA, non-interleaved RoPE, SwiGLU experts, softmax router whose
 top-k probabilities are renormalised when `norm_topk_prob`). The layer spec is the
 TransformerEngine one when TE imports and CUDA is present, Megatron's local spec otherwise;
-the rest is configuration, so CPU and H100 runs use the same code.
+the rest is configuration, so CPU and H100 runs use the same code. In bf16 the model is
+wrapped in megatron's `Float16Module` as megatron's own training loop does (bf16 parameters
+and compute, fp32 outputs); the optimizer then keeps fp32 main parameters (`model/optim.py`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ class EngineConfig:
     """Numerics and kernels: the part that differs between a CPU box and an H100 node."""
 
     dtype: str = "fp32"
-    """Parameter and compute dtype: fp32 (CPU) or bf16 (GPU)."""
+    """Parameter and compute dtype: fp32, or bf16 (megatron's mixed precision, on CPU and GPU alike)."""
     use_te: bool | None = None
     """TransformerEngine layer spec; default: when TE imports and CUDA is available."""
     fused_kernels: bool | None = None
@@ -52,8 +54,6 @@ class EngineConfig:
             available: the machine's kernels; default `KernelAvailability.detect()`.
         """
         available = available or KernelAvailability.detect()
-        if self.dtype == "bf16" and not available.cuda:
-            raise ValueError("engine.dtype=bf16 needs a GPU; use fp32 on CPU")
         fused_flags(self, available)  # raises for use_te / fused kernels / router fusion it cannot run
 
     @property
@@ -163,6 +163,9 @@ def build_model(
 ):
     """Build this rank's shard of the policy (call after `init_distributed`).
 
+    In bf16 the result is megatron's `Float16Module` around the `GPTModel` (as megatron's
+    `get_model` wraps it); code that needs the `GPTModel` unwraps `.module`.
+
     Megatron's RouterReplay keeps a class-level list of per-layer instances; it is cleared
     here so a second model built in one process never inherits the first one's layers.
     `aux_loss_coeff` as in `transformer_config`.
@@ -198,6 +201,10 @@ def build_model(
     )
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
+    if config.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        return Float16Module(config, gpt)
     return gpt
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from megatron_gspo.model.config import MoEModelConfig
-from megatron_gspo.model.hf_checkpoint import SAFE_WEIGHTS_INDEX_NAME, HFCheckpointWriter
+from megatron_gspo.model.hf_checkpoint import SAFE_WEIGHTS_INDEX_NAME, HFCheckpointWriter, non_finite
 from megatron_gspo.model.sharding import local_shard_plan
 
 _COPY, _QKV, _FC1 = "copy", "qkv", "fc1"
@@ -340,7 +340,8 @@ def load_hf_checkpoint(
         What this rank read.
 
     Raises:
-        ConversionError: config.json or a tensor does not match the model (the field/tensor is named).
+        ConversionError: config.json or a tensor does not match the model, or a tensor (this
+            rank's part of it) holds NaN/inf (the field/tensor is named).
     """
     hf_dir = Path(hf_dir)
     checkpoint_cfg = read_hf_config(hf_dir)
@@ -371,6 +372,10 @@ def load_hf_checkpoint(
                 if mapping.kind == _COPY and stride != 1:
                     raise ConversionError(f"{global_name}: unexpected TP partition stride {stride}")
             parts = [reader.read(name, dim, tp_rank, tp_world) for name in mapping.hf]
+            for name, part in zip(mapping.hf, parts):
+                problem = non_finite(name, part)
+                if problem is not None:
+                    raise ConversionError(f"{hf_dir}: {problem}; refusing to load it")
             source = _merge(mapping, parts, cfg)
             _check_shape(f"{global_name} (TP rank {tp_rank}/{tp_world})", source.shape, tuple(target.shape))
             target.copy_(source)
@@ -397,8 +402,7 @@ def export_hf_checkpoint(
     writes a safetensors shard to a temp dir as soon as `max_shard_bytes` have accumulated and
     renames the directory into place at the end. Host memory on rank 0 peaks at one shard plus
     one tensor, whatever the model size; the rollout server's `/update_weights_from_disk` never
-    sees a partial checkpoint. A NaN/inf weight is refused (`NonFiniteWeightError` naming it)
-    and the previous checkpoint at `out_dir` stays.
+    sees a partial checkpoint. A NaN/inf weight on any rank is refused before anything is written.
 
     Args:
         model: This rank's shard (or a DDP wrapper of it).
@@ -409,17 +413,21 @@ def export_hf_checkpoint(
 
     Returns:
         The checkpoint path, on every rank, once it is published.
+
+    Raises:
+        ConversionError: on every rank, when a weight holds NaN/inf (named): nothing is written
+            and the previous export at `out_dir` stays in place for the rollout servers.
     """
-    from megatron_gspo.model.hf_stream import check_finite, run_on_hf_stream
+    from megatron_gspo.model.hf_stream import refuse_non_finite, run_on_hf_stream
 
     model = _unwrap(model)
     check_same_architecture(_built_architecture(model, model_cfg), model_cfg, "model_cfg")
     kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+    refuse_non_finite(model, f"export to {out_dir}")
 
     def write(stream) -> Path:
         with HFCheckpointWriter(out_dir, model_cfg, tokenizer, **kwargs) as writer:
             for name, tensor in stream:
-                check_finite(name, tensor)
                 writer.add(name, tensor)
             return writer.finish()
 

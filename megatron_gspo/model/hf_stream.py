@@ -27,21 +27,35 @@ import torch.distributed as dist
 
 from megatron_gspo.model import control_plane
 from megatron_gspo.model.config import MoEModelConfig
-from megatron_gspo.model.convert import ConversionError, megatron_tensor_to_hf, name_table
+from megatron_gspo.model.convert import ConversionError, _unwrap, megatron_tensor_to_hf, name_table
+from megatron_gspo.model.hf_checkpoint import finite_flag
 from megatron_gspo.model.sharding import iter_global_tensors
 
 T = TypeVar("T")
 
 
-class NonFiniteWeightError(ValueError):
+class NonFiniteWeightError(ConversionError):
     """A weight about to leave the trainer holds NaN or inf (the tensor is named)."""
 
 
-def check_finite(name: str, tensor: torch.Tensor) -> None:
-    """Raise `NonFiniteWeightError` naming `name` if `tensor` holds NaN/inf (checked where it lives)."""
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-        bad = int((~torch.isfinite(tensor)).sum())
-        raise NonFiniteWeightError(f"weight {name} holds {bad} non-finite value(s) (NaN/inf)")
+def refuse_non_finite(model: torch.nn.Module, what: str) -> None:
+    """Collective: raise `NonFiniteWeightError` on every rank if any rank's shard holds NaN/inf.
+
+    Every rank checks its own parameters (replicated ones included: a replica may differ), one
+    flag per tensor computed where it lives and read back once; the first offender is named.
+    """
+    named = [(n, p) for n, p in _unwrap(model).named_parameters() if p.is_floating_point()]
+    problem = None
+    if named:
+        flags = torch.stack([finite_flag(p) for _, p in named]).cpu()
+        if not bool(flags.all()):
+            problem = named[int((~flags).nonzero()[0])][0]
+    found = [(r, p) for r, p in enumerate(control_plane.all_gather_objects(problem)) if p is not None]
+    if found:
+        r, name = found[0]
+        raise NonFiniteWeightError(
+            f"refusing to {what}: tensor {name} has NaN/inf values on rank {r} (previous weights kept)"
+        )
 
 
 def iter_hf_tensors(
@@ -124,8 +138,15 @@ class Bucket:
         return [list(t.shape) for t in self.tensors]
 
     def flatten(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """All tensors' bytes, concatenated in order: a uint8 tensor of `nbytes` on `device`."""
-        device = device if device is not None else self.tensors[0].device
+        """All tensors' bytes, concatenated in order: a uint8 tensor of `nbytes` on `device`.
+
+        A bucket of one contiguous tensor already on `device` is viewed, not copied (a tensor
+        bigger than the bucket size travels alone, so this spares the largest copies).
+        """
+        device = torch.device(device) if device is not None else self.tensors[0].device
+        first = self.tensors[0]
+        if len(self.tensors) == 1 and first.is_contiguous() and first.device == device:
+            return first.detach().reshape(-1).view(torch.uint8)
         flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
         offset = 0
         for tensor in self.tensors:

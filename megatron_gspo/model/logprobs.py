@@ -13,8 +13,9 @@ attention never crosses samples and RoPE sees positions relative to each sample,
 result does not depend on the packing. Log-probs come from megatron's GPTModel `labels`
 path (`vocab_parallel_cross_entropy`): each TP rank keeps only its vocabulary slice, the CE
 works in place on the logits and saves them as its softmax, so no second full-size copy of
-the logits exists. Entropy (a metric, no gradient) is computed from the same logits in
-token chunks inside a forward hook, before the CE consumes them.
+the logits exists (bf16 logits become one fp32 copy first, as the CE itself would make).
+Entropy (a metric, no gradient) is computed from the same logits in token chunks inside a
+forward hook, before the CE consumes them.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def _logits_hook(model: torch.nn.Module, temperature: float, want_entropy: bool,
 
     def hook(module, inputs, output):
         logits, bias = output
+        # bf16 logits: temperature and log-softmax in fp32, as SGLang's sampler does (megatron's
+        # CE would make this copy anyway; a no-op for fp32 logits).
+        logits = logits.float()
         if temperature != 1.0:
             logits = logits / temperature
         if want_entropy:

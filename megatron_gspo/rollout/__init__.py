@@ -9,6 +9,7 @@ from megatron_gspo.rollout.errors import GroupError as GroupError
 from megatron_gspo.rollout.errors import InvalidLogprobError as InvalidLogprobError
 from megatron_gspo.rollout.errors import LengthMismatchError as LengthMismatchError
 from megatron_gspo.rollout.errors import MalformedResponseError as MalformedResponseError
+from megatron_gspo.rollout.errors import RolloutBatchTimeoutError as RolloutBatchTimeoutError
 from megatron_gspo.rollout.errors import RolloutRequestError as RolloutRequestError
 from megatron_gspo.rollout.errors import RolloutServerError as RolloutServerError
 from megatron_gspo.rollout.errors import RolloutValidationError as RolloutValidationError

@@ -9,6 +9,15 @@ returns every response, in request order, or raises: when one request fails for 
 are cancelled and awaited, so no request of a failed batch is still running when the error
 surfaces (a following weight update cannot race it).
 
+Time bounds. One attempt waits at most `connect_timeout_s` to connect and `timeout_s` for each
+read (a server that keeps trickling bytes is not cut off), so one request takes at most about
+``timeout_s x (max_retries + 1) + backoff`` with backoff = ``sum(min(backoff_s x 2^k,
+max_backoff_s) for k < max_retries)``. `batch_timeout_s` caps a whole `generate` /
+`generate_batched` call: past it the call raises `RolloutBatchTimeoutError` naming the servers
+still working, after cancelling queued requests, stopping retries and asking those servers to
+abort the in-flight ones by `rid` (their threads end when the servers answer, at the latest
+after the per-request bound).
+
 Weight-sync and control calls (``/update_weights_from_disk``, ``/pause_generation``, ...) go to
 every server and check SGLang's ``{"success", "message"}`` answer.
 """
@@ -27,6 +36,7 @@ import tenacity
 
 from megatron_gspo.rollout.errors import (
     MalformedResponseError,
+    RolloutBatchTimeoutError,
     RolloutRequestError,
     RolloutServerError,
     WeightUpdateError,
@@ -44,6 +54,24 @@ class _TransientError(Exception):
         self.description = description
 
 
+class _Batch:
+    """One `generate`/`generate_batched` call: its stop signal, and which server each job is on."""
+
+    def __init__(self, rids: list[list[str | None]]):
+        self.rids = rids  # per job, the request ids of its rows
+        self.failed = threading.Event()
+        self.servers: dict[int, str] = {}  # job -> server of its attempt in flight
+
+    def in_flight(self, jobs: list[int]) -> dict[str, list[str]]:
+        """Server -> request ids (where known) of those of `jobs` that are on a server now."""
+        out: dict[str, list[str]] = {}
+        for job in jobs:
+            url = self.servers.get(job)
+            if url is not None:
+                out.setdefault(url, []).extend(r for r in self.rids[job] if r is not None)
+        return out
+
+
 class SGLangClient:
     """Talks to one or many SGLang servers over HTTP.
 
@@ -57,6 +85,7 @@ class SGLangClient:
         max_backoff_s: backoff ceiling.
         health_timeout_s: timeout of one ``/health`` probe (SGLang's runs a 1-token generation).
         trust_env: honour proxy environment variables (off: cluster proxies rarely reach servers).
+        batch_timeout_s: most seconds one `generate` / `generate_batched` call may take (None: no cap).
     """
 
     def __init__(
@@ -71,6 +100,7 @@ class SGLangClient:
         max_backoff_s: float = 30.0,
         health_timeout_s: float = 30.0,
         trust_env: bool = False,
+        batch_timeout_s: float | None = None,
     ):
         if isinstance(urls, str):
             urls = [urls]
@@ -80,6 +110,8 @@ class SGLangClient:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if batch_timeout_s is not None and not batch_timeout_s > 0:
+            raise ValueError(f"batch_timeout_s must be > 0 (or None), got {batch_timeout_s}")
         self.urls = [u.rstrip("/") for u in urls]
         if len(set(self.urls)) != len(self.urls):
             raise ValueError(f"duplicate server URLs: {self.urls}")
@@ -88,6 +120,7 @@ class SGLangClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.health_timeout_s = health_timeout_s
+        self.batch_timeout_s = batch_timeout_s
         self._http = httpx.Client(
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
             limits=httpx.Limits(max_connections=max_concurrency + 2 * len(self.urls)),
@@ -128,20 +161,14 @@ class SGLangClient:
             RolloutServerError: a request failed through every retry.
             RolloutRequestError: a server rejected a request (4xx), with its message.
             MalformedResponseError: a server answered 2xx with something other than a JSON object.
+            RolloutBatchTimeoutError: the call took longer than `batch_timeout_s`.
         """
         if not requests:
             return []
-        failed = threading.Event()
-        futures = [self._pool.submit(self._generate_one, body, failed) for body in requests]
-        done, _ = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
-        errors = [f for f in futures if f in done and f.exception() is not None]
-        if not errors:
-            return [f.result() for f in futures]
-        failed.set()  # wakes backoff sleeps and stops further retries of this batch
-        for f in futures:
-            f.cancel()
-        cf.wait(futures)  # nothing of a failed batch may still be running when we raise
-        raise errors[0].exception()
+        batch = _Batch([[body.get("rid")] for body in requests])
+        futures = [self._pool.submit(self._generate_one, body, batch, i) for i, body in enumerate(requests)]
+        self._wait_batch(futures, batch)
+        return [f.result() for f in futures]
 
     def generate_batched(self, requests: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Send one-prompt bodies as one SGLang batch request per server; responses in request order.
@@ -152,24 +179,57 @@ class SGLangClient:
 
         Raises:
             MalformedResponseError: a server did not answer one response object per row.
-            RolloutServerError, RolloutRequestError: as `generate`.
+            RolloutServerError, RolloutRequestError, RolloutBatchTimeoutError: as `generate`.
         """
         if not requests:
             return []
         n_chunks = min(len(self.urls), len(requests))
         bounds = [len(requests) * i // n_chunks for i in range(n_chunks + 1)]
         chunks = [list(requests[a:b]) for a, b in zip(bounds, bounds[1:])]
-        failed = threading.Event()
-        futures = [self._pool.submit(self._generate_rows, chunk, failed) for chunk in chunks]
-        done, _ = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
-        errors = [f for f in futures if f in done and f.exception() is not None]
-        if errors:
-            failed.set()
-            cf.wait(futures)
-            raise errors[0].exception()
+        batch = _Batch([[row.get("rid") for row in chunk] for chunk in chunks])
+        futures = [self._pool.submit(self._generate_rows, chunk, batch, i) for i, chunk in enumerate(chunks)]
+        self._wait_batch(futures, batch)
         return [response for f in futures for response in f.result()]
 
-    def _generate_rows(self, rows: list[Mapping[str, Any]], failed: threading.Event) -> list[dict[str, Any]]:
+    def _wait_batch(self, futures: list[cf.Future], batch: _Batch) -> None:
+        """Return when every job succeeded; else stop the batch and raise its first error or a timeout."""
+        deadline = None if self.batch_timeout_s is None else time.monotonic() + self.batch_timeout_s
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        done, pending = cf.wait(futures, timeout=left(), return_when=cf.FIRST_EXCEPTION)
+        errors = [f for f in futures if f in done and f.exception() is not None]
+        if not errors and not pending:
+            return
+        batch.failed.set()  # wakes backoff sleeps and stops further retries of this batch
+        for f in futures:
+            f.cancel()
+        # Nothing of a failed batch may still be running when we raise, within the time cap.
+        _, running = cf.wait(futures, timeout=left())
+        if errors and not running:
+            raise errors[0].exception()
+        jobs = {f: job for job, f in enumerate(futures)}
+        in_flight = batch.in_flight([jobs[f] for f in running])
+        for url, rids in in_flight.items():
+            self._background.submit(self._abort, url, rids)
+        unfinished = [job for f, job in jobs.items() if not f.done() or f.cancelled()]
+        raise RolloutBatchTimeoutError(
+            timeout_s=self.batch_timeout_s,
+            pending_urls=sorted(in_flight),
+            pending=sum(len(batch.rids[job]) for job in unfinished),
+            total=sum(len(r) for r in batch.rids),
+        ) from (errors[0].exception() if errors else None)
+
+    def _abort(self, url: str, rids: list[str]) -> None:
+        """Best effort: ask `url` to abort requests `rids` (SGLang answers them at once, finish `abort`)."""
+        for rid in rids:
+            try:
+                self._http.post(f"{url}/abort_request", json={"rid": rid}, timeout=self.health_timeout_s)
+            except httpx.HTTPError:
+                return  # the server is unreachable: nothing to abort there
+
+    def _generate_rows(self, rows: list[Mapping[str, Any]], batch: _Batch, job: int) -> list[dict[str, Any]]:
         merged: dict[str, Any] = {
             "input_ids": [row["input_ids"] for row in rows],
             "sampling_params": [row.get("sampling_params", {}) for row in rows],
@@ -181,7 +241,7 @@ class SGLangClient:
         for key in ("return_routed_experts", "routed_experts_start_len", "logprob_start_len"):
             if key in rows[0]:
                 merged[key] = rows[0][key]
-        url, response = self._post("/generate", merged, cancelled=failed)
+        url, response = self._post("/generate", merged, batch=batch, job=job)
         try:
             answer = response.json()
         except ValueError as err:
@@ -198,8 +258,8 @@ class SGLangClient:
             )
         return answer
 
-    def _generate_one(self, body: Mapping[str, Any], failed: threading.Event) -> dict[str, Any]:
-        url, response = self._post("/generate", body, cancelled=failed)
+    def _generate_one(self, body: Mapping[str, Any], batch: _Batch, job: int) -> dict[str, Any]:
+        url, response = self._post("/generate", body, batch=batch, job=job)
         try:
             parsed = response.json()
         except ValueError as err:
@@ -500,9 +560,15 @@ class SGLangClient:
         *,
         url: str | None = None,
         retry: bool = True,
-        cancelled: threading.Event | None = None,
+        batch: _Batch | None = None,
+        job: int = 0,
     ) -> tuple[str, httpx.Response]:
-        """POST with bounded retries; the server used and its 2xx response."""
+        """POST with bounded retries; the server used and its 2xx response.
+
+        With `batch`, the attempt's server is recorded as job `job`'s and the batch's failure
+        stops further retries.
+        """
+        cancelled = batch.failed if batch is not None else None
         attempts = 0
         tried: list[str] = []
         last: list[str | None] = [None]
@@ -516,12 +582,16 @@ class SGLangClient:
             if target not in tried:
                 tried.append(target)
             last[0] = target
+            if batch is not None:
+                batch.servers[job] = target
             try:
                 response = self._http.post(f"{target}{path}", json=dict(body))
             except httpx.HTTPError as err:
                 raise _TransientError(target, f"{type(err).__name__}: {err or 'no detail'}") from err
             finally:
                 self._release(target)
+                if batch is not None:
+                    batch.servers.pop(job, None)
             if response.status_code >= 500 or response.status_code in _RETRYABLE_4XX:
                 raise _TransientError(target, f"HTTP {response.status_code}: {_server_message(response)}")
             if response.status_code >= 400:

@@ -33,7 +33,12 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from megatron_gspo.model.hf_checkpoint import copy_into_model, hf_to_module_state, load_hf_state_dict
+from megatron_gspo.model.hf_checkpoint import (
+    check_finite,
+    copy_into_model,
+    hf_to_module_state,
+    load_hf_state_dict,
+)
 
 GREEDY_EPS = 1e-6  # SGLang treats temperature below this as greedy
 
@@ -155,8 +160,9 @@ class GenerationEngine:
     def update_weights_from_disk(self, model_path: str | Path, weight_version: str | None = None) -> None:
         """Load every tensor of the safetensors checkpoint at `model_path` into the model.
 
-        The checkpoint must have this model's architecture and hold every parameter; on any
-        error the served weights are unchanged (tensors are all read and checked first).
+        The checkpoint must have this model's architecture, hold every parameter and only
+        finite values; on any error the served weights and version are unchanged (tensors are
+        all read and checked first).
         """
         path = Path(model_path)
         cfg_file = path / "config.json"
@@ -169,7 +175,9 @@ class GenerationEngine:
                     f"{path}: {key}={disk_cfg.get(key)} differs from the served model's "
                     f"{getattr(self.model.config, key)}"
                 )
-        fused = hf_to_module_state(load_hf_state_dict(path), self.num_experts)
+        on_disk = load_hf_state_dict(path)
+        check_finite(on_disk, str(path))
+        fused = hf_to_module_state(on_disk, self.num_experts)
         own = self.model.state_dict()
         if self.model.config.tie_word_embeddings:
             fused.pop("lm_head.weight", None)
@@ -191,15 +199,14 @@ class GenerationEngine:
     def update_weights_from_tensors(
         self, named_tensors: dict[str, torch.Tensor], weight_version: str | None
     ) -> int:
-        """Copy named tensors (HF on-disk or in-memory names; partial sets allowed) into the model."""
-        params = dict(self.model.named_parameters())
+        """Copy named tensors (HF on-disk or in-memory names; partial sets allowed) into the model.
+
+        All or nothing without a backup copy: a tensor with NaN/inf is refused, and
+        `copy_into_model` checks every name and shape before it copies anything.
+        """
+        check_finite(named_tensors, "update_weights_from_tensor")
         with self._lock:
-            backup = {n: p.detach().clone() for n, p in params.items()}
-            try:
-                count = copy_into_model(self.model, named_tensors)
-            except Exception:
-                copy_into_model(self.model, backup)  # all or nothing
-                raise
+            count = copy_into_model(self.model, named_tensors)
             self._bump_version(weight_version)
         return count
 

@@ -2,8 +2,9 @@
 
 Two families:
 
-- transport (`RolloutServerError`, `RolloutRequestError`, `WeightUpdateError`): a server could
-  not be reached, refused a request, or reported a failed weight update. Each names the URL.
+- transport (`RolloutServerError`, `RolloutRequestError`, `WeightUpdateError`,
+  `RolloutBatchTimeoutError`): a server could not be reached, refused a request, reported a
+  failed weight update, or a batch outlasted its time cap. Each names the URL(s).
 - data (`RolloutValidationError` and its subclasses, all `ValueError`): a response or a batch
   that must not be trained on. Each names the field (``meta_info.output_token_logprobs``,
   ``routed_experts``, ...) and, where known, the sample.
@@ -35,6 +36,29 @@ class RolloutServerError(RuntimeError):
         super().__init__(
             f"{path} failed after {attempts} attempt(s) (servers tried: {tried}); "
             f"last error from {url}: {last_error}"
+        )
+
+
+class RolloutBatchTimeoutError(RuntimeError):
+    """A batch of /generate requests did not finish within the client's `batch_timeout_s`.
+
+    Attributes:
+        timeout_s: the cap that was exceeded.
+        pending_urls: servers that still had requests of the batch in flight.
+        pending: requests of the batch not finished (in flight or never sent).
+        total: requests in the batch.
+    """
+
+    def __init__(self, *, timeout_s: float, pending_urls: Sequence[str], pending: int, total: int):
+        self.timeout_s = timeout_s
+        self.pending_urls = list(pending_urls)
+        self.pending = pending
+        self.total = total
+        servers = ", ".join(self.pending_urls) or "none (requests still queued in the client)"
+        super().__init__(
+            f"rollout batch not done after {timeout_s:g} s (rollout.batch_timeout_s): {pending} of "
+            f"{total} request(s) pending; servers still working: {servers}. The rest was cancelled "
+            "and the pending requests aborted on their servers."
         )
 
 

@@ -12,9 +12,30 @@ What it implements, and how it differs from SGLang:
 - POST /update_weights_from_disk: really reloads safetensors from `model_path` (same
   architecture), all-or-nothing; /update_weights_from_tensor: base64 safetensors payload
   (`server_protocol.serialize_named_tensors`) instead of SGLang's CUDA-IPC pickle.
+- POST /init_weights_update_group, /begin_weight_update, /update_weights_from_distributed
+  (plain or `flattened_bucket`), /end_weight_update, /destroy_weights_update_group: SGLang's
+  distributed update for real, over torch.distributed (gloo on CPU), one rank per server;
+  a session is applied all-or-nothing at its end (`weight_receiver.py`).
 - POST /pause_generation, /continue_generation, /abort_request, /flush_cache (no-op: there
   is no cache between requests); GET /health, /health_generate, /get_model_info,
   /get_server_info, /get_weight_version (and their un-prefixed aliases).
+
+What it guarantees (tests/rollout/test_server_robustness.py):
+
+- Every request gets an HTTP answer, never a dropped connection: broken framing (bad
+  Content-Length, ...) a 400 naming the header; a body that is not UTF-8, not JSON, nested
+  too deeply or not an object a 400; a body over `--max-body-mb` a 413.
+- Every field an endpoint reads is checked for type and range before use (`server_fields`):
+  booleans must be JSON booleans, integers int64 within the field's range, numbers finite
+  (NaN / Infinity refused), `rid` a string or one string per row, `text` encodable; the 400
+  names the field (`sampling_params[1].temperature`, `rid[2]`, ...).
+- A weight update holding NaN/inf is refused naming the tensor; the old weights and
+  `weight_version` keep serving.
+- GET /health_generate answers within seconds: 503 while generation is paused (SGLang's
+  status when it cannot generate), or when no token came within 20 s.
+- HTTP is aiohttp (`server_http.py`) with a listen backlog of 4096; endpoint calls run in
+  thread pools: one sized for a full batch of concurrent /generate calls, one for control
+  calls (so /continue_generation and /abort_request run however many /generate calls wait).
 
     megatron-gspo serve --model DIR --port 30000
     python -m megatron_gspo.rollout.server --model DIR --port 30000
@@ -23,21 +44,28 @@ What it implements, and how it differs from SGLang:
 from __future__ import annotations
 
 import argparse
-import json
+import concurrent.futures as cf
 import logging
 import sys
 import time
+import uuid
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
 
-from megatron_gspo.rollout import contract
+from megatron_gspo.rollout import contract, server_http
 from megatron_gspo.rollout.engine import GenerationEngine, GenerationInput, SamplingOptions
+from megatron_gspo.rollout.server_fields import (
+    RequestError,
+    check_bool,
+    check_int,
+    check_object,
+    check_str,
+    show,
+)
 from megatron_gspo.rollout.server_protocol import (
     TENSOR_LOAD_FORMAT,
-    RequestError,
     build_response,
     check_response,
     deserialize_named_tensors,
@@ -50,10 +78,15 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DISK_LOAD_FORMATS = (None, "auto", "safetensors")
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+"""/health_generate answers 503 when its one token takes longer (SGLang's default health timeout)."""
 
 
 class RolloutService:
-    """Endpoint logic, independent of the HTTP layer: each method returns (status, JSON body or text)."""
+    """Endpoint logic, independent of the HTTP layer: each method takes the JSON body, returns (status, body).
+
+    A field the method reads with the wrong type is a 400 naming it (`RequestError`).
+    """
 
     def __init__(self, engine: GenerationEngine, scheduler: BatchScheduler, *, check_responses: bool = False):
         self.engine = engine
@@ -69,18 +102,13 @@ class RolloutService:
         start = time.perf_counter()
         api = contract.load()
         contract_error = api.JsonContractError if api is not None else ()
-        if not isinstance(body, dict):
-            return HTTPStatus.BAD_REQUEST, {"error": "invalid type: request body must be a JSON object"}
         try:
             parsed = parse_generate(body, self.engine.tokenizer)
-        except contract_error as exc:
-            return HTTPStatus.BAD_REQUEST, {"error": str(exc)}
-        except (RequestError, TypeError, ValueError) as exc:
-            return HTTPStatus.BAD_REQUEST, {"error": {"message": str(exc)}}
-        try:
             for row in parsed.rows:
                 self.engine.check_input(row)
-        except ValueError as exc:
+        except contract_error as exc:
+            return HTTPStatus.BAD_REQUEST, {"error": str(exc)}  # SGLang's own wording and layout
+        except ValueError as exc:  # RequestError, or the engine's refusal
             return HTTPStatus.BAD_REQUEST, {"error": {"message": str(exc)}}
         futures = [self.scheduler.submit(rid, row) for rid, row in zip(parsed.rids, parsed.rows)]
         outputs = [f.result() for f in futures]
@@ -93,28 +121,52 @@ class RolloutService:
                 check_response(response)
         return HTTPStatus.OK, responses if parsed.is_batch else responses[0]
 
-    def health_generate(self) -> tuple[int, Any]:
-        """GET /health_generate: one real token through the batcher."""
+    def health(self, body: Any) -> tuple[int, Any]:
+        """GET /health: the process answers."""
+        return HTTPStatus.OK, ""
+
+    def health_generate(self, body: Any) -> tuple[int, Any]:
+        """GET /health_generate: one real token through the batcher, or 503 (as SGLang) within seconds.
+
+        While generation is paused no token can come, so the answer is an immediate 503.
+        """
+        if self.scheduler.paused:
+            return HTTPStatus.SERVICE_UNAVAILABLE, {"message": "generation is paused (/continue_generation)"}
+        rid = f"health_generate-{uuid.uuid4().hex}"
         row = GenerationInput(
             input_ids=[self.engine.pad_token_id], sampling=SamplingOptions(max_new_tokens=1)
         )
-        self.scheduler.submit("health_generate", row).result(timeout=60)
+        try:
+            out = self.scheduler.submit(rid, row).result(timeout=HEALTH_GENERATE_TIMEOUT_S)
+        except cf.TimeoutError:
+            self.scheduler.abort(rid)
+            return HTTPStatus.SERVICE_UNAVAILABLE, {
+                "message": f"no token generated within {HEALTH_GENERATE_TIMEOUT_S:g} s"
+            }
+        except Exception as exc:  # noqa: BLE001 - an engine failure means unhealthy, not a crash
+            return HTTPStatus.SERVICE_UNAVAILABLE, {"message": f"generation failed: {exc}"}
+        if out.finish_reason.get("type") == "abort":
+            return HTTPStatus.SERVICE_UNAVAILABLE, {"message": "health generation aborted (paused?)"}
         return HTTPStatus.OK, ""
 
     # ---------------------------------------------------------------- weights
-    def update_weights_from_disk(self, body: dict) -> tuple[int, Any]:
+    def update_weights_from_disk(self, body: Any) -> tuple[int, Any]:
         """POST /update_weights_from_disk (`model_path`, `load_format`, `weight_version`, ...)."""
-        model_path = body.get("model_path")
-        if not isinstance(model_path, str) or not model_path:
-            return _failure("model_path (a checkpoint directory) is required")
+        try:
+            body = check_object(body)
+            model_path, version, abort = _update_fields(body)
+            if model_path is None or not model_path:
+                raise RequestError("model_path (a checkpoint directory) is required")
+        except RequestError as exc:
+            return _failure(str(exc))
         if body.get("load_format") not in _DISK_LOAD_FORMATS:
             return _failure(
                 f"load_format={body.get('load_format')!r} unsupported; use one of {_DISK_LOAD_FORMATS}"
             )
-        if body.get("abort_all_requests"):
+        if abort:
             self.scheduler.abort_all()
         try:
-            self.engine.update_weights_from_disk(model_path, body.get("weight_version"))
+            self.engine.update_weights_from_disk(model_path, version)
         except Exception as exc:  # noqa: BLE001 - reported to the caller, old weights kept
             logger.warning("update_weights_from_disk(%s) failed: %s", model_path, exc)
             return _failure(
@@ -124,84 +176,94 @@ class RolloutService:
         body_out[1]["num_paused_requests"] = 0
         return body_out
 
-    def update_weights_from_tensor(self, body: dict) -> tuple[int, Any]:
+    def update_weights_from_tensor(self, body: Any) -> tuple[int, Any]:
         """POST /update_weights_from_tensor (`serialized_named_tensors` from `serialize_named_tensors`)."""
+        try:
+            body = check_object(body)
+            _, version, abort = _update_fields(body)
+        except RequestError as exc:
+            return _failure(str(exc))
         if body.get("load_format") not in (None, TENSOR_LOAD_FORMAT):
             return _failure(
                 f"load_format={body.get('load_format')!r} unsupported; use {TENSOR_LOAD_FORMAT!r}"
             )
         if "serialized_named_tensors" not in body:
             return _failure("serialized_named_tensors is required")
-        if body.get("abort_all_requests"):
+        if abort:
             self.scheduler.abort_all()
         try:
             tensors = deserialize_named_tensors(body["serialized_named_tensors"])
             if self.receiver.session_open:  # staged; applied with the rest at /end_weight_update
-                count = self.receiver.stage(tensors, body.get("weight_version"))
+                count = self.receiver.stage(tensors, version)
             else:
-                count = self.engine.update_weights_from_tensors(tensors, body.get("weight_version"))
+                count = self.engine.update_weights_from_tensors(tensors, version)
         except Exception as exc:  # noqa: BLE001 - reported to the caller, old weights kept
             return _failure(f"Failed to update weights from tensors: {exc}")
         return _success(f"Succeeded to update {count} tensors.")
 
     # ------------------------------------------------- distributed weight update
-    def init_weights_update_group(self, body: dict) -> tuple[int, Any]:
+    def init_weights_update_group(self, body: Any) -> tuple[int, Any]:
         """POST /init_weights_update_group: join the trainer's group (blocks until all ranks join)."""
-        fields = _typed_fields(
-            body,
-            master_address=(str, None),
-            master_port=(int, None),
-            rank_offset=(int, None),
-            world_size=(int, None),
-            group_name=(str, "weight_update_group"),
-            backend=(str, "nccl"),
-        )
-        if isinstance(fields, str):
-            return _failure(fields)
+        try:
+            body = check_object(body)
+            fields = {
+                "master_address": check_str(_required(body, "master_address"), "master_address"),
+                "master_port": check_int(_required(body, "master_port"), "master_port", 1, 65535),
+                "rank_offset": check_int(_required(body, "rank_offset"), "rank_offset"),
+                "world_size": check_int(_required(body, "world_size"), "world_size", 2),
+                "group_name": check_str(body.get("group_name", "weight_update_group"), "group_name"),
+                "backend": check_str(body.get("backend", "nccl"), "backend"),
+            }
+        except RequestError as exc:
+            return _failure(str(exc))
         return self._protocol_step(
             lambda: self.receiver.init_group(**fields), "Succeeded to initialize custom process group."
         )
 
-    def destroy_weights_update_group(self, body: dict) -> tuple[int, Any]:
+    def destroy_weights_update_group(self, body: Any) -> tuple[int, Any]:
         """POST /destroy_weights_update_group."""
-        fields = _typed_fields(body, group_name=(str, "weight_update_group"))
-        if isinstance(fields, str):
-            return _failure(fields)
+        try:
+            name = check_str(check_object(body).get("group_name", "weight_update_group"), "group_name")
+        except RequestError as exc:
+            return _failure(str(exc))
         return self._protocol_step(
-            lambda: self.receiver.destroy_group(fields["group_name"]),
-            "Succeeded to destroy custom process group.",
+            lambda: self.receiver.destroy_group(name), "Succeeded to destroy custom process group."
         )
 
-    def begin_weight_update(self, body: dict) -> tuple[int, Any]:
+    def begin_weight_update(self, body: Any) -> tuple[int, Any]:
         """POST /begin_weight_update: open a session (updates are staged until its end)."""
         return self._protocol_step(self.receiver.begin, "Success")
 
-    def end_weight_update(self, body: dict) -> tuple[int, Any]:
+    def end_weight_update(self, body: Any) -> tuple[int, Any]:
         """POST /end_weight_update: apply the session's staged tensors all at once (`abort`: discard)."""
-        fields = _typed_fields(body, abort=(bool, False))
-        if isinstance(fields, str):
-            return _failure(fields)
-        return self._protocol_step(lambda: self.receiver.end(**fields), "Success")
+        try:
+            abort = check_bool(check_object(body).get("abort"), "abort", False)
+        except RequestError as exc:
+            return _failure(str(exc))
+        return self._protocol_step(lambda: self.receiver.end(abort=abort), "Success")
 
-    def update_weights_from_distributed(self, body: dict) -> tuple[int, Any]:
+    def update_weights_from_distributed(self, body: Any) -> tuple[int, Any]:
         """POST /update_weights_from_distributed: receive one broadcast bucket from the trainer."""
-        fields = _typed_fields(
-            body,
-            names=(list, None),
-            dtypes=(list, None),
-            shapes=(list, None),
-            group_name=(str, "weight_update_group"),
-            load_format=(str, ""),
-            weight_version=(str, ""),
-        )
-        if isinstance(fields, str):
-            return _failure(fields)
-        if body.get("abort_all_requests"):
+        try:
+            body = check_object(body)
+            _, version, abort = _update_fields(body)
+            fields = {name: _required(body, name) for name in ("names", "dtypes", "shapes")}
+            for name, value in fields.items():
+                if not isinstance(value, list):
+                    raise RequestError(f"{name} must be a list, got {show(value)}")
+            group_name = check_str(body.get("group_name", "weight_update_group"), "group_name")
+            load_format = body.get("load_format")
+            if load_format is not None:
+                check_str(load_format, "load_format")
+        except RequestError as exc:
+            return _failure(str(exc))
+        if abort:
             self.scheduler.abort_all()
-        fields["load_format"] = fields["load_format"] or None
-        fields["weight_version"] = fields["weight_version"] or None
         return self._protocol_step(
-            lambda: self.receiver.receive(**fields), "Succeeded to update parameter online."
+            lambda: self.receiver.receive(
+                **fields, group_name=group_name, load_format=load_format, weight_version=version
+            ),
+            "Succeeded to update parameter online.",
         )
 
     def _protocol_step(self, step, message: str) -> tuple[int, Any]:
@@ -213,35 +275,53 @@ class RolloutService:
         return _success(message)
 
     # ----------------------------------------------------------------- control
-    def pause_generation(self, body: dict) -> tuple[int, Any]:
+    def pause_generation(self, body: Any) -> tuple[int, Any]:
         """POST /pause_generation (`mode`: abort (default), retract, in_place)."""
-        mode = body.get("mode", "abort")
+        try:
+            mode = check_str(check_object(body).get("mode", "abort"), "mode")
+        except RequestError as exc:
+            return _bad_request(str(exc))
         if mode not in ("abort", "retract", "in_place"):
-            return HTTPStatus.BAD_REQUEST, {"error": {"message": f"unknown pause mode {mode!r}"}}
+            return _bad_request(f"mode: unknown pause mode {mode!r}")
         self.scheduler.pause(abort=mode == "abort")
         return HTTPStatus.OK, {"message": "Generation paused successfully.", "status": "ok"}
 
-    def continue_generation(self, body: dict) -> tuple[int, Any]:
+    def continue_generation(self, body: Any) -> tuple[int, Any]:
         """POST /continue_generation."""
+        try:
+            check_object(body)
+        except RequestError as exc:
+            return _bad_request(str(exc))
         self.scheduler.resume()
         return HTTPStatus.OK, {"message": "Generation continued successfully.", "status": "ok"}
 
-    def abort_request(self, body: dict) -> tuple[int, Any]:
+    def abort_request(self, body: Any) -> tuple[int, Any]:
         """POST /abort_request (`rid` or `abort_all`)."""
-        if body.get("abort_all"):
+        try:
+            body = check_object(body)
+            abort_all = check_bool(body.get("abort_all"), "abort_all", False)
+            rid = body.get("rid")
+            rid = None if rid in (None, "") else check_str(rid, "rid")
+        except RequestError as exc:
+            return _bad_request(str(exc))
+        if abort_all:
             self.scheduler.abort_all()
-        elif body.get("rid"):
-            self.scheduler.abort(str(body["rid"]))
+        elif rid is not None:
+            self.scheduler.abort(rid)
         return HTTPStatus.OK, ""
 
-    def flush_cache(self, body: dict) -> tuple[int, Any]:
+    def flush_cache(self, body: Any) -> tuple[int, Any]:
         """GET/POST /flush_cache: nothing is cached across requests, so always succeeds."""
+        try:
+            check_object(body)
+        except RequestError as exc:
+            return _bad_request(str(exc))
         return HTTPStatus.OK, "Cache flushed.\n"
 
-    def model_info(self) -> dict:
+    def model_info(self, body: Any = None) -> tuple[int, Any]:
         """GET /get_model_info."""
         cfg = self.engine.model.config
-        return {
+        return HTTPStatus.OK, {
             "model_path": self.engine.model_path,
             "tokenizer_path": self.engine.model_path,
             "served_model_name": self.engine.model_path,
@@ -252,9 +332,9 @@ class RolloutService:
             "architectures": cfg.architectures,
         }
 
-    def server_info(self) -> dict:
+    def server_info(self, body: Any = None) -> tuple[int, Any]:
         """GET /get_server_info."""
-        return {
+        return HTTPStatus.OK, {
             "model_path": self.engine.model_path,
             "tokenizer_path": self.engine.model_path,
             "weight_version": self.engine.weight_version,
@@ -270,6 +350,58 @@ class RolloutService:
             "version": "embedded",
         }
 
+    def weight_version(self, body: Any = None) -> tuple[int, Any]:
+        """GET /get_weight_version."""
+        return HTTPStatus.OK, {"weight_version": self.engine.weight_version}
+
+
+# The HTTP surface: path -> endpoint (SGLang's paths and their un-prefixed aliases). A new
+# endpoint is a RolloutService method plus one line here.
+GET_ROUTES = {
+    "/health": RolloutService.health,
+    "/health_generate": RolloutService.health_generate,
+    "/get_model_info": RolloutService.model_info,
+    "/model_info": RolloutService.model_info,
+    "/get_server_info": RolloutService.server_info,
+    "/server_info": RolloutService.server_info,
+    "/get_weight_version": RolloutService.weight_version,
+    "/weight_version": RolloutService.weight_version,
+    "/flush_cache": RolloutService.flush_cache,
+}
+POST_ROUTES = {
+    "/generate": RolloutService.generate,
+    "/update_weights_from_disk": RolloutService.update_weights_from_disk,
+    "/update_weights_from_tensor": RolloutService.update_weights_from_tensor,
+    "/init_weights_update_group": RolloutService.init_weights_update_group,
+    "/destroy_weights_update_group": RolloutService.destroy_weights_update_group,
+    "/begin_weight_update": RolloutService.begin_weight_update,
+    "/end_weight_update": RolloutService.end_weight_update,
+    "/update_weights_from_distributed": RolloutService.update_weights_from_distributed,
+    "/pause_generation": RolloutService.pause_generation,
+    "/continue_generation": RolloutService.continue_generation,
+    "/abort_request": RolloutService.abort_request,
+    "/flush_cache": RolloutService.flush_cache,
+}
+
+
+# Calls that wait on generation run in their own thread pool, so a flood of them can never keep
+# the calls that end the wait (/continue_generation, /abort_request) from running.
+GENERATION_PATHS = frozenset({"/generate", "/health_generate"})
+
+
+def _update_fields(body: dict) -> tuple[str | None, str | None, bool]:
+    """`model_path`, `weight_version` and `abort_all_requests` of a weight update, checked."""
+    model_path = body.get("model_path")
+    if model_path is not None:
+        check_str(model_path, "model_path")
+    version = body.get("weight_version")
+    if version is not None:
+        version = str(version) if isinstance(version, int) and not isinstance(version, bool) else version
+        check_str(version, "weight_version")
+    check_bool(body.get("flush_cache"), "flush_cache", True)
+    abort = check_bool(body.get("abort_all_requests"), "abort_all_requests", False)
+    return model_path, version, abort
+
 
 def _success(message: str) -> tuple[int, dict]:
     return HTTPStatus.OK, {"success": True, "message": message}
@@ -279,102 +411,14 @@ def _failure(message: str) -> tuple[int, dict]:
     return HTTPStatus.BAD_REQUEST, {"success": False, "message": message}
 
 
-def _typed_fields(body: dict, **spec: tuple[type, Any]) -> dict[str, Any] | str:
-    """`body`'s fields by `name=(type, default)` (default None: required), or an error naming the field."""
-    out = {}
-    for name, (kind, default) in spec.items():
-        value = body.get(name)
-        value = default if value is None else value
-        if value is None:
-            return f"{name} is required"
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            return f"{name} must be {kind.__name__}, got {type(value).__name__}"
-        out[name] = value
-    return out
+def _required(body: dict, name: str) -> Any:
+    if body.get(name) is None:
+        raise RequestError(f"{name} is required")
+    return body[name]
 
 
-def make_handler(service: RolloutService) -> type[BaseHTTPRequestHandler]:
-    """An HTTP handler class routing SGLang's paths to `service`."""
-    get_routes = {
-        "/health": lambda: (HTTPStatus.OK, ""),
-        "/health_generate": service.health_generate,
-        "/get_model_info": lambda: (HTTPStatus.OK, service.model_info()),
-        "/model_info": lambda: (HTTPStatus.OK, service.model_info()),
-        "/get_server_info": lambda: (HTTPStatus.OK, service.server_info()),
-        "/server_info": lambda: (HTTPStatus.OK, service.server_info()),
-        "/get_weight_version": lambda: (HTTPStatus.OK, {"weight_version": service.engine.weight_version}),
-        "/weight_version": lambda: (HTTPStatus.OK, {"weight_version": service.engine.weight_version}),
-        "/flush_cache": lambda: service.flush_cache({}),
-    }
-    post_routes = {
-        "/generate": service.generate,
-        "/update_weights_from_disk": service.update_weights_from_disk,
-        "/update_weights_from_tensor": service.update_weights_from_tensor,
-        "/init_weights_update_group": service.init_weights_update_group,
-        "/destroy_weights_update_group": service.destroy_weights_update_group,
-        "/begin_weight_update": service.begin_weight_update,
-        "/end_weight_update": service.end_weight_update,
-        "/update_weights_from_distributed": service.update_weights_from_distributed,
-        "/pause_generation": service.pause_generation,
-        "/continue_generation": service.continue_generation,
-        "/abort_request": service.abort_request,
-        "/flush_cache": service.flush_cache,
-    }
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive: clients reuse connections
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
-            logger.debug("%s " + format, self.address_string(), *args)
-
-        def do_GET(self) -> None:  # noqa: N802 - stdlib naming
-            route = get_routes.get(self.path.split("?", 1)[0])
-            if route is None:
-                self._send(HTTPStatus.NOT_FOUND, {"detail": "Not Found"})
-                return
-            self._run(route)
-
-        def do_POST(self) -> None:  # noqa: N802 - stdlib naming
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
-            route = post_routes.get(self.path.split("?", 1)[0])
-            if route is None:
-                self._send(HTTPStatus.NOT_FOUND, {"detail": "Not Found"})
-                return
-            try:
-                body = json.loads(raw) if raw else {}
-            except json.JSONDecodeError as exc:
-                self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": f"request body is not JSON: {exc}"}})
-                return
-            if self.path.startswith("/generate"):
-                self._run(lambda: route(body))
-            elif not isinstance(body, dict):
-                self._send(
-                    HTTPStatus.BAD_REQUEST, {"error": {"message": "request body must be a JSON object"}}
-                )
-            else:
-                self._run(lambda: route(body))
-
-        def _run(self, route) -> None:
-            try:
-                status, payload = route()
-            except Exception as exc:  # noqa: BLE001 - a server error must still answer the client
-                logger.exception("error serving %s", self.path)
-                status, payload = HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {"message": repr(exc)}}
-            self._send(status, payload)
-
-        def _send(self, status: int, payload: Any) -> None:
-            if isinstance(payload, str):
-                data, ctype = payload.encode(), "text/plain; charset=utf-8"
-            else:
-                data, ctype = json.dumps(payload).encode(), "application/json"
-            self.send_response(int(status))
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-    return Handler
+def _bad_request(message: str) -> tuple[int, dict]:
+    return HTTPStatus.BAD_REQUEST, {"error": {"message": message}}
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -405,12 +449,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="check every response against SGLang's contract (debug/tests)",
     )
+    parser.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=1024.0,
+        help="largest request body in MiB, else 413 (a /update_weights_from_tensor payload is "
+        "4/3 of the tensors' bytes)",
+    )
     parser.add_argument("--log-level", default="warning", help="python logging level")
     return parser
 
 
-def build_server(args: argparse.Namespace) -> tuple[ThreadingHTTPServer, RolloutService]:
-    """Load the model and bind the HTTP server (not yet serving)."""
+def build_service(args: argparse.Namespace) -> RolloutService:
+    """Load the model and start the batcher."""
     engine = GenerationEngine(
         args.model,
         dtype=_DTYPES[args.dtype],
@@ -421,28 +472,50 @@ def build_server(args: argparse.Namespace) -> tuple[ThreadingHTTPServer, Rollout
     scheduler = BatchScheduler(
         engine, batch_window_s=args.batch_window_ms / 1000, max_batch_size=args.max_batch_size
     )
-    service = RolloutService(engine, scheduler, check_responses=args.check_responses)
-    httpd = ThreadingHTTPServer((args.host, args.port), make_handler(service))
-    httpd.daemon_threads = True
-    service.host, service.port = httpd.server_address[:2]
-    return httpd, service
+    return RolloutService(engine, scheduler, check_responses=args.check_responses)
+
+
+def build_app(service: RolloutService, max_batch_size: int, max_body_bytes: int):
+    """The aiohttp application of `service` (routes bound to it) and its thread pools."""
+
+    def bind(table):
+        return {path: (lambda body, method=method: method(service, body)) for path, method in table.items()}
+
+    # Room for a full batch of single-row /generate calls plus health checks (threads start on demand).
+    generation = cf.ThreadPoolExecutor(max_batch_size + 32, thread_name_prefix="rollout-generate")
+    control = cf.ThreadPoolExecutor(16, thread_name_prefix="rollout-control")
+    app = server_http.build_app(
+        bind(GET_ROUTES),
+        bind(POST_ROUTES),
+        lambda path: generation if path in GENERATION_PATHS else control,
+        max_body_bytes=max_body_bytes,
+    )
+    return app, (generation, control)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the embedded rollout server until interrupted."""
     parser = add_serve_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     args = parser.parse_args(argv)
+    if args.max_body_mb <= 0:
+        parser.error(f"--max-body-mb must be > 0, got {args.max_body_mb}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    httpd, service = build_server(args)
-    # The launcher waits for this line (it carries the port when --port 0 was given).
+    service = build_service(args)
+    sock = server_http.bind(args.host, args.port)
+    service.host, service.port = sock.getsockname()[:2]
+    app, pools = build_app(service, args.max_batch_size, int(args.max_body_mb * 2**20))
+    # The launcher waits for this line (it carries the port when --port 0 was given); the
+    # socket already listens, so connections made right after it queue in the backlog.
     print(f"embedded rollout server listening on http://{service.host}:{service.port}", flush=True)
     try:
-        httpd.serve_forever()
+        server_http.serve(app, sock)
     except KeyboardInterrupt:
         pass
     finally:
         service.scheduler.close()
-        httpd.server_close()
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
+        sock.close()
     return 0
 
 

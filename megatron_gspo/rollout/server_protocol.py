@@ -14,6 +14,7 @@ which carries the tensor data itself and works across processes on CPU.
 from __future__ import annotations
 
 import base64
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,17 @@ from safetensors.torch import save as safetensors_save
 
 from megatron_gspo.rollout import contract
 from megatron_gspo.rollout.engine import GenerationInput, GenerationOutput, SamplingOptions
+from megatron_gspo.rollout.server_fields import (
+    INT64_MAX,
+    RequestError,
+    check_bool,
+    check_float,
+    check_int,
+    check_object,
+    check_str,
+    per_row,
+    show,
+)
 
 TENSOR_LOAD_FORMAT = "safetensors_base64"
 """`load_format` naming the embedded server's tensor serialization (None is accepted as the same)."""
@@ -56,6 +68,39 @@ SGLANG_SAMPLING_KEYS = (
     "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width",
     "watermark", "choice",
 )  # fmt: skip
+# Fields checked by type and range before use (server_fields), each 400 naming the field.
+_REQUEST_FLAGS = (
+    "stream",
+    "return_text_in_logprobs",
+    "return_routed_experts",
+    "return_prompt_token_ids",
+    "require_reasoning",
+)
+_ROW_FLAGS = ("return_logprob", "return_hidden_states", "return_sampling_mask")  # one, or one per row
+_SAMPLING_FLAGS = {
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "no_stop_trim": False,
+}
+_SAMPLING_INTS = {  # int64 -> (lowest value, default)
+    "max_new_tokens": (0, 128),
+    "top_k": (-1, -1),
+    "min_new_tokens": (0, 0),
+    "n": (1, 1),
+    "sampling_seed": (0, None),
+    "stream_interval": (1, None),
+    "beam_width": (0, None),
+}
+# Finite numbers in SGLang's SamplingParams.verify ranges -> (low, high, low excluded, default).
+_SAMPLING_FLOATS = {
+    "temperature": (0.0, math.inf, False, 1.0),
+    "top_p": (0.0, 1.0, True, 1.0),
+    "min_p": (0.0, 1.0, False, 0.0),
+    "frequency_penalty": (-2.0, 2.0, False, 0.0),
+    "presence_penalty": (-2.0, 2.0, False, 0.0),
+    "repetition_penalty": (0.0, 2.0, False, 1.0),
+}
 _UNSUPPORTED_REQUEST = {
     "stream": (None, False),
     "top_logprobs_num": (None, 0),
@@ -71,10 +116,6 @@ _UNSUPPORTED_REQUEST = {
 }
 
 
-class RequestError(ValueError):
-    """A request the embedded server refuses (HTTP 400)."""
-
-
 @dataclass
 class ParsedGenerate:
     """A /generate body split into rows."""
@@ -88,118 +129,145 @@ class ParsedGenerate:
     is_batch: bool
 
 
-def _per_row(value: Any, n: int, name: str, *, batch: bool) -> list[Any]:
-    if batch and isinstance(value, list):
-        if len(value) != n:
-            raise RequestError(f"{name} has {len(value)} entries for a batch of {n} inputs")
-        return list(value)
-    if isinstance(value, list):
-        raise RequestError(f"{name} is a list but the request has a single input")
-    return [value] * n
-
-
 def _is_off(value: Any, off_values: tuple) -> bool:
     return any(value == off for off in off_values)
 
 
 def parse_generate(body: Any, tokenizer) -> ParsedGenerate:
-    """Check `body` against SGLang's contract and the engine's abilities; split it into rows.
+    """Check `body` field by field, then against SGLang's contract; split it into rows.
+
+    Every field the engine reads is checked first by `server_fields` (type, range, NaN), so
+    the 400 names the field; SGLang's contract then checks the rest with the real server's text.
 
     Raises:
-        JsonContractError: the body violates SGLang's contract (the real server's 400 text).
-        RequestError: a valid SGLang request using a feature the embedded server lacks.
+        RequestError: a bad field (named), or a valid SGLang request using a feature the
+            embedded server lacks.
+        JsonContractError: the body violates SGLang's contract elsewhere.
     """
-    api = contract.load()
-    req = api.GenerateRequest.from_json_value(body) if api is not None else None
-    get = (lambda k, d=None: getattr(req, k)) if req is not None else (lambda k, d=None: body.get(k, d))
-    for key, off in _UNSUPPORTED_REQUEST.items():
-        if not _is_off(get(key), off):
-            raise RequestError(f"{key}={get(key)!r} is not supported by the embedded rollout server")
-    input_ids, text = get("input_ids"), get("text")
-    if (input_ids is None) == (text is None):
-        raise RequestError("Either text or input_ids should be provided (exactly one).")
-    if input_ids is not None:
-        is_batch = bool(input_ids) and isinstance(input_ids[0], list)
-        prompts = [list(x) for x in input_ids] if is_batch else [list(input_ids)]
-    else:
-        is_batch = isinstance(text, list)
-        prompts = [tokenizer.encode(t) for t in (text if is_batch else [text])]
+    body = check_object(body)
+    flags = {key: check_bool(body.get(key), key, False) for key in _REQUEST_FLAGS}
+    prompts, is_batch = _prompts(body, tokenizer)
     n = len(prompts)
-    if n == 0:
-        raise RequestError("input_ids is an empty batch")
-    sampling = _per_row(get("sampling_params") or {}, n, "sampling_params", batch=is_batch)
-    return_logprob = _per_row(get("return_logprob") or False, n, "return_logprob", batch=is_batch)
-    start = _per_row(get("logprob_start_len"), n, "logprob_start_len", batch=is_batch)
-    rid = get("rid")
-    rids = _per_row(rid, n, "rid", batch=is_batch) if rid is not None else [None] * n
+
+    def row_field(key: str, check) -> list[Any]:
+        return per_row(body.get(key), n, key, batch=is_batch, check=check)
+
+    row_flags = {key: row_field(key, lambda v, name: check_bool(v, name, False)) for key in _ROW_FLAGS}
+    start = row_field("logprob_start_len", lambda v, name: -1 if v is None else check_int(v, name, -1))
+    row_field("top_logprobs_num", lambda v, name: None if v is None else check_int(v, name))
+    rids = row_field("rid", lambda v, name: None if v is None else check_str(v, name))
+    routed_start = body.get("routed_experts_start_len")
+    routed_start = 0 if routed_start is None else check_int(routed_start, "routed_experts_start_len")
+    sampling = row_field("sampling_params", lambda v, name: _sampling_options({} if v is None else v, name))
+    api = contract.load()
+    if api is not None:
+        api.GenerateRequest.from_json_value(body)  # SGLang's own 400 for anything not checked above
+    for key, off in _UNSUPPORTED_REQUEST.items():
+        if not _is_off(body.get(key), off):
+            raise RequestError(f"{key}={show(body.get(key))} is not supported by the embedded rollout server")
     base = uuid.uuid4().hex
     rids = [r if r is not None else (f"{base}-{i}" if is_batch else base) for i, r in enumerate(rids)]
-    routed = bool(body.get("return_routed_experts", False))
-    routed_start = get("routed_experts_start_len", 0) or 0
-    rows, skip, no_trim = [], [], []
-    for i in range(n):
-        options, flags = _sampling_options(sampling[i])
-        skip.append(flags[0])
-        no_trim.append(flags[1])
-        want_lp = bool(return_logprob[i])
-        rows.append(
-            GenerationInput(
-                input_ids=prompts[i],
-                sampling=options,
-                logprob_start_len=(start[i] if start[i] is not None else -1) if want_lp else -1,
-                return_routed_experts=routed,
-                routed_experts_start_len=int(routed_start),
-            )
+    rows = [
+        GenerationInput(
+            input_ids=prompts[i],
+            sampling=sampling[i][0],
+            logprob_start_len=start[i] if row_flags["return_logprob"][i] else -1,
+            return_routed_experts=flags["return_routed_experts"],
+            routed_experts_start_len=routed_start,
         )
+        for i in range(n)
+    ]
     return ParsedGenerate(
         rows=rows,
         rids=rids,
-        return_logprob=[bool(x) for x in return_logprob],
-        skip_special_tokens=skip,
-        no_stop_trim=no_trim,
-        return_text_in_logprobs=bool(get("return_text_in_logprobs")),
+        return_logprob=row_flags["return_logprob"],
+        skip_special_tokens=[s[1]["skip_special_tokens"] for s in sampling],
+        no_stop_trim=[s[1]["no_stop_trim"] for s in sampling],
+        return_text_in_logprobs=flags["return_text_in_logprobs"],
         is_batch=is_batch,
     )
 
 
-def _sampling_options(sp: Any) -> tuple[SamplingOptions, tuple[bool, bool]]:
-    if isinstance(sp, dict):  # not checked by SGLang's contract types (the wheel is absent)
-        unknown = [key for key in sp if key not in SGLANG_SAMPLING_KEYS]
-        if unknown:
-            expected = ", ".join(f"`{key}`" for key in SGLANG_SAMPLING_KEYS)
-            raise RequestError(f"unknown field `{unknown[0]}`, expected one of {expected}")
-    get = (lambda k, d: sp.get(k, d)) if isinstance(sp, dict) else (lambda k, d: getattr(sp, k))
-    for key, off in _UNSUPPORTED_SAMPLING.items():
-        value = get(key, off[0])
-        if not _is_off(value, off):
+def _prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
+    """Token ids of each input row, and whether the request is a batch."""
+    input_ids, text = body.get("input_ids"), body.get("text")
+    if (input_ids is None) == (text is None):
+        raise RequestError("Either text or input_ids should be provided (exactly one).")
+    if input_ids is not None:
+        if not isinstance(input_ids, list) or not input_ids:
             raise RequestError(
-                f"sampling_params.{key}={value!r} is not supported by the embedded rollout server"
+                f"input_ids must be a non-empty list of token ids (or of such lists), got {show(input_ids)}"
             )
-    max_new = get("max_new_tokens", 128)
-    temperature = get("temperature", 1.0)
-    top_p, top_k, min_p = get("top_p", 1.0), get("top_k", -1), get("min_p", 0.0)
-    if max_new is None or max_new < 0:
-        raise RequestError(f"sampling_params.max_new_tokens must be >= 0, got {max_new}")
-    if temperature is None or temperature < 0:
-        raise RequestError(f"sampling_params.temperature must be non-negative, got {temperature}")
-    if top_p is None or not 0.0 < top_p <= 1.0:
-        raise RequestError(f"sampling_params.top_p must be in (0, 1], got {top_p}")
-    if top_k is None or (top_k < 1 and top_k != -1):
-        raise RequestError(f"sampling_params.top_k must be -1 (disable), or at least 1, got {top_k}.")
-    if min_p is None or not 0.0 <= min_p <= 1.0:
-        raise RequestError(f"sampling_params.min_p must be in [0, 1], got {min_p}")
+        is_batch = isinstance(input_ids[0], list)
+        rows = input_ids if is_batch else [input_ids]
+        for i, row in enumerate(rows):
+            _check_token_ids(row, f"input_ids[{i}]" if is_batch else "input_ids")
+        return [list(row) for row in rows], is_batch
+    is_batch = isinstance(text, list)
+    texts = text if is_batch else [text]
+    if not texts:
+        raise RequestError("text is an empty batch")
+    prompts = []
+    for i, item in enumerate(texts):
+        name = f"text[{i}]" if is_batch else "text"
+        check_str(item, name)
+        try:
+            prompts.append(tokenizer.encode(item))
+        except Exception as exc:  # tokenizers raises bare Exception / TypeError
+            raise RequestError(f"{name} cannot be tokenized: {exc}") from None
+    return prompts, is_batch
+
+
+def _check_token_ids(row: Any, name: str) -> None:
+    if not isinstance(row, list) or not row:
+        raise RequestError(f"{name} must be a non-empty list of token ids, got {show(row)}")
+    if all(type(t) is int for t in row) and 0 <= min(row) and max(row) <= INT64_MAX:
+        return  # the common case, without a Python-level check per token
+    for j, token in enumerate(row):
+        check_int(token, f"{name}[{j}]")
+
+
+def _sampling_options(sp: Any, name: str) -> tuple[SamplingOptions, dict[str, bool]]:
+    """The engine's options and the response flags of one `sampling_params` object."""
+    sp = check_object(sp, name)
+    unknown = [key for key in sp if key not in SGLANG_SAMPLING_KEYS]
+    if unknown:  # SGLang's contract text, also without the wheel
+        expected = ", ".join(f"`{key}`" for key in SGLANG_SAMPLING_KEYS)
+        raise RequestError(f"{name}: unknown field `{unknown[0]}`, expected one of {expected}")
+    if sp.get("max_new_tokens", 128) is None:
+        raise RequestError(f"{name}.max_new_tokens=null (generate to the context length) is not supported")
+    values: dict[str, Any] = {
+        key: check_bool(sp.get(key), f"{name}.{key}", d) for key, d in _SAMPLING_FLAGS.items()
+    }
+    for key, (low, default) in _SAMPLING_INTS.items():
+        value = sp.get(key)
+        values[key] = default if value is None else check_int(value, f"{name}.{key}", low)
+    for key, (low, high, low_open, default) in _SAMPLING_FLOATS.items():
+        value = sp.get(key)
+        values[key] = (
+            default if value is None else check_float(value, f"{name}.{key}", low, high, low_open=low_open)
+        )
+    if values["top_k"] == 0:
+        raise RequestError(f"{name}.top_k must be -1 (disable), or at least 1, got 0.")
+    stop_ids = sp.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list):
+        raise RequestError(f"{name}.stop_token_ids must be a list of token ids, got {show(stop_ids)}")
+    stop_ids = [check_int(t, f"{name}.stop_token_ids[{i}]") for i, t in enumerate(stop_ids)]
+    for key, off in _UNSUPPORTED_SAMPLING.items():
+        value = values.get(key, sp.get(key, off[0]))
+        if not _is_off(value, off):
+            raise RequestError(f"{name}.{key}={show(value)} is not supported by the embedded rollout server")
     options = SamplingOptions(
-        max_new_tokens=int(max_new),
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=int(top_k),
-        min_p=float(min_p),
-        stop_token_ids=tuple(int(t) for t in (get("stop_token_ids", None) or ())),
-        ignore_eos=bool(get("ignore_eos", False)),
-        sampling_seed=get("sampling_seed", None),
+        max_new_tokens=values["max_new_tokens"],
+        temperature=values["temperature"],
+        top_p=values["top_p"],
+        top_k=values["top_k"],
+        min_p=values["min_p"],
+        stop_token_ids=tuple(stop_ids),
+        ignore_eos=values["ignore_eos"],
+        sampling_seed=values["sampling_seed"],
     )
-    flags = (bool(get("skip_special_tokens", True)), bool(get("no_stop_trim", False)))
-    return options, flags
+    return options, values
 
 
 def build_response(

@@ -58,6 +58,12 @@ class BatchScheduler:
         with self._cond:
             return len(self._queue) + len(self._running)
 
+    @property
+    def paused(self) -> bool:
+        """Between `pause` and `resume`: no batch starts."""
+        with self._cond:
+            return self._paused
+
     def pause(self, *, abort: bool) -> None:
         """Stop starting batches; with `abort`, also abort queued and running rows (SGLang mode "abort")."""
         with self._cond:

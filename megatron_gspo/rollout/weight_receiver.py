@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.model.hf_checkpoint import check_fits_model
-from megatron_gspo.model.hf_stream import check_finite, unflatten_bucket
+from megatron_gspo.model.hf_checkpoint import check_finite, check_fits_model
+from megatron_gspo.model.hf_stream import unflatten_bucket
 from megatron_gspo.rollout.engine import GenerationEngine
 from megatron_gspo.rollout.update_group import destroy_update_group, init_update_group
 
@@ -156,8 +156,7 @@ class WeightReceiver:
         session.buckets += 1
         if session.failure is None:
             try:
-                for name, tensor in received.items():
-                    check_finite(name, tensor)
+                check_finite(received, "weight update")
                 check_fits_model(self.engine.model, received)
             except (KeyError, ValueError) as exc:
                 session.failure = f"bucket {session.buckets}: {exc}"

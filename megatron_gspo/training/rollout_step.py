@@ -31,6 +31,9 @@ from megatron_gspo.tasks.tokenizer import encode_prompt
 
 logger = logging.getLogger(__name__)
 
+SERVER_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+"""`rollout.dtype` -> the embedded server's --dtype (SGLang's names)."""
+
 
 def sampling_seed(seed: int, step: int, row: int) -> int:
     """A 62-bit sampling seed that depends only on (run seed, step, row)."""
@@ -162,10 +165,11 @@ def rollout_servers(
     with contextlib.ExitStack() as stack:
         urls = list(cfg.server_urls)
         if not urls:
+            args = ["--weight-version", str(weight_version), "--seed", str(seed)]
             server = stack.enter_context(
                 launch_embedded_server(
                     model_dir,
-                    extra_args=("--weight-version", str(weight_version), "--seed", str(seed)),
+                    extra_args=(*args, "--dtype", SERVER_DTYPES[cfg.dtype]),
                     num_threads=cfg.server_threads,
                     timeout=cfg.server_start_timeout_s,
                 )
@@ -173,7 +177,12 @@ def rollout_servers(
             urls = [server.url]
             logger.info("embedded rollout server on %s serving %s", server.url, model_dir)
         client = stack.enter_context(
-            SGLangClient(urls, timeout_s=cfg.request_timeout_s, max_retries=cfg.max_retries)
+            SGLangClient(
+                urls,
+                timeout_s=cfg.request_timeout_s,
+                max_retries=cfg.max_retries,
+                batch_timeout_s=cfg.batch_timeout_s,
+            )
         )
         client.wait_until_healthy(cfg.server_start_timeout_s)
         yield client

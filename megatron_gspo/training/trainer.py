@@ -133,7 +133,7 @@ class Trainer:
         self.cfg = cfg
         validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         try:
-            cfg.engine.check_hardware()  # bf16 / TransformerEngine asked for where unavailable
+            cfg.engine.check_hardware()  # TransformerEngine / fused kernels asked for where unavailable
         except ValueError as err:
             raise ConfigError(str(err)) from None
         init_distributed(cfg.parallel, seed=cfg.trainer.seed)

@@ -38,7 +38,7 @@ from megatron_gspo.model import control_plane
 from megatron_gspo.model.config import MoEModelConfig
 from megatron_gspo.model.convert import export_hf_checkpoint
 from megatron_gspo.model.distributed import compute_device
-from megatron_gspo.model.hf_stream import Bucket, check_finite, iter_buckets, run_on_hf_stream
+from megatron_gspo.model.hf_stream import Bucket, iter_buckets, refuse_non_finite, run_on_hf_stream
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.server_protocol import TENSOR_LOAD_FORMAT, serialize_named_tensors
 from megatron_gspo.rollout.update_group import destroy_update_group, init_update_group
@@ -47,7 +47,6 @@ from megatron_gspo.rollout.weight_receiver import FLATTENED_BUCKET
 logger = logging.getLogger(__name__)
 
 GROUP_NAME = "megatron_gspo_weights"
-_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 class WeightSyncFailed(RuntimeError):
@@ -62,7 +61,6 @@ class SyncStats:
     buckets: int = 0
     largest_bucket_bytes: int = 0
     attempts: int = 1
-    seconds: float = 0.0
 
     def add(self, bucket: Bucket) -> None:
         """Count one bucket sent."""
@@ -75,6 +73,7 @@ class SyncStats:
         return {
             "sync/bytes": float(self.bytes),
             "sync/buckets": float(self.buckets),
+            "sync/largest_bucket_bytes": float(self.largest_bucket_bytes),
             "sync/attempts": float(self.attempts),
         }
 
@@ -107,7 +106,6 @@ class WeightSync:
         Raises:
             WeightSyncFailed: on every rank, after `retries` + 1 failed attempts.
         """
-        start = time.perf_counter()
         for attempt in range(1, self.cfg.retries + 2):
             try:
                 stats = self._attempt(client, weight_version)
@@ -118,7 +116,6 @@ class WeightSync:
                     raise WeightSyncFailed(f"weight sync failed {attempt} time(s); last: {err}") from None
                 continue
             stats.attempts = attempt
-            stats.seconds = time.perf_counter() - start
             return stats
         raise AssertionError("unreachable")
 
@@ -130,6 +127,7 @@ class WeightSync:
     def _attempt(self, client: SGLangClient | None, version: int) -> SyncStats:
         if self.cfg.method == "disk":
             return self._via_disk(client, version)
+        refuse_non_finite(self.model, "sync weights to the rollout servers")  # never serve NaN/inf
         if self.cfg.method == "distributed":
             self._ensure_group(client)
         send = self._send_distributed if self.cfg.method == "distributed" else self._send_tensors
@@ -162,12 +160,7 @@ class WeightSync:
             raise WeightSyncFailed(f"{type(err).__name__}: {err}") from err
 
     def _buckets(self, stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[Bucket]:
-        def checked():
-            for name, tensor in stream:
-                check_finite(name, tensor)  # never ship NaN/inf: the servers would serve it
-                yield name, tensor
-
-        return iter_buckets(checked(), int(self.cfg.bucket_mb * 2**20))
+        return iter_buckets(stream, int(self.cfg.bucket_mb * 2**20))
 
     def _send_tensors(self, client: SGLangClient, stream, version: int) -> SyncStats:
         stats = SyncStats()
@@ -186,26 +179,42 @@ class WeightSync:
         return stats
 
     def _send_distributed(self, client: SGLangClient, stream, version: int) -> SyncStats:
+        """Send bucket by bucket; each is answered before the next request goes out.
+
+        So a refused bucket is known before any server enters another receive: no server is
+        left waiting in a broadcast that will not come. What overlaps is the sender's own work:
+        bucket k+1 is gathered and flattened while the servers receive and check bucket k.
+        """
         stats = SyncStats()
-        group = self._group
         device = torch.device("cpu") if self._backend() == "gloo" else compute_device()
+        in_flight = None
         for bucket in self._buckets(stream):
             flat = bucket.flatten(device)
-            answers = client.update_weights_from_distributed(
-                bucket.names,
-                bucket.dtypes,
-                bucket.shapes,
-                group_name=group.name,
-                flush_cache=False,
-                weight_version=version if bucket.last else None,
-                load_format=FLATTENED_BUCKET,
-                blocking=False,
-            )
-            work = dist.broadcast(flat, group=group.group, group_src=0, async_op=True)
-            _at_bucket(bucket, lambda w=work, a=answers: _wait_both(w, a, self.cfg.timeout_s))
-            stats.add(bucket)
-            del flat
+            if in_flight is not None:
+                stats.add(self._finish(*in_flight))
+            in_flight = (bucket, flat, *self._start(client, bucket, flat, version))
+        if in_flight is not None:
+            stats.add(self._finish(*in_flight))
         return stats
+
+    def _start(self, client: SGLangClient, bucket: Bucket, flat: torch.Tensor, version: int) -> tuple:
+        """Announce `bucket` to the servers (answers in the background), then broadcast it."""
+        answers = client.update_weights_from_distributed(
+            bucket.names,
+            bucket.dtypes,
+            bucket.shapes,
+            group_name=self._group.name,
+            flush_cache=False,
+            weight_version=version if bucket.last else None,
+            load_format=FLATTENED_BUCKET,
+            blocking=False,
+        )
+        return dist.broadcast(flat, group=self._group.group, group_src=0, async_op=True), answers
+
+    def _finish(self, bucket: Bucket, flat: torch.Tensor, work, answers) -> Bucket:
+        """Wait until every server received and accepted `bucket` (`flat` is alive until then)."""
+        _at_bucket(bucket, lambda: _wait_both(work, answers, self.cfg.timeout_s))
+        return bucket
 
     # ------------------------------------------------------------------ the group
     def _backend(self) -> str:
@@ -300,10 +309,15 @@ def _step(what: str, call) -> None:
 
 
 def _master_address(urls: list[str]) -> str:
-    """127.0.0.1 when every server is on loopback, else this host's address."""
-    if all(urlparse(u).hostname in _LOOPBACK for u in urls):
-        return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+    """This host's address on the route to the first server (127.0.0.1 for a local server).
+
+    A UDP `connect` sends nothing; it only picks the outgoing interface, which avoids
+    `gethostbyname(gethostname())` answering 127.0.1.1 on hosts that map their name so.
+    """
+    url = urlparse(urls[0])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((url.hostname, url.port or 80))
+        return sock.getsockname()[0]
 
 
 def _free_port() -> int:

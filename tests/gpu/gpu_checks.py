@@ -1,8 +1,8 @@
 """Bodies of the GPU smoke checks, written against the device and engine they are given.
 
 The tests in this directory call them on a CUDA device with bf16 (and the TransformerEngine
-spec when TE imports); each body also runs on CPU in fp32 with the local spec, which is how
-their logic is exercised on a machine without a GPU. Every function works in the current
+spec when TE imports); the model checks also run on CPU in fp32 and bf16 with the local spec,
+which is how their logic is exercised on a machine without a GPU. Every function works in the current
 process's world of one (`init_distributed(ParallelConfig())`) unless it starts its own
 processes (`run_rl_steps`, `run_parity`).
 
@@ -163,7 +163,8 @@ def check_build(model_cfg, engine, *, expect_te: bool) -> str:
     wrong = {n: d for n, d in matrices.items() if d != engine.torch_dtype}
     assert not wrong, f"weights not in {engine.torch_dtype}: {dict(list(wrong.items())[:3])}"
     layout = packing_layout(model)
-    experts = type(model.decoder.layers[0].mlp.experts).__name__
+    gpt = getattr(model, "module", model)  # bf16: megatron's Float16Module around the GPTModel
+    experts = type(gpt.decoder.layers[0].mlp.experts).__name__
     if expect_te:
         assert model.config.moe_grouped_gemm, "the TE engine did not turn on grouped GEMM"
         assert experts == "TEGroupedMLP", f"experts are {experts}, expected TEGroupedMLP"

@@ -37,6 +37,34 @@ CASES = {
 }
 
 
+def poisoned_export(model, out: Path, cfg) -> dict:
+    """The last rank alone puts a NaN into a replicated tensor: every rank must refuse the export
+    (none left waiting in a collective) and the previous export must stay as it was."""
+    import torch.distributed as dist
+
+    from megatron_gspo.model.convert import ConversionError, export_hf_checkpoint
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    before = {p.name: p.read_bytes() for p in out.iterdir()} if rank == 0 else None
+    param = dict(model.named_parameters())["decoder.final_layernorm.weight"]
+    saved = param.detach().clone()
+    if rank == world - 1:
+        with torch.no_grad():
+            param[0] = float("nan")
+    try:
+        export_hf_checkpoint(model, out, cfg)
+        outcome = "exported"
+    except ConversionError as err:
+        outcome = str(err)
+    finally:
+        with torch.no_grad():
+            param.copy_(saved)
+    outcomes = [None] * world
+    dist.all_gather_object(outcomes, outcome)
+    unchanged = rank != 0 or before == {p.name: p.read_bytes() for p in out.iterdir()}
+    return {"outcomes": outcomes, "unchanged": unchanged}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, required=True)
@@ -80,6 +108,8 @@ def main() -> None:
             model, lambda t, m=hf_model: hf_token_logprobs(m, t), tokens, pad_multiple=args.tp
         )
         exported = export_hf_checkpoint(model, args.work / f"{name}-export", cfg)
+        if name == "default":
+            results["poisoned"] = poisoned_export(model, args.work / f"{name}-export", cfg)
         bytes_read = [0] * dist.get_world_size()
         dist.all_gather_object(bytes_read, stats.bytes_read)
         if dist.get_rank() == 0:

@@ -27,6 +27,7 @@ from megatron_gspo.model.hf_checkpoint import (
     load_hf_state_dict,
     make_tiny_hf_checkpoint,
     module_state_to_hf,
+    save_hf_state_dict,
 )
 from megatron_gspo.model.sharding import gather_global_state_dict, load_global_state_dict
 
@@ -218,6 +219,30 @@ def test_export_round_trips_bit_exact_and_loads_in_transformers(world_of_one, tm
     with pytest.raises(ConversionError, match="num_layers"):
         export_hf_checkpoint(model, tmp_path / "bad", cfg.replace(num_layers=3))
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_tensors_are_refused_on_load_and_export(world_of_one, tmp_path, bad):
+    cfg = VARIANTS["renorm_untied"]
+    good = make_checkpoint(tmp_path / "ckpt", cfg, seed=3)
+    state = load_hf_state_dict(good)
+    name = "model.layers.1.mlp.experts.5.down_proj.weight"
+    state[name][3, 2] = bad
+    poisoned = save_hf_state_dict(tmp_path / "poisoned", state, cfg)
+    model = build_model(cfg, ParallelConfig()).eval()
+    with pytest.raises(ConversionError, match=rf"tensor {name} has 1 non-finite value"):
+        load_hf_checkpoint(model, poisoned, cfg)
+    # Export: a good export first, then a parameter goes bad; the good export stays as it was.
+    load_hf_checkpoint(model, good, cfg)
+    out = export_hf_checkpoint(model, tmp_path / "export", cfg)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    params = dict(model.named_parameters())
+    param = "decoder.layers.0.self_attention.linear_qkv.weight"
+    with torch.no_grad():
+        params[param][0, :2] = bad
+    with pytest.raises(ConversionError, match=rf"refusing to export .*{param} has NaN/inf values .*kept"):
+        export_hf_checkpoint(model, tmp_path / "export", cfg)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_name_table_covers_the_built_model_exactly(world_of_one):

@@ -32,6 +32,9 @@ def test_tp2_ep2_load_matches_transformers_and_export_is_bit_identical(tmp_path)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(result.read_text())
+    poisoned = results.pop("poisoned")
+    assert poisoned["unchanged"] and len(poisoned["outcomes"]) == 4
+    assert all("decoder.final_layernorm.weight has NaN/inf" in o for o in poisoned["outcomes"]), poisoned
     assert results.keys() == {*CASES, "default@etp1"}
     for case, r in results.items():
         print(

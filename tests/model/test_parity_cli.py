@@ -1,21 +1,55 @@
-"""`megatron-gspo parity`: TP/EP layouts equal TP=EP=1 (log-probs and one optimizer step)."""
+"""`megatron-gspo parity`: TP/EP layouts equal TP=EP=1 (log-probs and one optimizer step).
+
+fp32: differences are reduction-order noise, ~1e-6. bf16 (megatron's mixed precision): the
+layout rounds its partial sums to bf16 in another order than TP=1, so it differs from TP=1 by
+as much as bf16 rounding itself changes the log-probs (both are one bf16 rounding path of
+the same computation; measured mean |d| 1.8e-3 for TP2 vs 3.1e-3 for bf16 vs fp32), far
+above fp32's 1e-5. The bound is `BF16_FACTOR` (2) x that bf16-vs-fp32 distance, measured in
+the same run; the negative controls inject sharding bugs (a swapped expert pair as a wrong
+EP mapping, one expert's TP slices exchanged) that must fail on the log-probs alone, and a
+missing data-parallel loss factor that only the grad-norm bound sees.
+"""
 
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from megatron_gspo.model.parity import BF16_FACTOR, BF16_GRAD_NORM_REL, BF16_WEIGHT_MEAN
 
 pytestmark = pytest.mark.multiprocess
 
 LINE = re.compile(r"max\|dlogprob\|=(\S+) max\|dweight\| after one Adam step=(\S+) grad_norm (\S+) vs (\S+)")
+BF16 = re.compile(
+    r"\(rel (\S+)\) mean\|dlogprob\|=(\S+) mean\|dweight\|=(\S+); "
+    r"bf16 vs fp32 at tp=1: max\|dlogprob\|=(\S+) mean\|dlogprob\|=(\S+)"
+)
+BUG_WORKER = Path(__file__).with_name("parity_bug_worker.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def parity(*args):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "megatron_gspo.cli", "parity", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+def bf16_figures(stdout: str) -> dict[str, float]:
+    head, tail = LINE.search(stdout), BF16.search(stdout)
+    assert head and tail, stdout
+    logprob_max, weight_max, grad_norm, ref_norm = map(float, head.groups())
+    grad_norm_rel, logprob_mean, weight_mean, rounding_max, rounding_mean = map(float, tail.groups())
+    assert grad_norm > 0 and rounding_mean > 0
+    return dict(
+        logprob_max=logprob_max,
+        logprob_mean=logprob_mean,
+        weight_mean=weight_mean,
+        grad_norm_rel=grad_norm_rel,
+        rounding_max=rounding_max,
+        rounding_mean=rounding_mean,
+    )
 
 
 @pytest.mark.parametrize(
@@ -42,3 +76,49 @@ def test_exits_non_zero_above_the_tolerance():
     result = parity("--tp", "2", "--ep", "1", "--tolerance", "0")
     assert result.returncode == 1, result.stdout + result.stderr[-2000:]
     assert "FAIL" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "layout", [("--tp", "2", "--ep", "1"), ("--tp", "1", "--ep", "2")], ids=["tp2", "ep2"]
+)
+def test_bf16_layout_matches_world_one_within_bf16_rounding(layout):
+    result = parity(*layout, "--dtype", "bf16")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    f = bf16_figures(result.stdout)
+    assert f["logprob_mean"] <= BF16_FACTOR * f["rounding_mean"]
+    assert f["logprob_max"] <= BF16_FACTOR * f["rounding_max"]
+    assert f["weight_mean"] <= BF16_WEIGHT_MEAN and f["grad_norm_rel"] <= BF16_GRAD_NORM_REL
+    if layout[1] == "2":  # TP2 rounds partial sums in another order: bf16-sized, never 0
+        assert f["logprob_mean"] > 1e-4
+    else:  # EP moves whole experts: the same sums in the same order
+        assert f["logprob_max"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "bug,layout",
+    [("expert_swap", ("--tp", "1", "--ep", "2")), ("tp_slice_swap", ("--tp", "2", "--ep", "1"))],
+)
+def test_bf16_bound_catches_a_sharding_bug(bug, layout):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(BUG_WORKER), bug, *layout, "--dtype", "bf16"]
+    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0 and "FAIL" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
+    f = bf16_figures(result.stdout)
+    assert f["logprob_mean"] > BF16_FACTOR * f["rounding_mean"]  # the log-probs alone catch it
+
+
+def test_bf16_bound_catches_an_unscaled_data_parallel_loss():
+    """EP2 runs two data-parallel ranks: without the DP loss factor the gradients are halved. The
+    first Adam step is invariant to the scale, so only the grad-norm bound can catch it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(BUG_WORKER), "unscaled_dp_loss", "--tp", "1", "--ep", "2", "--dtype", "bf16"]
+    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0 and "FAIL" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
+    f = bf16_figures(result.stdout)
+    assert f["grad_norm_rel"] == pytest.approx(0.5, abs=0.01)
+    assert f["logprob_max"] == 0.0 and f["weight_mean"] <= BF16_WEIGHT_MEAN
+
+
+def test_bf16_refuses_an_fp32_tolerance():
+    result = parity("--tp", "2", "--ep", "1", "--dtype", "bf16", "--tolerance", "0.1")
+    assert result.returncode == 2 and "--tolerance applies to --dtype fp32" in result.stderr

@@ -22,6 +22,7 @@ from megatron_gspo.rollout import contract
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.errors import (
     MalformedResponseError,
+    RolloutBatchTimeoutError,
     RolloutRequestError,
     RolloutServerError,
     WeightUpdateError,
@@ -154,6 +155,14 @@ class FakeSGLang:
         threading.Thread(target=self.httpd.serve_forever, args=(0.02,), daemon=True).start()
 
     def respond(self, request, body):
+        if body.get("input_ids") and isinstance(body["input_ids"][0], list):  # a batch: one answer per row
+            rows = [
+                {**body, "input_ids": ids, "sampling_params": sp, "rid": rid}
+                for ids, sp, rid in zip(
+                    body["input_ids"], body["sampling_params"], body.get("rid") or [None] * 10**6
+                )
+            ]
+            return [self.respond(API.GenerateRequest.from_json_value(row), row) for row in rows]
         ids = list(request.input_ids)
         n = request.sampling_params.max_new_tokens
         out, lps = expected_output(ids, n)
@@ -471,3 +480,38 @@ def test_generate_batched_refuses_an_answer_that_is_not_one_object_per_row(serve
     with client_for(server.url) as client:
         with pytest.raises(MalformedResponseError, match="for a batch of 2 rows, expected a list of objects"):
             client.generate_batched(requests_for(2))
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_batch_timeout_names_the_pending_server_cancels_and_aborts(servers, batched):
+    fast, slow = servers(), servers(delay_s=3.0)
+    with client_for(fast.url, slow.url, batch_timeout_s=0.5, timeout_s=10.0, max_concurrency=8) as client:
+        start = time.monotonic()
+        with pytest.raises(RolloutBatchTimeoutError) as info:
+            (client.generate_batched if batched else client.generate)(requests_for(6))
+        elapsed = time.monotonic() - start
+        err = info.value
+        assert 0.5 <= elapsed < 1.5  # not the 3 s of the slow server, nor its 10 s request timeout
+        assert err.pending_urls == [slow.url] and fast.url not in str(err) and slow.url in str(err)
+        assert err.total == 6 and 1 <= err.pending < 6 and "rollout.batch_timeout_s" in str(err)
+        # The in-flight requests are aborted by rid on the slow server only.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any(p == "/abort_request" for p, _ in slow.posts):
+            time.sleep(0.02)
+        aborted = {b["rid"] for p, b in slow.posts if p == "/abort_request"}
+        sent = {rid for p, b in slow.posts if p == "/generate" for rid in _rids(b.get("rid"))}
+        assert aborted and aborted <= sent
+        assert not any(p == "/abort_request" for p, _ in fast.posts)
+
+
+def test_batch_timeout_not_hit_by_a_batch_that_finishes(servers):
+    server = servers(delay_s=0.05)
+    with client_for(server.url, batch_timeout_s=5.0) as client:
+        assert len(client.generate(requests_for(8))) == 8
+        assert len(client.generate_batched(requests_for(8))) == 8
+    with pytest.raises(ValueError, match="batch_timeout_s"):
+        SGLangClient(["http://a:1"], batch_timeout_s=0)
+
+
+def _rids(rid):
+    return rid if isinstance(rid, list) else [rid]  # a batch request carries one rid per row

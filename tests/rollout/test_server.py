@@ -160,9 +160,9 @@ def test_stop_token_ends_generation_and_is_reported(server, client):
 def test_bad_requests_get_400_naming_the_problem(server, client):
     url = f"{server.url}/generate"
     r = client.post(url, json={"input_ids": PROMPT, "sampling_params": {"max_new_tokns": 3}})
-    assert r.status_code == 400 and "unknown field `max_new_tokns`" in r.json()["error"]
+    assert r.status_code == 400 and "unknown field `max_new_tokns`" in r.json()["error"]["message"]
     r = client.post(url, json={"input_ids": "12", "sampling_params": {}})
-    assert r.status_code == 400 and "invalid type" in r.json()["error"]
+    assert r.status_code == 400 and "input_ids must be a non-empty list" in r.json()["error"]["message"]
     r = client.post(url, json={"input_ids": PROMPT, "sampling_params": {"stop": ["\n"]}})
     assert r.status_code == 400 and "sampling_params.stop" in r.json()["error"]["message"]
     r = client.post(url, json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 600}})
@@ -338,3 +338,31 @@ def test_unknown_sampling_key_refused_with_and_without_the_wheel(monkeypatch):
         server_protocol.parse_generate(body, None)
     ok = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "temperature": 0.5}}
     assert server_protocol.parse_generate(ok, None).rows[0].sampling.temperature == 0.5
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weight_updates_are_refused_and_old_weights_keep_serving(server, client, checkpoints, bad):
+    a, _ = checkpoints
+    version = client.get(f"{server.url}/get_weight_version").json()["weight_version"]
+    before, lp_before = _logprobs(client, server, PROMPT)
+    state = load_hf_state_dict(a)
+    name = "model.layers.0.mlp.experts.2.up_proj.weight"
+    poisoned = {n: t.clone() for n, t in state.items()}
+    poisoned[name][1, 1] = bad
+    # Tensor update: a good tensor first, the poisoned one after it (nothing may be applied).
+    partial = {"model.norm.weight": state["model.norm.weight"] * 2, name: poisoned[name]}
+    r = client.post(
+        f"{server.url}/update_weights_from_tensor",
+        json={"serialized_named_tensors": [serialize_named_tensors(partial)], "weight_version": "bad"},
+    )
+    assert r.status_code == 400 and f"tensor {name} has 1 non-finite" in r.json()["message"], r.text
+    # Disk update of a whole checkpoint with one poisoned tensor.
+    bad_dir = save_hf_state_dict(a.parent / f"poisoned-{bad}", poisoned, CFG, TOKENIZER)
+    r = client.post(
+        f"{server.url}/update_weights_from_disk", json={"model_path": str(bad_dir), "weight_version": "bad"}
+    )
+    assert r.status_code == 400 and f"tensor {name} has 1 non-finite" in r.json()["message"], r.text
+    after, lp_after = _logprobs(client, server, PROMPT)
+    assert after["output_ids"] == before["output_ids"] and torch.equal(lp_after, lp_before)
+    assert after["meta_info"]["weight_version"] == version
+    assert client.get(f"{server.url}/get_weight_version").json()["weight_version"] == version

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from megatron_gspo.algorithms.running_stats import RunningMeanStd
-from megatron_gspo.model.builder import build_model
+from megatron_gspo.model.builder import EngineConfig, build_model
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.distributed import ParallelConfig, init_distributed
 from megatron_gspo.model.logprobs import sequence_logprobs
@@ -65,10 +65,10 @@ class Run:
         self.stats.load_state_dict(state["loss_stats"])
 
 
-def build_run(parallel: ParallelConfig, *, init: bool = True, seed: int = 1234) -> Run:
+def build_run(parallel: ParallelConfig, *, init: bool = True, seed: int = 1234, dtype: str = "fp32") -> Run:
     if init:
         init_distributed(parallel, seed=seed)
-    model = build_model(tiny(vocab_size=len(TOKENIZER)), parallel)
+    model = build_model(tiny(vocab_size=len(TOKENIZER)), parallel, EngineConfig(dtype=dtype))
     ddp = wrap_ddp(model, distributed_optimizer=parallel.distributed_optimizer)
     optimizer, scheduler = build_optimizer(
         ddp,

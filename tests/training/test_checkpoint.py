@@ -41,20 +41,24 @@ def saved(tmp_path_factory):
     return root, run
 
 
-@pytest.mark.parametrize("distributed_optimizer", [False, True])
-def test_resumed_run_continues_bit_exactly(tmp_path, distributed_optimizer):
+@pytest.mark.parametrize(
+    "dtype,distributed_optimizer",
+    [("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)],
+    ids=["fp32", "fp32-distopt", "bf16", "bf16-distopt"],
+)
+def test_resumed_run_continues_bit_exactly(tmp_path, dtype, distributed_optimizer):
+    """bf16: the fp32 main params are restored too (bf16 weights alone would not continue exactly)."""
     parallel = ParallelConfig(distributed_optimizer=distributed_optimizer)
-    original = build_run(parallel, init=False)
+    original = build_run(parallel, init=False, dtype=dtype)
     for _ in range(3):
         train_step(original)
     save_run(original, tmp_path)
     expected_probes = draw_probes()
     expected = [train_step(original) for _ in range(2)]
 
-    resumed = build_run(parallel, init=False)  # different initial weights: the RNG moved on
-    assert not torch.equal(
-        resumed.model.embedding.word_embeddings.weight, original.model.embedding.word_embeddings.weight
-    )
+    resumed = build_run(parallel, init=False, dtype=dtype)  # different initial weights: the RNG moved on
+    embedding = "embedding.word_embeddings.weight"
+    assert not torch.equal(resumed.ddp.state_dict()[embedding], original.ddp.state_dict()[embedding])
     torch.manual_seed(99), np.random.seed(99), random.seed(99)  # scramble every stream
     state = load_run(resumed, tmp_path)
     probes = draw_probes()

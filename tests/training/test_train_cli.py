@@ -5,6 +5,7 @@ mini-batch) is checked for its metrics records, and compared with a run killed b
 after its step-2 checkpoint and resumed with --resume: the per-step metrics must be identical.
 """
 
+import math
 import os
 import signal
 import subprocess
@@ -139,3 +140,23 @@ def test_a_fresh_run_refuses_a_run_dir_with_checkpoints_before_doing_any_work(re
     assert "already holds checkpoints up to step 4: pass --resume" in done.stderr
     assert (run_dir / "metrics.jsonl").read_text() == before  # nothing of the finished run touched
     assert "SFT step" not in done.stderr + done.stdout  # refused at start-up, before any training
+
+
+@pytest.mark.parametrize("bf16_side", ["rollout.dtype=bf16", "engine.dtype=bf16"], ids=["server", "trainer"])
+def test_bf16_on_one_side_shows_as_train_inference_mismatch(reference, tmp_path, bf16_side):
+    """Step 1 scores the rollout weights: fp32 on both sides agree to ~1e-7 nats per token; a bf16
+    server (bf16 logits) or a bf16 trainer (megatron mixed precision) differs by bf16 rounding,
+    measured mean ~3e-3 and max ~1e-2 (u = 2^-8 on logits of a few nats); a wrong model or
+    mis-aligned tokens would be O(1)."""
+    ref_dir, _ = reference
+    run_dir = tmp_path / "bf16"
+    done = subprocess.run(
+        train_cmd(run_dir, "trainer.steps=1", bf16_side), env=ENV, capture_output=True, text=True, timeout=400
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    step1 = read_metrics(run_dir / "metrics.jsonl")[1]
+    fp32_step1 = read_metrics(ref_dir / "metrics.jsonl")[1]
+    assert fp32_step1["rollout/logprob_mismatch_mean"] < 1e-6
+    assert 1e-3 < step1["rollout/logprob_mismatch_mean"] < 0.05
+    assert step1["rollout/logprob_mismatch_max"] < 0.5
+    assert step1["train/skipped_steps"] == 0 and math.isfinite(step1["actor/pg_loss"])

@@ -164,7 +164,7 @@ def test_a_nonfinite_weight_is_never_sent(setup):
     with torch.no_grad():
         param[0, 0] = float("nan")
     try:
-        with pytest.raises(NonFiniteWeightError, match="down_proj"):
+        with pytest.raises(NonFiniteWeightError, match=r"sync weights .*linear_fc2.weight has NaN/inf"):
             make_sync(model, export_dir, retries=2).sync(client, 99)
     finally:
         with torch.no_grad():
@@ -188,7 +188,7 @@ def test_protocol_misuse_gets_400_naming_the_problem(setup):
         assert http.post("/begin_weight_update", json={}).status_code == 200
         assert "already open" in post("/begin_weight_update", {})
         assert http.post("/end_weight_update", json={"abort": True}).status_code == 200
-        assert "names must be list" in post("/update_weights_from_distributed", {**shape, "names": "x"})
+        assert "names must be a list" in post("/update_weights_from_distributed", {**shape, "names": "x"})
         assert "master_port is required" in post(
             "/init_weights_update_group", {"master_address": "127.0.0.1", "rank_offset": 1, "world_size": 2}
         )
