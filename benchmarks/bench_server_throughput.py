@@ -7,7 +7,8 @@ prompts with `max_new_tokens` sampled tokens each (EOS ignored, so both sides ge
 number of tokens): once through the embedded SGLang-protocol server, as the rollouts ask for
 them (one batched `/generate` with log-probs, temperature 0.7), once through
 `AutoModelForCausalLM.generate` on the same checkpoint in this process (left-padded batch, no
-log-probs). Both run one torch thread. Reports tokens/s of each and server / generate (goal >= 0.5).
+log-probs), alternately. Both run one torch thread. Reports tokens/s of each and server /
+generate (goal >= 0.5).
 """
 
 from __future__ import annotations
@@ -51,28 +52,17 @@ def demo_prompts(cfg, tokenizer, count: int) -> list[list[int]]:
     return [encode_prompt(tokenizer, p.prompt, add_bos=cfg.task.add_bos) for p in problems]
 
 
-def server_tokens_per_s(model_dir: Path, prompts, new_tokens: int, temperature: float, repeats: int) -> float:
-    from megatron_gspo.rollout.client import SGLangClient
+def server_call(client, prompts, new_tokens: int, temperature: float):
+    """One batched `/generate` of `prompts` through the server; returns the completion tokens."""
     from megatron_gspo.rollout.requests import build_generate_request
-    from megatron_gspo.rollout.server_launch import launch_embedded_server
 
     params = {"max_new_tokens": new_tokens, "temperature": temperature, "ignore_eos": True}
     bodies = [build_generate_request(p, params, rid=f"bench-{i}") for i, p in enumerate(prompts)]
-    with launch_embedded_server(model_dir, num_threads=1) as server, SGLangClient([server.url]) as client:
-        client.wait_until_healthy(120)
-        client.generate_batched(bodies[:2])  # warm-up
-        rates = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            responses = client.generate_batched(bodies)
-            seconds = time.perf_counter() - start
-            rates.append(sum(len(r["output_ids"]) for r in responses) / seconds)
-    return statistics.median(rates)
+    return lambda: sum(len(r["output_ids"]) for r in client.generate_batched(bodies))
 
 
-def generate_tokens_per_s(
-    model_dir: Path, prompts, new_tokens: int, temperature: float, repeats: int
-) -> float:
+def generate_call(model_dir: Path, prompts, new_tokens: int, temperature: float):
+    """One left-padded `generate` of `prompts` by transformers; returns the completion tokens."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -82,36 +72,55 @@ def generate_tokens_per_s(
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                   do_sample=True, temperature=temperature, top_k=0, pad_token_id=pad)  # fmt: skip
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the server
-    try:
-        with torch.no_grad():
-            model.generate(ids[:2], **{**kwargs, "attention_mask": mask[:2]})  # warm-up
-            rates = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                out = model.generate(ids, **kwargs)
-                seconds = time.perf_counter() - start
-                rates.append((out.shape[1] - width) * len(prompts) / seconds)
-    finally:
-        torch.set_num_threads(threads)
-    return statistics.median(rates)
+
+    @torch.no_grad()
+    def call() -> int:
+        return (model.generate(ids, **kwargs).shape[1] - width) * len(prompts)
+
+    return call
 
 
 def measure(quick: bool = False) -> dict[str, float]:
-    """Tokens/s of the server and of `generate` on the same batch, and their ratio."""
-    batch, new_tokens, repeats = (16, 8, 2) if quick else (64, 32, 5)
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp, "policy")
-        cfg, tokenizer = export_demo_model(model_dir)
-        prompts = demo_prompts(cfg, tokenizer, batch)
-        temperature = cfg.rollout.temperature
-        server = server_tokens_per_s(model_dir, prompts, new_tokens, temperature, repeats)
-        generate = generate_tokens_per_s(model_dir, prompts, new_tokens, temperature, repeats)
+    """Tokens/s of the server and of `generate` on the same batch, and their ratio.
+
+    The two run alternately, one call each per repeat, and the ratio is the median of the
+    per-repeat ratios, so that load from other work on the machine cancels out.
+    """
+    from megatron_gspo.rollout.client import SGLangClient
+    from megatron_gspo.rollout.server_launch import launch_embedded_server
+
+    batch, new_tokens, repeats = (16, 8, 2) if quick else (64, 32, 7)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the server
+    rates: dict[str, list[float]] = {"server": [], "generate": []}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = Path(tmp, "policy")
+            cfg, tokenizer = export_demo_model(model_dir)
+            prompts = demo_prompts(cfg, tokenizer, batch)
+            temperature = cfg.rollout.temperature
+            with (
+                launch_embedded_server(model_dir, num_threads=1) as server,
+                SGLangClient([server.url]) as client,
+            ):
+                client.wait_until_healthy(120)
+                calls = {
+                    "server": server_call(client, prompts, new_tokens, temperature),
+                    "generate": generate_call(model_dir, prompts, new_tokens, temperature),
+                }
+                for call in calls.values():
+                    call()  # warm-up
+                for _ in range(repeats):
+                    for name, call in calls.items():
+                        start = time.perf_counter()
+                        tokens = call()
+                        rates[name].append(tokens / (time.perf_counter() - start))
+    finally:
+        torch.set_num_threads(threads)
     return {
-        "server_tokens_per_s": server,
-        "generate_tokens_per_s": generate,
-        "server_vs_generate": server / generate,
+        "server_tokens_per_s": statistics.median(rates["server"]),
+        "generate_tokens_per_s": statistics.median(rates["generate"]),
+        "server_vs_generate": statistics.median(a / b for a, b in zip(rates["server"], rates["generate"])),
         "batch": float(batch),
         "new_tokens": float(new_tokens),
     }
