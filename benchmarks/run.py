@@ -175,6 +175,13 @@ def write(out: Path, quick: bool, info: dict, results: dict, seconds: dict) -> P
     payload = {"quick": quick, "machine": info, "rows": records, "seconds": seconds, "benchmarks": results}
     (out / "results" / "results.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
     machine_lines = "\n".join(f"- {k}: {v}" for k, v in info.items())
+    load = max(float(info["load_average_1min_at_start"]), float(info["load_average_1min_at_end"]))
+    shared = (
+        f"**The machine was shared** (load average up to {load:.0f} on {info['cores']} cores): the ratios "
+        "pair measurements taken together, but single-sample figures (weight sync) are noisy.\n\n"
+        if load > info["cores"]
+        else ""
+    )
     timing = ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
     report = out / "RESULTS.md"
     report.write_text(
@@ -182,7 +189,7 @@ def write(out: Path, quick: bool, info: dict, results: dict, seconds: dict) -> P
         "Written by `python benchmarks/run.py`; every ratio is measured within this one run "
         "(see each `benchmarks/bench_*.py` for what exactly is compared). Raw figures: "
         "`results/results.json`.\n\n"
-        f"{markdown}\n\n## Machine\n\n{machine_lines}\n\nWall time per benchmark: {timing}.\n"
+        f"{shared}{markdown}\n\n## Machine\n\n{machine_lines}\n\nWall time per benchmark: {timing}.\n"
     )
     return report
 
