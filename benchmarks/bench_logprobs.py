@@ -3,7 +3,8 @@
     python benchmarks/bench_logprobs.py [--vocab 32768] [--batch 8] [--seq 128]
 
 1. Peak extra memory while computing per-token log-probs of given tokens from the
-   output-layer logits [S, B, V], as a fraction of the logits tensor's size (goal <= 0.25):
+   output-layer logits [S, B, V], as a fraction of the logits tensor's size, fp32 and bf16
+   logits (goal <= 0.25):
    ours (megatron's vocab-parallel cross entropy, in place, what `model/logprobs.py` uses
    through GPTModel's `labels` path) vs `log_softmax(logits).gather(...)`. Memory in use is
    read from glibc's allocator (mallinfo2) after every torch op, so the peak includes every
@@ -76,13 +77,13 @@ def naive(logits, targets):
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def memory_fraction(method, seq, batch, vocab, hidden=64) -> tuple[float, float]:
-    """(forward peak extra, forward+backward peak extra) / logits bytes."""
+def memory_fraction(method, seq, batch, vocab, hidden=64, dtype=torch.float32) -> tuple[float, float]:
+    """(forward peak extra, forward+backward peak extra) / bytes of the `dtype` logits."""
     gen = torch.Generator().manual_seed(0)
-    h = torch.randn(seq, batch, hidden, generator=gen, requires_grad=True)
-    w = torch.randn(vocab, hidden, generator=gen, requires_grad=True)
+    h = torch.randn(seq, batch, hidden, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(vocab, hidden, generator=gen).to(dtype).requires_grad_()
     targets = torch.randint(0, vocab, (seq, batch), generator=gen)
-    logits_bytes = seq * batch * vocab * 4
+    logits_bytes = seq * batch * vocab * dtype.itemsize
     logits = h @ w.t()  # the output layer: logits are an intermediate the path may consume
     with PeakMemory() as fwd:
         loss = method(logits, targets).sum()
@@ -130,6 +131,24 @@ def timing_ratio(batch, seq, repeats) -> tuple[float, float, float]:
     return ours_ms / naive_ms, ours_ms, naive_ms
 
 
+def measure(quick: bool = False) -> dict[str, float]:
+    """Peak extra memory / logits bytes of both paths in fp32 and bf16 (`logits [S, B, V]`)."""
+    from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+
+    seq, batch, vocab = (64, 4, 8192) if quick else (128, 8, 32768)
+    out = {"seq": float(seq), "batch": float(batch), "vocab": float(vocab)}
+    init_distributed(ParallelConfig())  # the vocab-parallel CE asks for its (one-rank) TP group
+    try:
+        for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            for name, method in (("ours", ours), ("naive", naive)):
+                forward, total = memory_fraction(method, seq, batch, vocab, dtype=dtype)
+                out[f"{name}_{dtype_name}_forward"] = forward
+                out[f"{name}_{dtype_name}_forward_backward"] = total
+    finally:
+        destroy_distributed()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=32768)
@@ -139,11 +158,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     ratio, ours_ms, naive_ms = timing_ratio(args.batch, args.seq, args.repeats)  # also starts the world
-    shape = f"logits [S={args.seq}, B={args.batch}, V={args.vocab}] fp32"
-    print(f"peak extra memory / logits bytes, {shape}:")
-    for name, method in (("ours (vocab-parallel CE, in place)", ours), ("naive log_softmax + gather", naive)):
-        forward, total = memory_fraction(method, args.seq, args.batch, args.vocab)
-        print(f"  {name:36s} forward {forward:5.2f}   forward+backward {total:5.2f}")
+    for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        shape = f"[S={args.seq}, B={args.batch}, V={args.vocab}]"
+        print(f"peak extra memory / logits bytes, logits {shape} {dtype_name}:")
+        for name, method in (
+            ("ours (vocab-parallel CE, in place)", ours),
+            ("naive log_softmax + gather", naive),
+        ):
+            forward, total = memory_fraction(method, args.seq, args.batch, args.vocab, dtype=dtype)
+            print(f"  {name:36s} forward {forward:5.2f}   forward+backward {total:5.2f}")
     print(
         f"tiny MoE forward+backward B{args.batch}xS{args.seq}: ours / naive time = {ratio:.3f} "
         f"({ours_ms:.1f} ms vs {naive_ms:.1f} ms, medians of {args.repeats})"

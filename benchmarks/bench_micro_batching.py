@@ -16,14 +16,20 @@ Prints per cut: micro-batches per rank and mini-batch, the largest micro-batch (
 what sizes activation memory), padding (positions holding no token / all positions), the
 DP imbalance (most / fewest tokens one rank trains on) and rank 0's planning time; then the
 before/after ratios. Runs in seconds.
+
+`measure` (benchmarks/run.py) adds the padding of the CPU demo's own cut
+(configs/tiny_moe_cpu.yaml: its task's prompts, the reference answers + EOS as responses).
 """
 
 import argparse
 import math
 import random
 import time
+from pathlib import Path
 
 from megatron_gspo.training.micro_batching import DataLayout, split_batch
+
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny_moe_cpu.yaml"
 
 
 def lengths(responses: int, seed: int = 0) -> list[int]:
@@ -36,7 +42,7 @@ def lengths(responses: int, seed: int = 0) -> list[int]:
     return rows
 
 
-def measure(rows: list[int], mini: int, layout: DataLayout) -> dict[str, float]:
+def cut_stats(rows: list[int], mini: int, layout: DataLayout) -> dict[str, float]:
     """The cut's micro-batch count, largest micro-batch, padding and DP imbalance (see the docstring)."""
     start = time.perf_counter()
     splits = split_batch(rows, mini, layout)
@@ -55,6 +61,45 @@ def measure(rows: list[int], mini: int, layout: DataLayout) -> dict[str, float]:
         "padding": 1 - sum(tokens) / positions,
         "imbalance": max(tokens) / min(tokens),
         "ms": ms,
+    }
+
+
+def demo_padding(steps: int) -> float:
+    """Padding fraction of the demo config's micro-batches over `steps` RL steps of its prompt stream."""
+    from megatron_gspo.config import build_task, load_config
+    from megatron_gspo.tasks import PromptStream
+    from megatron_gspo.tasks.tokenizer import build_char_tokenizer, encode_prompt, encode_text
+
+    cfg = load_config(DEMO_CONFIG)
+    task, tokenizer = build_task(cfg), build_char_tokenizer()
+    layout = DataLayout(
+        micro_batch_size=cfg.trainer.micro_batch_size,
+        max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch or 0,
+    )
+    stream = PromptStream(task, cfg.rollout.rollout_batch_size, seed=cfg.trainer.seed)
+    tokens = positions = 0
+    for _ in range(steps):
+        rows = []
+        for problem in stream.next_batch():
+            prompt = encode_prompt(tokenizer, problem.prompt, add_bos=cfg.task.add_bos)
+            rows += [len(prompt) + len(encode_text(tokenizer, problem.answer)) + 1] * cfg.rollout.group_size
+        padding = cut_stats(rows, cfg.algorithm.num_mini_batches, layout)["padding"]
+        tokens += sum(rows)
+        positions += sum(rows) / (1 - padding)
+    return 1 - tokens / positions
+
+
+def measure(quick: bool = False) -> dict[str, float]:
+    """Padding of the demo's cut, and of the reasoning-shaped step by count (4 rows) and by tokens."""
+    rows = lengths(128 if quick else 512)
+    base = DataLayout(dp_size=8, pad_multiple=4, packing="thd")
+    by_count = cut_stats(rows, 4, DataLayout(**{**vars(base), "micro_batch_size": 4}))
+    by_tokens = cut_stats(rows, 4, DataLayout(**{**vars(base), "max_tokens_per_micro_batch": 36_864}))
+    return {
+        "demo_padding": demo_padding(5 if quick else 50),
+        "reasoning_padding_by_count": by_count["padding"],
+        "reasoning_padding_by_tokens": by_tokens["padding"],
+        "reasoning_rows": float(len(rows)),
     }
 
 
@@ -90,7 +135,7 @@ def main() -> None:
         f"{'cut':34s} {'micro/rank':>10s} {'largest':>9s} {'padding':>8s} {'imbalance':>9s} {'plan ms':>8s}"
     )
     for name, layout in cuts.items():
-        r = results[name] = measure(rows, args.mini_batches, layout)
+        r = results[name] = cut_stats(rows, args.mini_batches, layout)
         print(
             f"{name:34s} {r['micro']:10.1f} {r['largest']:9d} {r['padding']:8.1%} "
             f"{r['imbalance']:9.3f} {r['ms']:8.1f}"

@@ -73,6 +73,32 @@ def time_module(module, responses, routing: bool) -> float:
     return time.perf_counter() - start
 
 
+def measure(
+    quick: bool = False,
+    *,
+    responses: int | None = None,
+    response_len: int | None = None,
+    routing: bool = True,
+) -> dict[str, float]:
+    """Milliseconds per million tokens before / after, and their ratio (routed experts included)."""
+    responses = responses or (4 if quick else 16)
+    response_len = response_len or (512 if quick else 4096)
+    rng = random.Random(0)
+    bodies = [synthetic_response(rng, response_len, routing) for _ in range(responses)]
+    tokens = responses * (PROMPT + response_len)
+    before_module = old_validation()
+    time_module(validation, bodies[:2], routing)  # warm-up
+    before = time_module(before_module, bodies, routing)
+    after = time_module(validation, bodies, routing)
+    per_m = 1e6 / tokens * 1e3
+    return {
+        "before_ms_per_m_tokens": before * per_m,
+        "after_ms_per_m_tokens": after * per_m,
+        "after_vs_before": after / before,
+        "tokens": float(tokens),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -81,19 +107,15 @@ def main() -> None:
     parser.add_argument("--response-len", type=int, default=4096)
     parser.add_argument("--with-routing", action="store_true", help="also decode 48x8 routed experts")
     args = parser.parse_args()
-    rng = random.Random(0)
-    responses = [synthetic_response(rng, args.response_len, args.with_routing) for _ in range(args.responses)]
-    tokens = args.responses * (PROMPT + args.response_len)
-    before_module = old_validation()
-    time_module(validation, responses[:2], args.with_routing)  # warm-up
-    before = time_module(before_module, responses, args.with_routing)
-    after = time_module(validation, responses, args.with_routing)
-    per_m = 1e6 / tokens * 1e3
-    print(f"{args.responses} responses x ({PROMPT} + {args.response_len}) tokens = {tokens:,} tokens"
-          f"{', routed experts 48x8' if args.with_routing else ''}")  # fmt: skip
-    print(f"before ({BEFORE_COMMIT}): {before * per_m:8.1f} ms per million tokens")
-    print(f"after:            {after * per_m:8.1f} ms per million tokens")
-    print(f"after / before:   {after / before:8.3f}")
+    r = measure(responses=args.responses, response_len=args.response_len, routing=args.with_routing)
+    routing = ", routed experts 48x8" if args.with_routing else ""
+    tokens = int(r["tokens"])
+    print(
+        f"{args.responses} responses x ({PROMPT} + {args.response_len}) tokens = {tokens:,} tokens{routing}"
+    )
+    print(f"before ({BEFORE_COMMIT}): {r['before_ms_per_m_tokens']:8.1f} ms per million tokens")
+    print(f"after:            {r['after_ms_per_m_tokens']:8.1f} ms per million tokens")
+    print(f"after / before:   {r['after_vs_before']:8.3f}")
 
 
 if __name__ == "__main__":

@@ -200,7 +200,14 @@ class SFTConfig:
     """Cold-start supervised fine-tuning before RL (answer + EOS tokens, mean NLL)."""
 
     steps: int = 0
-    """Optimizer steps (0 skips the cold start)."""
+    """Optimizer steps (0 skips the cold start); with target_accuracy, the most it may take."""
+    target_accuracy: float | None = None
+    """Stop early once the held-out greedy accuracy (the trainer's own model on the eval
+    problems) reaches this, so every seed starts RL from a comparable policy (null: run all steps)."""
+    check_every: int = 25
+    """With target_accuracy: measure the held-out accuracy every this many steps (and at the last)."""
+    target_window: int = 1
+    """With target_accuracy: the mean of the last this many checks must reach it (one check is noisy)."""
     lr: float = 3e-3
     """Learning rate (constant after warm-up)."""
     warmup_steps: int = 10
@@ -550,6 +557,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         )
     if cfg.sft.steps < 0 or cfg.sft.batch_size < 1 or cfg.sft.lr <= 0:
         raise ConfigError("sft.steps must be >= 0, sft.batch_size >= 1 and sft.lr > 0")
+    _check_sft_target(cfg.sft)
     if cfg.sft.batch_size % dp:
         raise ConfigError(f"sft.batch_size={cfg.sft.batch_size} does not split over {dp} data-parallel ranks")
     if cfg.eval.num_problems < 1:
@@ -573,6 +581,29 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             f"({task.max_prompt_len}){' + BOS' * cfg.task.add_bos} + rollout.max_new_tokens "
             f"({rollout.max_new_tokens}) = {longest} "
             f"tokens, {packed} positions packed (rows pad to a multiple of the sequence-parallel TP {pad})"
+        )
+
+
+def _check_sft_target(sft: SFTConfig) -> None:
+    """The early stop of the cold start: a reachable target, a cap, a check interval."""
+    if sft.check_every < 1:
+        raise ConfigError(
+            f"sft.check_every must be >= 1 (steps between accuracy checks), got {sft.check_every}"
+        )
+    if sft.target_window < 1:
+        raise ConfigError(
+            f"sft.target_window must be >= 1 (checks averaged against the target), got {sft.target_window}"
+        )
+    if sft.target_accuracy is None:
+        return
+    if not 0 < sft.target_accuracy <= 1:
+        raise ConfigError(
+            f"sft.target_accuracy={sft.target_accuracy} must be in (0, 1] (a held-out accuracy), or null"
+        )
+    if sft.steps < 1:
+        raise ConfigError(
+            f"sft.target_accuracy={sft.target_accuracy} with sft.steps={sft.steps}: sft.steps is the cap "
+            "of the early-stopped cold start and must be >= 1"
         )
 
 

@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,24 @@ def test_token_budget_errors_name_the_field(overrides, world, message):
 )
 def test_token_budget_accepted(overrides, world):
     check(overrides, world_size=world)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["sft.target_accuracy=0"], "sft.target_accuracy=0.0 must be in (0, 1]"),
+        (["sft.target_accuracy=1.5"], "sft.target_accuracy=1.5 must be in (0, 1]"),
+        (["sft.target_accuracy=0.4", "sft.steps=0"], "sft.steps is the cap"),
+        (["sft.target_accuracy=0.4", "sft.check_every=0"], "sft.check_every must be >= 1"),
+        (["sft.check_every=-1"], "sft.check_every must be >= 1"),
+        (["sft.target_window=0"], "sft.target_window must be >= 1"),
+        (["sft.target_accuracy=high"], "config key 'target_accuracy' in section 'sft'"),
+    ],
+)
+def test_sft_target_errors_name_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check(overrides)
+
+
+def test_sft_target_accepted():
+    check(["sft.target_accuracy=1.0", "sft.steps=1", "sft.check_every=1"])

@@ -88,6 +88,22 @@ def _logits_hook(model: torch.nn.Module, temperature: float, want_entropy: bool,
         handle.remove()
 
 
+def attention_inputs(model: torch.nn.Module, packed: PackedBatch, device: torch.device) -> dict:
+    """The keyword arguments that keep `packed`'s samples apart in `model`'s attention.
+
+    Raises:
+        PackingError: a "mask" batch for a model whose attention ignores the mask (TE).
+    """
+    if packing_layout(model) == "mask":
+        return {"attention_mask": block_causal_mask(packed, device)}
+    if packed.layout == "mask":
+        raise PackingError(
+            "a 'mask' packed batch for a model whose attention ignores attention_mask "
+            "(TransformerEngine): samples would attend to each other; pack with layout='thd'"
+        )
+    return {"attention_mask": None, "packed_seq_params": thd_params(packed, device)}
+
+
 def packed_forward(
     model: torch.nn.Module,
     packed: PackedBatch,
@@ -118,18 +134,7 @@ def packed_forward(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     device = compute_device()
-    local_attention = packing_layout(model) == "mask"
-    if packed.layout == "mask" and not local_attention:
-        raise PackingError(
-            "a 'mask' packed batch for a model whose attention ignores attention_mask "
-            "(TransformerEngine): samples would attend to each other; pack with layout='thd'"
-        )
-    kwargs = {}
-    if local_attention:
-        kwargs["attention_mask"] = block_causal_mask(packed, device)
-    else:
-        kwargs["attention_mask"] = None
-        kwargs["packed_seq_params"] = thd_params(packed, device)
+    kwargs = attention_inputs(model, packed, device)
     found: dict = {}
     with _logits_hook(model, temperature, with_entropy, found):
         neg_logprobs = model(

@@ -210,7 +210,14 @@ class Trainer:
         start: dict[str, float] = {}
         if resume_step is None and cfg.sft.steps > 0:
             start = run_sft(
-                self.model, self.task, self.tokenizer, cfg.sft, self.layout, add_bos=cfg.task.add_bos
+                self.model,
+                self.task,
+                self.tokenizer,
+                cfg.sft,
+                self.layout,
+                add_bos=cfg.task.add_bos,
+                heldout=self.heldout,
+                max_new_tokens=cfg.rollout.max_new_tokens,
             )
         total = max(cfg.trainer.steps * cfg.algorithm.num_mini_batches, 1)
         self.optimizer, self.scheduler = build_optimizer(
@@ -417,6 +424,8 @@ class Trainer:
                 log.log(0, record)
                 evals.append({"step": 0, **record})
                 logger.info("cold-start held-out accuracy %.3f", record["eval/accuracy"])
+            elif start_metrics:  # what the cold start did is part of the run's record either way
+                log.log(0, {**start_metrics, "weight_version": 0.0})
             while self.step < cfg.trainer.steps:
                 t0 = time.perf_counter()
                 metrics = self.train_step(engine)
