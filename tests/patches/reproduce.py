@@ -31,6 +31,11 @@ def scenario(skip: str, tp: int, ep: int) -> None:
     logprobs, _ = sequence_logprobs(ddp, seqs, pad_multiple=tp)
     (-logprobs.sum()).backward()
     optimizer_step(ddp, optimizer, scheduler)
+    leaf = optimizer.chained_optimizers[0]
+    param = next(iter(leaf.model_param_group_index_map))
+    loaded = leaf._get_main_param_and_optimizer_states(param)
+    # What loading a `fully_reshardable` checkpoint hands over: no `step` (kept in param groups).
+    leaf._set_main_param_and_optimizer_states(param, {k: v for k, v in loaded.items() if k != "step"})
     optimizer.load_state_dict(optimizer.state_dict())  # as a resume does
     steps = [s["step"] for opt in optimizer.chained_optimizers for s in opt.optimizer.state.values()]
     if len({id(step) for step in steps}) < len(steps):

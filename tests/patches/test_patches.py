@@ -157,6 +157,14 @@ STILL_NEEDED = [
     ("cuda_tensors_to_cpu", 1, 1, 1, NO_CUDA, r"optimizer/optimizer\.py\", line \d+, in __init__"),
     ("distributed_optimizer_step", 1, 1, 1, r"Adam step counters are shared between parameters", "scenario"),
     (
+        "distributed_optimizer_reshardable_load",
+        1,
+        1,
+        1,
+        r"KeyError: 'step'",
+        r"optimizer/distrib_optimizer\.py\", line \d+, in _set_main_param_and_optimizer_states",
+    ),
+    (
         "torch_norm_sequence_parallel",
         2,
         2,

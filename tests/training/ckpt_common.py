@@ -65,10 +65,13 @@ class Run:
         self.stats.load_state_dict(state["loss_stats"])
 
 
-def build_run(parallel: ParallelConfig, *, init: bool = True, seed: int = 1234) -> Run:
+def build_run(
+    parallel: ParallelConfig, *, init: bool = True, seed: int = 1234, vocab_size: int = len(TOKENIZER)
+) -> Run:
+    """The tiny run at `parallel`; `vocab_size` must divide by the TP size (the tokenizer has 79 tokens)."""
     if init:
         init_distributed(parallel, seed=seed)
-    model = build_model(tiny(vocab_size=len(TOKENIZER)), parallel)
+    model = build_model(tiny(vocab_size=vocab_size), parallel)
     ddp = wrap_ddp(model, distributed_optimizer=parallel.distributed_optimizer)
     optimizer, scheduler = build_optimizer(
         ddp,
@@ -97,7 +100,8 @@ def train_step(run: Run) -> dict:
     mine = list(range(dp_rank, len(seqs), dp))
     total_tokens = sum(int(m.sum()) for m in masks)
     zero_grads(run.ddp, run.optimizer)
-    logprobs, _ = sequence_logprobs(run.ddp, [seqs[i] for i in mine])
+    tp = ps.get_tensor_model_parallel_world_size()  # sequence parallel: rows padded to a multiple
+    logprobs, _ = sequence_logprobs(run.ddp, [seqs[i] for i in mine], pad_multiple=tp)
     mask = torch.zeros_like(logprobs)
     for row, i in enumerate(mine):
         mask[row, : len(masks[i])] = masks[i].float()
