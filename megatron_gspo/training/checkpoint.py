@@ -49,10 +49,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.model.config import MoEModelConfig
 from megatron_gspo.model.control_plane import all_gather_objects, broadcast_from_rank0
 from megatron_gspo.training.checkpoint_dist import (
     is_distributed_optimizer,
     leaf_optimizers,
+    load_model_sharded,
     load_sharded,
     optimizer_step_count,
     save_sharded,
@@ -75,6 +77,7 @@ LATEST_FILE = "latest"
 META_FILE = "meta.json"
 TRAINER_STATE_FILE = "trainer_state.pt"
 DIST_DIR = "dist"
+MODEL_DIR = "model"
 FORMAT_VERSION = 3
 _READABLE_VERSIONS = (3,)  # 1 and 2 were per-rank, unreshardable shards of the same layout
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -202,6 +205,8 @@ def save_checkpoint(
     scheduler,
     trainer_state: dict[str, Any],
     keep_last: int = 2,
+    model_cfg: MoEModelConfig | None = None,
+    tokenizer=None,
 ) -> Path:
     """Write the checkpoint of `step` atomically and make it `latest` (collective: every rank calls it).
 
@@ -215,6 +220,9 @@ def save_checkpoint(
             config dump, `weight_version`), torch-serialisable; stored once, by rank 0.
         keep_last: complete checkpoints to keep (the newest ones up to `step`); older ones are
             deleted after the new one is in place.
+        model_cfg: the architecture, written (by rank 0) as `model/config.json` so that
+            `megatron-gspo export` can rebuild the model from the checkpoint alone.
+        tokenizer: the run's tokenizer, saved under `model/` beside it (HF `save_pretrained`).
 
     Returns:
         The final checkpoint directory `root/step_NNNNNNNN`.
@@ -262,6 +270,7 @@ def save_checkpoint(
         )
         if rank == 0:
             files[TRAINER_STATE_FILE] = save_durably(trainer_state, tmp / TRAINER_STATE_FILE)
+            files |= _save_model_description(tmp, model_cfg, tokenizer)
     except Exception as exc:
         failure = f"rank {rank}: {type(exc).__name__}: {exc}"
     failures = [f for f in _all_gather(failure) if f]
@@ -290,6 +299,19 @@ def save_checkpoint(
     return final
 
 
+def _save_model_description(directory: Path, model_cfg, tokenizer) -> dict[str, tuple[int, str]]:
+    """`model/config.json` (HF form) and the tokenizer files; their sizes and checksums."""
+    if model_cfg is None:
+        return {}
+    target = directory / MODEL_DIR
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(model_cfg.to_hf_config(), indent=2, sort_keys=True))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(target))
+    fsync_dir(target)
+    return {f"{MODEL_DIR}/{p.name}": durable_checksum(p) for p in sorted(target.iterdir())}
+
+
 def _dist_files(directory: Path) -> list[str]:
     """Names (relative to `directory`) of the files megatron wrote under `dist/`, sorted."""
     return sorted(f"{DIST_DIR}/{p.name}" for p in (directory / DIST_DIR).iterdir() if p.is_file())
@@ -299,6 +321,11 @@ def _my_share(names: list[str]) -> list[str]:
     """The names this rank hashes: every world-size-th one, so all ranks share the reading."""
     rank, world = _world()
     return names[rank::world]
+
+
+def dist_share(meta: dict[str, Any]) -> list[str]:
+    """This rank's share of the `dist/` files a checkpoint's meta.json lists (to verify on load)."""
+    return _my_share(sorted(name for name in meta["files"] if name.startswith(f"{DIST_DIR}/")))
 
 
 def _checksum_share(directory: Path, names: list[str]) -> dict[str, tuple[int, str]]:
@@ -397,14 +424,15 @@ def read_meta(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def _check_files(directory: Path, meta: dict[str, Any], verify: list[str]) -> None:
+def verify_files(directory: Path, meta: dict[str, Any], verify: list[str]) -> None:
     """Every listed file present with its recorded size; the files in `verify` also checksummed."""
     world = meta["layout"]["world_size"]
     expected = {rank_file_name(r) for r in range(world)} | {TRAINER_STATE_FILE}
     listed = set(meta["files"])
     dist_files = {name for name in listed if name.startswith(f"{DIST_DIR}/")}
+    model_files = {name for name in listed if name.startswith(f"{MODEL_DIR}/")}
     sums = meta["checksums"]["files"]
-    if listed - dist_files != expected or not dist_files or set(sums) != listed:
+    if listed - dist_files - model_files != expected or not dist_files or set(sums) != listed:
         raise CheckpointCorruptError(
             f"{directory / META_FILE} lists files {sorted(listed - dist_files)} and "
             f"{len(dist_files)} under {DIST_DIR}/, expected {sorted(expected)} and at least one"
@@ -449,13 +477,13 @@ def _inspect(directory: Path, step: int, optimizer) -> tuple[str, str] | None:
                 f"{_layout_text(here)}. TP, EP, DP and the world size may change on resume, "
                 "the optimizer kind (parallel.distributed_optimizer) may not."
             )
-        dist_names = sorted(name for name in meta["files"] if name.startswith(f"{DIST_DIR}/"))
-        verify = _my_share(dist_names)
+        verify = dist_share(meta)
         if _same_layout(meta, optimizer):
             verify.append(rank_file_name(rank))
         if rank == 0:
             verify.append(TRAINER_STATE_FILE)
-        _check_files(directory, meta, verify)
+            verify += sorted(name for name in meta["files"] if name.startswith(f"{MODEL_DIR}/"))
+        verify_files(directory, meta, verify)
     except CheckpointCorruptError as exc:
         return "damaged", str(exc)
     except CheckpointError as exc:
@@ -572,6 +600,39 @@ def load_checkpoint(
         if is_rank0:
             logger.warning("checkpoint %s is damaged and skipped: %s", directory.name, damage)
     raise CheckpointCorruptError(f"no intact checkpoint under {root}: " + "; ".join(problems))
+
+
+def load_weights(checkpoint_dir: str | os.PathLike, model: torch.nn.Module) -> dict[str, Any]:
+    """Verify a checkpoint's weight files and load only the model, at any layout (collective).
+
+    Returns:
+        The checkpoint's meta.json.
+
+    Raises:
+        CheckpointCorruptError: a file is missing or damaged (named).
+        CheckpointError: the checkpoint does not fit the model.
+    """
+    directory = Path(checkpoint_dir)
+
+    def inspect() -> str | None:
+        try:
+            meta = read_meta(directory)
+            own = [name for name in meta["files"] if name.startswith(f"{MODEL_DIR}/")]
+            verify_files(directory, meta, dist_share(meta) + (own if _world()[0] == 0 else []))
+        except CheckpointError as exc:
+            return str(exc)
+        return None
+
+    damage = [why for why in _all_gather(inspect()) if why]
+    if damage:
+        raise CheckpointCorruptError(damage[0])
+    try:
+        load_model_sharded(directory / DIST_DIR, model)
+    except Exception as exc:  # megatron names the tensor that does not fit
+        raise CheckpointError(
+            f"{directory / DIST_DIR} does not fit this model: {type(exc).__name__}: {exc}"
+        ) from exc
+    return read_meta(directory)
 
 
 def _restore(directory: Path, model: torch.nn.Module, optimizer, scheduler) -> dict[str, Any]:

@@ -150,11 +150,7 @@ def load_sharded(directory: Path, model: torch.nn.Module, optimizer, step: int |
     base = get_default_load_sharded_strategy(str(directory))
     strategy = FullyParallelLoadStrategyWrapper(base, _parallel_group())
     loaded = dist_checkpointing.load(state, str(directory), strategy)
-    result = _unwrap(model).load_state_dict(loaded["model"], strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
-    if missing or result.unexpected_keys:
-        unexpected = result.unexpected_keys[:3]
-        raise RuntimeError(f"model state mismatch: missing {missing[:3]}, unexpected {unexpected}")
+    _load_model(model, loaded["model"])
     for leaf, rest, tensors in zip(leaf_optimizers(optimizer), rests, loaded["optimizer"]):
         # Values marked local and non-persistent (this run's own param-group layout) are used as built.
         rest = dict_list_map_inplace(
@@ -164,6 +160,27 @@ def load_sharded(directory: Path, model: torch.nn.Module, optimizer, step: int |
         _set_step(filled, step, is_distributed_optimizer(leaf))
         with torch.no_grad():  # distributed optimizer: main params are views of model parameters
             leaf.load_state_dict(filled)
+
+
+def load_model_sharded(directory: Path, model: torch.nn.Module) -> None:
+    """Fill only the model from `directory` (export, analysis), whatever layout wrote it (collective)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    model_sd = _model_sharded(model)
+    base = get_default_load_sharded_strategy(str(directory))
+    strategy = FullyParallelLoadStrategyWrapper(base, _parallel_group())
+    loaded = dist_checkpointing.load({"model": model_sd}, str(directory), strategy)
+    _load_model(model, loaded["model"])
+
+
+def _load_model(model: torch.nn.Module, state: dict[str, Any]) -> None:
+    result = _unwrap(model).load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        unexpected = result.unexpected_keys[:3]
+        raise RuntimeError(f"model state mismatch: missing {missing[:3]}, unexpected {unexpected}")
 
 
 def _set_step(leaf_state: dict[str, Any], step: int | None, distributed: bool) -> None:

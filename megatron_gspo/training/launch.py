@@ -35,7 +35,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=1, help="re-launch under torchrun with N CPU workers")
 
 
-def _relaunch(nproc: int) -> int:
+def relaunch(nproc: int) -> int:
+    """Run this command again under torchrun with `nproc` CPU workers; a worker's user error once, exit 2."""
     # Workers must not see --nproc: torchrun's own parser would take it for --nproc-per-node.
     argv, skip = [], False
     for arg in sys.argv[1:]:
@@ -91,7 +92,7 @@ def run_train(args: argparse.Namespace) -> int:
     except ValueCheckError as err:
         raise ConfigError(str(err)) from None
     if relaunch:
-        return _relaunch(args.nproc)
+        return relaunch(args.nproc)
     # SIGTERM unwinds like Ctrl-C, so the embedded rollout server and exported weights are cleaned up.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     rank0 = os.environ.get("RANK", "0") == "0"

@@ -17,7 +17,7 @@ import torch
 
 from megatron_gspo.algorithms.running_stats import RunningMeanStd
 from megatron_gspo.model.builder import build_model
-from megatron_gspo.model.config import tiny
+from megatron_gspo.model.config import MoEModelConfig, tiny
 from megatron_gspo.model.distributed import ParallelConfig, init_distributed
 from megatron_gspo.model.logprobs import sequence_logprobs
 from megatron_gspo.model.optim import (
@@ -42,6 +42,7 @@ BATCH = 8
 
 @dataclass
 class Run:
+    model_cfg: MoEModelConfig
     model: torch.nn.Module
     ddp: torch.nn.Module
     optimizer: object
@@ -71,7 +72,8 @@ def build_run(
     """The tiny run at `parallel`; `vocab_size` must divide by the TP size (the tokenizer has 79 tokens)."""
     if init:
         init_distributed(parallel, seed=seed)
-    model = build_model(tiny(vocab_size=vocab_size), parallel)
+    model_cfg = tiny(vocab_size=vocab_size)
+    model = build_model(model_cfg, parallel)
     ddp = wrap_ddp(model, distributed_optimizer=parallel.distributed_optimizer)
     optimizer, scheduler = build_optimizer(
         ddp,
@@ -80,7 +82,7 @@ def build_run(
         total_steps=10,
     )
     stream = PromptStream(AdditionTask(max_digits=3), batch_size=BATCH, seed=7)
-    return Run(model, ddp, optimizer, scheduler, stream, RunningMeanStd())
+    return Run(model_cfg, model, ddp, optimizer, scheduler, stream, RunningMeanStd())
 
 
 def train_step(run: Run) -> dict:
@@ -141,6 +143,8 @@ def save_run(run: Run, root, **kwargs):
         optimizer=run.optimizer,
         scheduler=run.scheduler,
         trainer_state=run.trainer_state(),
+        model_cfg=run.model_cfg,
+        tokenizer=TOKENIZER,
         **kwargs,
     )
 

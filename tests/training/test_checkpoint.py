@@ -106,10 +106,13 @@ def test_layout_meta_and_latest(saved):
     # megatron's torch_dist files: global metadata, rank 0's data files, common state, format.
     assert {"dist/.metadata", "dist/common.pt", "dist/metadata.json"} < dist_files
     assert any(name.endswith(".distcp") for name in dist_files)
-    assert set(meta["files"]) == {"rank_00000.pt", "trainer_state.pt"} | dist_files
+    model_files = {f"model/{p.name}" for p in (directory / "model").iterdir()}
+    assert {"model/config.json", "model/tokenizer_config.json"} < model_files  # for `export`
+    assert set(meta["files"]) == {"rank_00000.pt", "trainer_state.pt"} | dist_files | model_files
     assert sorted(p.name for p in directory.iterdir()) == [
         "dist",
         "meta.json",
+        "model",
         "rank_00000.pt",
         "trainer_state.pt",
     ]
