@@ -19,6 +19,7 @@ from . import (
     cuda_device,
     cuda_streams,
     cuda_tensors_to_cpu,
+    dist_checkpoint_results_queue,
     distributed_optimizer_reshardable_load,
     distributed_optimizer_step,
     gloo_uneven_collectives,
@@ -45,6 +46,7 @@ PATCHES: tuple[Patch, ...] = tuple(
         cuda_tensors_to_cpu,
         distributed_optimizer_step,
         distributed_optimizer_reshardable_load,
+        dist_checkpoint_results_queue,
     )
 )
 

@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_gspo.model.config import MoEModelConfig
 from megatron_gspo.model.control_plane import all_gather_objects, broadcast_from_rank0
@@ -62,61 +61,60 @@ from megatron_gspo.training.checkpoint_dist import (
 from megatron_gspo.training.checkpoint_files import (
     CHECKSUM_ALGORITHM,
     durable_checksum,
-    file_checksum,
     fsync_dir,
-    meta_checksum,
     save_durably,
     write_meta,
     write_text_atomically,
 )
+from megatron_gspo.training.checkpoint_meta import (
+    DIST_DIR,
+    FORMAT_VERSION,
+    META_FILE,
+    MODEL_DIR,
+    TRAINER_STATE_FILE,
+    CheckpointCorruptError,
+    CheckpointError,
+    dist_share,
+    my_share,
+    rank_file_name,
+    read_meta,
+    step_dir_name,
+    verify_files,
+    world_rank_size,
+)
 from megatron_gspo.training.rng_state import capture_rng_state, restore_rng_state
+
+__all__ = [  # names other modules and the tests take from here
+    "DIST_DIR",
+    "META_FILE",
+    "MODEL_DIR",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "current_layout",
+    "latest_step",
+    "list_steps",
+    "load_checkpoint",
+    "load_weights",
+    "read_meta",
+    "resumable_step",
+    "save_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest"
-META_FILE = "meta.json"
-TRAINER_STATE_FILE = "trainer_state.pt"
-DIST_DIR = "dist"
-MODEL_DIR = "model"
-FORMAT_VERSION = 3
-_READABLE_VERSIONS = (3,)  # 1 and 2 were per-rank, unreshardable shards of the same layout
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _TMP_DIR = re.compile(r"^step_\d{8}\.(tmp|old)-[0-9a-f]+$")
 _TMP_LATEST = re.compile(r"^\.latest\.tmp-[0-9a-f]+$")
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or cannot be loaded into this run."""
-
-
-class CheckpointCorruptError(CheckpointError):
-    """A checkpoint is missing, incomplete or damaged (as opposed to unloadable into this run)."""
-
-
-def step_dir_name(step: int) -> str:
-    """Directory name of the checkpoint of `step` (`step_00000012`)."""
-    return f"step_{step:08d}"
-
-
-def rank_file_name(rank: int) -> str:
-    """File name of one rank's RNG streams (`rank_00003.pt`)."""
-    return f"rank_{rank:05d}.pt"
-
-
 # --------------------------------------------------------------------------- layout
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def current_layout(optimizer=None) -> dict[str, Any]:
     """The parallel layout of this run, as recorded in (and compared with) `meta.json`."""
     from megatron.core import parallel_state as ps
 
-    _, world = _world()
+    _, world = world_rank_size()
     if ps.model_parallel_is_initialized():
         tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
         etp, dp = ps.get_expert_tensor_parallel_world_size(), ps.get_data_parallel_world_size()
@@ -238,7 +236,7 @@ def save_checkpoint(
     if not isinstance(trainer_state, dict):
         raise ValueError(f"trainer_state must be a dict, got {type(trainer_state).__name__}")
     root = Path(root)
-    rank, world = _world()
+    rank, world = world_rank_size()
     final = root / step_dir_name(step)
 
     error = None
@@ -317,20 +315,9 @@ def _dist_files(directory: Path) -> list[str]:
     return sorted(f"{DIST_DIR}/{p.name}" for p in (directory / DIST_DIR).iterdir() if p.is_file())
 
 
-def _my_share(names: list[str]) -> list[str]:
-    """The names this rank hashes: every world-size-th one, so all ranks share the reading."""
-    rank, world = _world()
-    return names[rank::world]
-
-
-def dist_share(meta: dict[str, Any]) -> list[str]:
-    """This rank's share of the `dist/` files a checkpoint's meta.json lists (to verify on load)."""
-    return _my_share(sorted(name for name in meta["files"] if name.startswith(f"{DIST_DIR}/")))
-
-
 def _checksum_share(directory: Path, names: list[str]) -> dict[str, tuple[int, str]]:
     """Size and checksum of this rank's share of `names`, each file fsynced on the way."""
-    return {name: durable_checksum(directory / name) for name in _my_share(names)}
+    return {name: durable_checksum(directory / name) for name in my_share(names)}
 
 
 def _meta(
@@ -382,85 +369,13 @@ def _prune(root: Path, step: int, keep_last: int) -> None:
 # --------------------------------------------------------------------------- load
 
 
-def read_meta(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
-    """The parsed `meta.json` of one checkpoint directory.
-
-    Raises:
-        CheckpointCorruptError: missing, not valid JSON, lacking required fields, or its content
-            does not match its own checksum.
-        CheckpointError: written in a format version this code cannot read.
-    """
-    path = Path(checkpoint_dir) / META_FILE
-    if not path.exists():
-        raise CheckpointCorruptError(f"{path} is missing: {path.parent} is not a complete checkpoint")
-    try:
-        meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointCorruptError(f"{path} is corrupt (not valid JSON: {exc})") from exc
-    required = ("format_version", "step", "layout", "files")
-    if not isinstance(meta, dict) or any(key not in meta for key in required):
-        have = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
-        raise CheckpointCorruptError(f"{path} is corrupt: needs fields {list(required)}, has {have}")
-    # Checked before the version, so a damaged version number is reported as damage.
-    if "meta_checksum" in meta and meta["meta_checksum"] != meta_checksum(meta):
-        raise CheckpointCorruptError(f"{path} is corrupt: its content does not match its recorded checksum")
-    if meta["format_version"] not in _READABLE_VERSIONS:
-        raise CheckpointError(
-            f"{path}: format version {meta['format_version']}, this code reads {list(_READABLE_VERSIONS)}"
-        )
-    sums = meta.get("checksums")
-    if (
-        "meta_checksum" not in meta
-        or not isinstance(sums, dict)
-        or sums.get("algorithm") != CHECKSUM_ALGORITHM
-        or not isinstance(sums.get("files"), dict)
-    ):
-        raise CheckpointCorruptError(
-            f"{path} is corrupt: needs `meta_checksum` and `checksums` "
-            f"({{'algorithm': '{CHECKSUM_ALGORITHM}', 'files': {{name: hex}}}})"
-        )
-    if "scheduler" not in meta or "optimizer_step" not in meta:
-        raise CheckpointCorruptError(f"{path} is corrupt: needs `scheduler` and `optimizer_step`")
-    return meta
-
-
-def verify_files(directory: Path, meta: dict[str, Any], verify: list[str]) -> None:
-    """Every listed file present with its recorded size; the files in `verify` also checksummed."""
-    world = meta["layout"]["world_size"]
-    expected = {rank_file_name(r) for r in range(world)} | {TRAINER_STATE_FILE}
-    listed = set(meta["files"])
-    dist_files = {name for name in listed if name.startswith(f"{DIST_DIR}/")}
-    model_files = {name for name in listed if name.startswith(f"{MODEL_DIR}/")}
-    sums = meta["checksums"]["files"]
-    if listed - dist_files - model_files != expected or not dist_files or set(sums) != listed:
-        raise CheckpointCorruptError(
-            f"{directory / META_FILE} lists files {sorted(listed - dist_files)} and "
-            f"{len(dist_files)} under {DIST_DIR}/, expected {sorted(expected)} and at least one"
-        )
-    for name, size in sorted(meta["files"].items()):
-        path = directory / name
-        if not path.exists():
-            raise CheckpointCorruptError(f"{path} is missing (checkpoint written by {world} ranks)")
-        if path.stat().st_size != size:
-            raise CheckpointCorruptError(
-                f"{path} has {path.stat().st_size} bytes, meta.json recorded {size}: truncated"
-            )
-    for name in verify:
-        found = file_checksum(directory / name)
-        if found != sums[name]:
-            raise CheckpointCorruptError(
-                f"{directory / name} is corrupt: its {CHECKSUM_ALGORITHM} is {found[:16]}..., "
-                f"meta.json recorded {str(sums[name])[:16]}..."
-            )
-
-
 def _inspect(directory: Path, step: int, optimizer) -> tuple[str, str] | None:
     """This rank's verdict on one checkpoint: None (intact), ("damaged", why) or ("refused", why).
 
     Each rank checksums its share of `dist/`, its own RNG file when it will read it (same
     layout), and on rank 0 the trainer state: together every file is verified.
     """
-    rank, _ = _world()
+    rank, _ = world_rank_size()
     try:
         if not directory.is_dir():
             raise CheckpointCorruptError(f"no checkpoint for step {step}: {directory} does not exist")
@@ -528,7 +443,7 @@ def _repoint_latest(root: Path, directory: Path) -> None:
     The damaged newer checkpoints are then overwritten as the run reaches their steps again.
     """
     error = None
-    if _world()[0] == 0:
+    if world_rank_size()[0] == 0:
         try:
             write_text_atomically(root / LATEST_FILE, directory.name + "\n")
         except OSError as exc:
@@ -580,7 +495,7 @@ def load_checkpoint(
         candidates, problems = _resume_candidates(root, fallback)
         if not candidates and not problems:
             return None
-    is_rank0 = _world()[0] == 0
+    is_rank0 = world_rank_size()[0] == 0
     for candidate in candidates:
         directory = root / step_dir_name(candidate)
         damage = _damage_everywhere(directory, candidate, optimizer)
@@ -618,7 +533,7 @@ def load_weights(checkpoint_dir: str | os.PathLike, model: torch.nn.Module) -> d
         try:
             meta = read_meta(directory)
             own = [name for name in meta["files"] if name.startswith(f"{MODEL_DIR}/")]
-            verify_files(directory, meta, dist_share(meta) + (own if _world()[0] == 0 else []))
+            verify_files(directory, meta, dist_share(meta) + (own if world_rank_size()[0] == 0 else []))
         except CheckpointError as exc:
             return str(exc)
         return None
@@ -636,7 +551,7 @@ def load_weights(checkpoint_dir: str | os.PathLike, model: torch.nn.Module) -> d
 
 
 def _restore(directory: Path, model: torch.nn.Module, optimizer, scheduler) -> dict[str, Any]:
-    rank, _ = _world()
+    rank, _ = world_rank_size()
     meta = read_meta(directory)
     try:
         load_sharded(directory / DIST_DIR, model, optimizer, meta["optimizer_step"])
