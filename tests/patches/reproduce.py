@@ -39,15 +39,16 @@ def scenario(skip: str, tp: int, ep: int) -> None:
     param = next(iter(leaf.model_param_group_index_map))
     loaded = leaf._get_main_param_and_optimizer_states(param)
     # What loading a `fully_reshardable` checkpoint hands over: no `step` (kept in param groups).
-    leaf._set_main_param_and_optimizer_states(param, {k: v for k, v in loaded.items() if k != "step"})
+    with torch.no_grad():
+        leaf._set_main_param_and_optimizer_states(param, {k: v for k, v in loaded.items() if k != "step"})
     optimizer.load_state_dict(optimizer.state_dict())  # as a resume does
+    steps = [s["step"] for opt in optimizer.chained_optimizers for s in opt.optimizer.state.values()]
+    if len({id(step) for step in steps}) < len(steps):
+        raise AssertionError("Adam step counters are shared between parameters after load_state_dict")
     with tempfile.TemporaryDirectory() as directory:
         save_sharded(Path(directory), ddp, optimizer)
     if any("Manager" in type(p).__name__ or "Manager" in p.name for p in multiprocessing.active_children()):
         raise AssertionError("a checkpoint save left a Manager process running (orphaned by SIGKILL)")
-    steps = [s["step"] for opt in optimizer.chained_optimizers for s in opt.optimizer.state.values()]
-    if len({id(step) for step in steps}) < len(steps):
-        raise AssertionError("Adam step counters are shared between parameters after load_state_dict")
 
 
 if __name__ == "__main__":
