@@ -12,7 +12,7 @@ Layout of a checkpoint root::
         rank_00001.pt
         dist/                 model and optimizer: megatron `dist_checkpointing` (torch_dist),
                               written fully parallel (see `checkpoint_dist`)
-        ...
+        model/                config.json (HF form) and the run's tokenizer, for `megatron-gspo export`
 
 Resharding: model weights and optimizer state (Adam moments, fp32 main params, step) are
 stored per global tensor, so a checkpoint written at TP2 resumes at EP2, at TP1 x EP1, or at

@@ -9,9 +9,12 @@ layout needs, so a checkpoint written at TP2 loads at EP2 or at world size 1.
 
 What megatron's own wrappers tie to the layout is kept out of the file:
 - the optimizer is one `ChainedOptimizer` leaf per parameter group kind (dense, expert), and
-  how many leaves there are depends on the layout. Each leaf's sharded tensors are stored in
-  one flat dict by their global key, and the one non-tensor value that must survive a resume,
-  Adam's step count, is stored as a single number (the leaves step together);
+  how many leaves there are depends on the layout (megatron prefixes keys with `chained_<i>`
+  and stores each leaf's param groups in `common.pt`). Only the leaves' sharded tensors go
+  to `dist_checkpointing` (their keys and offsets are global, whichever leaf holds them); the
+  one non-tensor value that must survive a resume, Adam's step count, is returned to the
+  caller to store as a single number (the leaves step together), and each leaf's param groups
+  are taken from the optimizer as built;
 - the distributed optimizer uses megatron's `fully_reshardable` format: moments and fp32 main
   params in model space (one tensor per parameter, like a plain optimizer's), not in this
   layout's flat DP buffers. Saving gathers each model-parallel shard's optimizer state on its
@@ -22,6 +25,11 @@ What megatron's own wrappers tie to the layout is kept out of the file:
   sharded per TP rank with TP-dependent keys; they are not saved, so FP8 scaling history
   restarts after a resume.
 Learning-rate and weight-decay values come back through the scheduler, not these files.
+
+Saves are synchronous. megatron offers `async_sharded_save` (the write then runs in a forked
+or persistent background process driven by `AsyncCallsQueue`); it is not used: the atomic
+publish (rename, `latest`) would have to move into its finalize callbacks, and it was not
+verified on gloo/CPU.
 """
 
 from __future__ import annotations
