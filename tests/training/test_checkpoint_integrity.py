@@ -75,14 +75,17 @@ def test_meta_records_each_files_sha256(three_steps):
     directory = root / "step_00000003"
     meta = read_meta(directory)
     assert meta["format_version"] == 3 and meta["checksums"]["algorithm"] == "sha256"
-    names = {"rank_00000.pt", "trainer_state.pt"} | {f"dist/{p.name}" for p in (directory / "dist").iterdir()}
+    names = {"rank_00000.pt", "trainer_state.pt"}
+    names |= {f"{sub}/{p.name}" for sub in ("dist", "model") for p in (directory / sub).iterdir()}
     assert set(meta["checksums"]["files"]) == set(meta["files"]) == names
     for name in names:  # recomputed independently from the bytes on disk
         assert meta["checksums"]["files"][name] == hashlib.sha256((directory / name).read_bytes()).hexdigest()
         assert meta["files"][name] == (directory / name).stat().st_size
 
 
-@pytest.mark.parametrize("name", ["rank_00000.pt", "trainer_state.pt", "dist/__0_0.distcp", "dist/common.pt"])
+@pytest.mark.parametrize(
+    "name", ["rank_00000.pt", "trainer_state.pt", "dist/__0_0.distcp", "dist/.metadata", "model/config.json"]
+)
 def test_flipped_byte_is_named_and_nothing_is_loaded(root, three_steps, name):
     _flip_byte(root / "step_00000003" / name)
     run = build_run(ParallelConfig(), init=False)
