@@ -84,14 +84,14 @@ def run_train(args: argparse.Namespace) -> int:
     if args.resume_or_start:
         overrides.append("trainer.resume_or_start=true")
     cfg = load_config(args.config, overrides)  # a ConfigError is reported by the CLI (exit 2)
-    relaunch = args.nproc > 1 and "RANK" not in os.environ
+    relaunching = args.nproc > 1 and "RANK" not in os.environ
     # Everything checkable is checked before any worker starts and before the run dir is made.
-    validate(cfg, world_size=args.nproc if relaunch else int(os.environ.get("WORLD_SIZE", "1")))
+    validate(cfg, world_size=args.nproc if relaunching else int(os.environ.get("WORLD_SIZE", "1")))
     try:
         check_run_dir_writable(cfg.trainer.run_dir)  # before SFT, not at the first checkpoint
     except ValueCheckError as err:
         raise ConfigError(str(err)) from None
-    if relaunch:
+    if relaunching:
         return relaunch(args.nproc)
     # SIGTERM unwinds like Ctrl-C, so the embedded rollout server and exported weights are cleaned up.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
