@@ -4,8 +4,10 @@ megatron-gspo train  --config configs/tiny_moe_cpu.yaml [section.key=value ...] 
 megatron-gspo serve  --model DIR [--port P]          embedded SGLang-protocol rollout server (CPU)
 megatron-gspo parity --tp 2 --ep 2                   check a TP x EP layout against TP=EP=1
 megatron-gspo plan   --config C --world-size N       dry-run a GPU layout: validation + memory
+megatron-gspo export --checkpoint RUN/checkpoints/step_N --out HF_DIR   training checkpoint -> HF
 megatron-gspo drift  --a CKPT (--b CKPT | --dump F)  expert-activation drift tables, plots, summary
 megatron-gspo mismatch --checkpoint CKPT [--server-url U]  rollout vs trainer log-prob mismatch report
+(CKPT: an HF checkpoint directory, or a training checkpoint, exported to a temporary one first)
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ COMMANDS = {
         "megatron_gspo.model.parity",
         "add_parity_args",
         "run_parity",
+    ),
+    "export": (
+        "write a training checkpoint (any layout) as an HF checkpoint directory",
+        "megatron_gspo.training.export",
+        "add_export_args",
+        "run_export",
     ),
     "plan": (
         "validate a config for a world size and estimate per-GPU memory",

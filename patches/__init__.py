@@ -19,6 +19,8 @@ from . import (
     cuda_device,
     cuda_streams,
     cuda_tensors_to_cpu,
+    dist_checkpoint_results_queue,
+    distributed_optimizer_reshardable_load,
     distributed_optimizer_step,
     gloo_uneven_collectives,
     rng_tracker,
@@ -43,6 +45,8 @@ PATCHES: tuple[Patch, ...] = tuple(
         gloo_uneven_collectives,
         cuda_tensors_to_cpu,
         distributed_optimizer_step,
+        distributed_optimizer_reshardable_load,
+        dist_checkpoint_results_queue,
     )
 )
 

@@ -28,7 +28,8 @@ class Patch:
         fixes: what breaks without it.
         verified: megatron-core versions this patch was verified against.
         fixed_in: first megatron-core version where upstream fixed the problem (patch skipped there).
-        needed_when: "cpu" (torch without CUDA), "no_te" (TransformerEngine not importable).
+        needed_when: "cpu" (torch without CUDA), "no_te" (TransformerEngine not importable),
+            "always".
         check: raises PatchError when the upstream code the patch targets is not as expected.
         apply: performs the patch (called once per process).
     """

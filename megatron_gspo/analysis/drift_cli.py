@@ -8,13 +8,20 @@ megatron-gspo drift --metrics runs/x/metrics.jsonl --a CKPT_A --b CKPT_B --out r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+
+from megatron_gspo.training.export import hf_directory
 
 
 def add_drift_args(parser: argparse.ArgumentParser) -> None:
     """Arguments of `megatron-gspo drift`."""
-    parser.add_argument("--a", required=True, help="reference HF checkpoint dir (old policy / trainer)")
-    parser.add_argument("--b", help="second HF checkpoint dir (new policy)")
+    parser.add_argument(
+        "--a",
+        required=True,
+        help="reference checkpoint (old policy / trainer): HF dir or training checkpoint",
+    )
+    parser.add_argument("--b", help="second checkpoint (new policy): HF dir or training checkpoint")
     parser.add_argument("--dump", help="rollout dump (JSON lines with tokens, prompt_length, routed_experts)")
     parser.add_argument("--prompts", help="text file, one prompt per line (with --b)")
     parser.add_argument("--task", default="addition", help="task whose held-out prompts are used (with --b)")
@@ -44,13 +51,16 @@ def run_drift(args: argparse.Namespace) -> int:
 
     if (args.b is None) == (args.dump is None):
         raise SystemExit("drift: give exactly one of --b (second checkpoint) or --dump (rollout dump)")
-    model_a = load_hf(args.a)
-    if args.dump:
-        report = compare(model_a, load_dump(args.dump), label="inference (dump) -> checkpoint")
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(args.a)
-        samples = greedy_samples(model_a, _prompts(args, tokenizer), args.max_new_tokens)
-        report = compare(model_a, samples, model_b=load_hf(args.b), label="checkpoint a -> b")
+    with contextlib.ExitStack() as stack:  # training checkpoints are exported to HF first
+        dir_a = stack.enter_context(hf_directory(args.a))
+        model_a = load_hf(dir_a)
+        if args.dump:
+            report = compare(model_a, load_dump(args.dump), label="inference (dump) -> checkpoint")
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(dir_a)
+            samples = greedy_samples(model_a, _prompts(args, tokenizer), args.max_new_tokens)
+            model_b = load_hf(stack.enter_context(hf_directory(args.b)))
+            report = compare(model_a, samples, model_b=model_b, label="checkpoint a -> b")
     summary = write_report(report, args.out, metrics=args.metrics)
     print(json.dumps(summary, indent=2))
     return 0

@@ -24,6 +24,7 @@ from megatron_gspo.analysis.logprob_mismatch import (
     run_mismatch,
     task_prompts,
 )
+from megatron_gspo.training.export import hf_directory
 
 # ----------------------------------------------------------------------------- report
 
@@ -152,7 +153,11 @@ def write_report(report: MismatchReport, out_dir: str | os.PathLike) -> dict:
 
 def add_mismatch_args(parser: argparse.ArgumentParser) -> None:
     """Arguments of `megatron-gspo mismatch`."""
-    parser.add_argument("--checkpoint", required=True, help="HF checkpoint dir (server and trainer weights)")
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="HF checkpoint dir or training checkpoint (server and trainer weights)",
+    )
     parser.add_argument("--server-url", help="running SGLang server on the checkpoint (default: embedded)")
     parser.add_argument("--task", default="addition", help="task whose held-out prompts are used")
     parser.add_argument("--num-prompts", type=int, default=16)
@@ -175,10 +180,18 @@ def add_mismatch_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_mismatch_command(args: argparse.Namespace) -> int:
-    """Entry point: generate, compare, write the report; prints the summary JSON and the by-length tables."""
+    """Entry point: generate, compare, write the report; prints the summary JSON and the by-length tables.
+
+    A training checkpoint is exported to a temporary HF directory first (server and trainer load that).
+    """
+    with hf_directory(args.checkpoint) as checkpoint:
+        return _run_mismatch(args, str(checkpoint))
+
+
+def _run_mismatch(args: argparse.Namespace, checkpoint: str) -> int:
     try:
         cfg = MismatchConfig(
-            checkpoint=args.checkpoint,
+            checkpoint=checkpoint,
             temperatures=tuple(args.temperatures),
             server_url=args.server_url,
             original_logprob=args.original_logprob,
@@ -198,7 +211,7 @@ def run_mismatch_command(args: argparse.Namespace) -> int:
     else:
         from transformers import AutoTokenizer
 
-        prompts = task_prompts(args.task, args.num_prompts, AutoTokenizer.from_pretrained(args.checkpoint))
+        prompts = task_prompts(args.task, args.num_prompts, AutoTokenizer.from_pretrained(checkpoint))
     summary = write_report(run_mismatch(cfg, prompts), args.out)
     print(json.dumps(summary, indent=2))
     print("\n".join(by_length_tables(summary)))

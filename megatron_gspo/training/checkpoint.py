@@ -1,22 +1,24 @@
-"""Training checkpoints: save and resume a run exactly, atomically, one file per rank.
+"""Training checkpoints: resume a run exactly, atomically, at the same or another parallel layout.
 
 Layout of a checkpoint root::
 
     root/
       latest                  name of the newest complete checkpoint directory (one line)
       step_00000003/
-        meta.json             step, weight_version, parallel layout, versions, file sizes and
-                              SHA-256 checksums, and a checksum of meta.json itself
+        meta.json             step, weight_version, parallel layout, scheduler state, Adam step,
+                              versions, every file's size and SHA-256, and meta.json's own checksum
         trainer_state.pt      the trainer's own state (data position, running stats, counters, config)
-        rank_00000.pt         this rank's model shard, optimizer, scheduler and RNG states
+        rank_00000.pt         this rank's RNG streams
         rank_00001.pt
-        ...
+        dist/                 model and optimizer: megatron `dist_checkpointing` (torch_dist),
+                              written fully parallel (see `checkpoint_dist`)
+        model/                config.json (HF form) and the run's tokenizer, for `megatron-gspo export`
 
-Every rank writes only its own shard (no gather), so the format is tied to the parallel
-layout it was written with: loading checks that tensor / expert / expert-tensor parallel
-sizes, the world size and the optimizer kind all match, and refuses otherwise. To move a
-policy to another layout, export global weights (`megatron_gspo.model.sharding` /
-`hf_checkpoint`) and start a new run from them.
+Resharding: model weights and optimizer state (Adam moments, fp32 main params, step) are
+stored per global tensor, so a checkpoint written at TP2 resumes at EP2, at TP1 x EP1, or at
+any other layout of the same model; only the optimizer kind (distributed or not) must match.
+RNG streams are per rank and only restored at the same layout (world size, TP, EP, ETP, DP);
+at another layout the run keeps the streams it was seeded with, and says so.
 
 Atomicity: all ranks write into a fresh `step_N.tmp-<random>/` directory and fsync their
 files; once every rank has succeeded, rank 0 renames the directory to `step_N/` and then
@@ -24,11 +26,13 @@ replaces `latest` through a temporary file and `os.replace`. A crash at any poin
 `latest` naming either the previous complete checkpoint or the new one; directories a crash
 left behind are removed by the next save.
 
-Integrity: each file's checksum is computed while it is written and recorded in `meta.json`.
-Loading verifies the files every rank reads (each rank its own shard, rank 0 also the trainer
-state) and names a damaged file. With `fallback=True` (what `--resume` uses) a damaged
-checkpoint is skipped with a warning for the newest older intact one, and `latest` is pointed
-at it; only when none is intact does loading fail, listing what was wrong with each.
+Integrity: the checksums of our own files are computed while they are written; megatron's
+files under `dist/` are read back after the save (from the page cache), each rank hashing
+and fsyncing a share of them. Loading verifies every file before any state is touched: each
+rank its own RNG file (rank 0 also the trainer state) and a share of `dist/`, so every file
+is checked by one rank. A damaged file is named. With `fallback=True` (what `--resume` uses)
+a damaged checkpoint is skipped with a warning for the newest older intact one, and `latest`
+is pointed at it; only when none is intact does loading fail, listing what was wrong with each.
 """
 
 from __future__ import annotations
@@ -36,142 +40,94 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import re
 import secrets
 import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
+from megatron_gspo.model.config import MoEModelConfig
 from megatron_gspo.model.control_plane import all_gather_objects, broadcast_from_rank0
+from megatron_gspo.training.checkpoint_dist import (
+    is_distributed_optimizer,
+    leaf_optimizers,
+    load_model_sharded,
+    load_sharded,
+    optimizer_step_count,
+    save_sharded,
+)
 from megatron_gspo.training.checkpoint_files import (
     CHECKSUM_ALGORITHM,
-    file_checksum,
+    durable_checksum,
     fsync_dir,
-    meta_checksum,
     save_durably,
     write_meta,
     write_text_atomically,
 )
+from megatron_gspo.training.checkpoint_meta import (
+    DIST_DIR,
+    FORMAT_VERSION,
+    META_FILE,
+    MODEL_DIR,
+    TRAINER_STATE_FILE,
+    CheckpointCorruptError,
+    CheckpointError,
+    dist_share,
+    my_share,
+    rank_file_name,
+    read_meta,
+    step_dir_name,
+    verify_files,
+    world_rank_size,
+)
+from megatron_gspo.training.rng_state import capture_rng_state, restore_rng_state
+
+__all__ = [  # names other modules and the tests take from here
+    "DIST_DIR",
+    "META_FILE",
+    "MODEL_DIR",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "current_layout",
+    "latest_step",
+    "list_steps",
+    "load_checkpoint",
+    "load_weights",
+    "read_meta",
+    "resumable_step",
+    "save_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest"
-META_FILE = "meta.json"
-TRAINER_STATE_FILE = "trainer_state.pt"
-FORMAT_VERSION = 2
-_READABLE_VERSIONS = (1, 2)  # version 1: no checksums (sizes are still checked)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _TMP_DIR = re.compile(r"^step_\d{8}\.(tmp|old)-[0-9a-f]+$")
 _TMP_LATEST = re.compile(r"^\.latest\.tmp-[0-9a-f]+$")
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or was written for another layout."""
-
-
-class CheckpointCorruptError(CheckpointError):
-    """A checkpoint is missing, incomplete or damaged (as opposed to written for another layout)."""
-
-
-def step_dir_name(step: int) -> str:
-    """Directory name of the checkpoint of `step` (`step_00000012`)."""
-    return f"step_{step:08d}"
-
-
-def rank_file_name(rank: int) -> str:
-    """File name of one rank's shard (`rank_00003.pt`)."""
-    return f"rank_{rank:05d}.pt"
-
-
-# --------------------------------------------------------------------------- RNG
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """Every random stream a training step can draw from, on this rank.
-
-    Returns:
-        `python` (random.getstate()), `numpy` (legacy global generator state), `torch_cpu`
-        (ByteTensor), `cuda` (one ByteTensor per device, only with CUDA) and `megatron_tracker`
-        (megatron's model-parallel RNG tracker: name -> generator state; empty when unused).
-    """
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch_cpu": torch.get_rng_state(),
-        "megatron_tracker": {name: s.clone() for name, s in get_cuda_rng_tracker().get_states().items()},
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Put back what `capture_rng_state` returned, so the next draws repeat exactly.
-
-    Raises:
-        ValueError: a stream is missing, or the state holds CUDA generators and CUDA is absent.
-    """
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    missing = {"python", "numpy", "torch_cpu", "megatron_tracker"} - set(state)
-    if missing:
-        raise ValueError(f"RNG state lacks {sorted(missing)} (has {sorted(state)})")
-    if "cuda" in state and not torch.cuda.is_available():
-        raise ValueError("RNG state holds CUDA generator states but CUDA is not available here")
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch_cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-    tracker = get_cuda_rng_tracker()
-    if state["megatron_tracker"] or tracker.get_states():
-        tracker.set_states({name: s.clone() for name, s in state["megatron_tracker"].items()})
-
-
 # --------------------------------------------------------------------------- layout
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _leaf_optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _is_distributed_optimizer(leaf) -> bool:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    return isinstance(leaf, DistributedOptimizer)
-
-
 def current_layout(optimizer=None) -> dict[str, Any]:
-    """The parallel layout of this run, as recorded in (and checked against) `meta.json`."""
+    """The parallel layout of this run, as recorded in (and compared with) `meta.json`."""
     from megatron.core import parallel_state as ps
 
-    _, world = _world()
+    _, world = world_rank_size()
     if ps.model_parallel_is_initialized():
         tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
         etp, dp = ps.get_expert_tensor_parallel_world_size(), ps.get_data_parallel_world_size()
     else:
         tp = ep = etp = dp = 1
-    leaves = _leaf_optimizers(optimizer) if optimizer is not None else []
+    leaves = leaf_optimizers(optimizer) if optimizer is not None else []
     return {
         "world_size": world,
         "tensor_parallel": tp,
         "expert_parallel": ep,
         "expert_tensor_parallel": etp,
         "data_parallel": dp,
-        "distributed_optimizer": any(_is_distributed_optimizer(o) for o in leaves),
+        "distributed_optimizer": any(is_distributed_optimizer(o) for o in leaves),
     }
 
 
@@ -183,41 +139,9 @@ def _layout_text(layout: dict[str, Any]) -> str:
     )
 
 
-# --------------------------------------------------------------------------- optimizer state
-
-
-def _optimizer_state(optimizer) -> list[dict[str, Any]]:
-    """Per leaf optimizer: its state_dict, plus this DP rank's parameter shard if distributed."""
-    states = []
-    for leaf in _leaf_optimizers(optimizer):
-        entry: dict[str, Any] = {"state_dict": leaf.state_dict()}
-        if _is_distributed_optimizer(leaf):
-            # This rank's own shard of main params and Adam moments, in bucket order: no gather,
-            # valid for exactly this layout (which loading enforces).
-            shard = leaf.get_parameter_state_dp_reshardable()
-            for key, per_dtype in shard.items():
-                if isinstance(key, int):
-                    for buckets in per_dtype.values():
-                        for bucket in buckets:
-                            for i, tensors in enumerate(bucket):
-                                bucket[i] = {
-                                    k: v.detach().clone() if torch.is_tensor(v) else v
-                                    for k, v in tensors.items()
-                                } | {"padding": False}
-            entry["parameter_shard"] = shard
-        states.append(entry)
-    return states
-
-
-def _load_optimizer_state(optimizer, states: list[dict[str, Any]], path: Path) -> None:
-    leaves = _leaf_optimizers(optimizer)
-    if len(leaves) != len(states):
-        raise CheckpointError(f"{path}: holds {len(states)} optimizer(s), this run has {len(leaves)}")
-    for leaf, entry in zip(leaves, states):
-        leaf.load_state_dict(entry["state_dict"])
-        if _is_distributed_optimizer(leaf):
-            with torch.no_grad():  # copies into main params, which are views of leaf parameters
-                leaf.load_parameter_state_from_dp_reshardable(entry["parameter_shard"])
+def _same_layout(meta: dict[str, Any], optimizer) -> bool:
+    here = current_layout(optimizer)
+    return {key: meta["layout"].get(key) for key in here} == here
 
 
 # --------------------------------------------------------------------------- files
@@ -279,19 +203,24 @@ def save_checkpoint(
     scheduler,
     trainer_state: dict[str, Any],
     keep_last: int = 2,
+    model_cfg: MoEModelConfig | None = None,
+    tokenizer=None,
 ) -> Path:
     """Write the checkpoint of `step` atomically and make it `latest` (collective: every rank calls it).
 
     Args:
         root: checkpoint root directory (created if needed; shared by all ranks).
         step: the optimizer step just completed.
-        model: this rank's model shard (DDP-wrapped or bare; its `state_dict()` is stored).
+        model: this rank's model shard (DDP-wrapped or bare; megatron's `sharded_state_dict()`).
         optimizer: the megatron optimizer (`get_megatron_optimizer`), distributed or not.
         scheduler: megatron's `OptimizerParamScheduler`.
         trainer_state: the trainer's own state (data position, running statistics, counters,
             config dump, `weight_version`), torch-serialisable; stored once, by rank 0.
         keep_last: complete checkpoints to keep (the newest ones up to `step`); older ones are
             deleted after the new one is in place.
+        model_cfg: the architecture, written (by rank 0) as `model/config.json` so that
+            `megatron-gspo export` can rebuild the model from the checkpoint alone.
+        tokenizer: the run's tokenizer, saved under `model/` beside it (HF `save_pretrained`).
 
     Returns:
         The final checkpoint directory `root/step_NNNNNNNN`.
@@ -307,7 +236,7 @@ def save_checkpoint(
     if not isinstance(trainer_state, dict):
         raise ValueError(f"trainer_state must be a dict, got {type(trainer_state).__name__}")
     root = Path(root)
-    rank, world = _world()
+    rank, world = world_rank_size()
     final = root / step_dir_name(step)
 
     error = None
@@ -320,6 +249,7 @@ def save_checkpoint(
             _remove_stale(root)
             tmp_name = f"{final.name}.tmp-{secrets.token_hex(6)}"
             (root / tmp_name).mkdir()
+            (root / tmp_name / DIST_DIR).mkdir()
         except Exception as exc:  # reported on every rank below
             error = f"rank 0 could not prepare {root}: {exc}"
     error, tmp_name = _broadcast((error, tmp_name))
@@ -330,17 +260,15 @@ def save_checkpoint(
     files: dict[str, tuple[int, str]] = {}  # name -> (bytes, checksum)
     failure = None
     try:
-        shard = {
-            "format_version": FORMAT_VERSION,
-            "rank": rank,
-            "model": model.state_dict(),
-            "optimizer": _optimizer_state(optimizer),
-            "scheduler": scheduler.state_dict(),
-            "rng": capture_rng_state(),
-        }
-        files[rank_file_name(rank)] = save_durably(shard, tmp / rank_file_name(rank))
+        save_sharded(tmp / DIST_DIR, model, optimizer)
+        files |= _checksum_share(tmp, _broadcast(_dist_files(tmp) if rank == 0 else None))
+        files[rank_file_name(rank)] = save_durably(
+            {"format_version": FORMAT_VERSION, "rank": rank, "rng": capture_rng_state()},
+            tmp / rank_file_name(rank),
+        )
         if rank == 0:
             files[TRAINER_STATE_FILE] = save_durably(trainer_state, tmp / TRAINER_STATE_FILE)
+            files |= _save_model_description(tmp, model_cfg, tokenizer)
     except Exception as exc:
         failure = f"rank {rank}: {type(exc).__name__}: {exc}"
     failures = [f for f in _all_gather(failure) if f]
@@ -352,7 +280,8 @@ def save_checkpoint(
 
     if rank == 0:
         try:
-            write_meta(tmp / META_FILE, _meta(step, optimizer, trainer_state, all_files))
+            write_meta(tmp / META_FILE, _meta(step, optimizer, scheduler, trainer_state, all_files))
+            fsync_dir(tmp / DIST_DIR)
             fsync_dir(tmp)
             if final.exists():  # left by an abandoned run or a crash before `latest` moved on
                 shutil.rmtree(final)
@@ -368,8 +297,31 @@ def save_checkpoint(
     return final
 
 
+def _save_model_description(directory: Path, model_cfg, tokenizer) -> dict[str, tuple[int, str]]:
+    """`model/config.json` (HF form) and the tokenizer files; their sizes and checksums."""
+    if model_cfg is None:
+        return {}
+    target = directory / MODEL_DIR
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(model_cfg.to_hf_config(), indent=2, sort_keys=True))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(target))
+    fsync_dir(target)
+    return {f"{MODEL_DIR}/{p.name}": durable_checksum(p) for p in sorted(target.iterdir())}
+
+
+def _dist_files(directory: Path) -> list[str]:
+    """Names (relative to `directory`) of the files megatron wrote under `dist/`, sorted."""
+    return sorted(f"{DIST_DIR}/{p.name}" for p in (directory / DIST_DIR).iterdir() if p.is_file())
+
+
+def _checksum_share(directory: Path, names: list[str]) -> dict[str, tuple[int, str]]:
+    """Size and checksum of this rank's share of `names`, each file fsynced on the way."""
+    return {name: durable_checksum(directory / name) for name in my_share(names)}
+
+
 def _meta(
-    step: int, optimizer, trainer_state: dict[str, Any], files: dict[str, tuple[int, str]]
+    step: int, optimizer, scheduler, trainer_state: dict[str, Any], files: dict[str, tuple[int, str]]
 ) -> dict[str, Any]:
     from importlib.metadata import version
 
@@ -382,6 +334,8 @@ def _meta(
         "step": step,
         "weight_version": trainer_state.get("weight_version"),
         "layout": current_layout(optimizer),
+        "optimizer_step": optimizer_step_count(optimizer),
+        "scheduler": scheduler.state_dict(),
         "versions": {"megatron-core": version("megatron-core"), "torch": torch.__version__},
         "files": {name: size for name, (size, _) in sorted(files.items())},
         "checksums": {
@@ -415,79 +369,13 @@ def _prune(root: Path, step: int, keep_last: int) -> None:
 # --------------------------------------------------------------------------- load
 
 
-def read_meta(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
-    """The parsed `meta.json` of one checkpoint directory.
-
-    Raises:
-        CheckpointCorruptError: missing, not valid JSON, lacking required fields, or its content
-            does not match its own checksum.
-        CheckpointError: written in a format version this code cannot read.
-    """
-    path = Path(checkpoint_dir) / META_FILE
-    if not path.exists():
-        raise CheckpointCorruptError(f"{path} is missing: {path.parent} is not a complete checkpoint")
-    try:
-        meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointCorruptError(f"{path} is corrupt (not valid JSON: {exc})") from exc
-    required = ("format_version", "step", "layout", "files")
-    if not isinstance(meta, dict) or any(key not in meta for key in required):
-        have = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
-        raise CheckpointCorruptError(f"{path} is corrupt: needs fields {list(required)}, has {have}")
-    # Checked before the version, so a damaged version number is reported as damage.
-    if "meta_checksum" in meta and meta["meta_checksum"] != meta_checksum(meta):
-        raise CheckpointCorruptError(f"{path} is corrupt: its content does not match its recorded checksum")
-    if meta["format_version"] not in _READABLE_VERSIONS:
-        raise CheckpointError(
-            f"{path}: format version {meta['format_version']}, this code reads {list(_READABLE_VERSIONS)}"
-        )
-    if meta["format_version"] >= 2:
-        sums = meta.get("checksums")
-        if (
-            "meta_checksum" not in meta
-            or not isinstance(sums, dict)
-            or sums.get("algorithm") != CHECKSUM_ALGORITHM
-            or not isinstance(sums.get("files"), dict)
-        ):
-            raise CheckpointCorruptError(
-                f"{path} is corrupt: needs `meta_checksum` and `checksums` "
-                f"({{'algorithm': '{CHECKSUM_ALGORITHM}', 'files': {{name: hex}}}})"
-            )
-    return meta
-
-
-def _check_files(directory: Path, meta: dict[str, Any], verify: list[str]) -> None:
-    """Every listed file present with its recorded size; the files in `verify` also checksummed."""
-    world = meta["layout"]["world_size"]
-    expected = {rank_file_name(r) for r in range(world)} | {TRAINER_STATE_FILE}
-    sums = meta.get("checksums", {}).get("files")
-    if set(meta["files"]) != expected or (sums is not None and set(sums) != expected):
-        raise CheckpointCorruptError(
-            f"{directory / META_FILE} lists files {sorted(meta['files'])}, expected {sorted(expected)}"
-        )
-    for name, size in sorted(meta["files"].items()):
-        path = directory / name
-        if not path.exists():
-            raise CheckpointCorruptError(f"{path} is missing (checkpoint written by {world} ranks)")
-        if path.stat().st_size != size:
-            raise CheckpointCorruptError(
-                f"{path} has {path.stat().st_size} bytes, meta.json recorded {size}: truncated"
-            )
-    for name in verify if sums is not None else ():
-        found = file_checksum(directory / name)
-        if found != sums[name]:
-            raise CheckpointCorruptError(
-                f"{directory / name} is corrupt: its {CHECKSUM_ALGORITHM} is {found[:16]}..., "
-                f"meta.json recorded {str(sums[name])[:16]}..."
-            )
-
-
 def _inspect(directory: Path, step: int, optimizer) -> tuple[str, str] | None:
     """This rank's verdict on one checkpoint: None (intact), ("damaged", why) or ("refused", why).
 
-    Each rank checksums only what it will read: its own shard, and on rank 0 the trainer state.
+    Each rank checksums its share of `dist/`, its own RNG file when it will read it (same
+    layout), and on rank 0 the trainer state: together every file is verified.
     """
-    rank, _ = _world()
+    rank, _ = world_rank_size()
     try:
         if not directory.is_dir():
             raise CheckpointCorruptError(f"no checkpoint for step {step}: {directory} does not exist")
@@ -497,14 +385,20 @@ def _inspect(directory: Path, step: int, optimizer) -> tuple[str, str] | None:
                 f"{directory / META_FILE} records step {meta['step']}, expected {step}"
             )
         here = current_layout(optimizer)
-        saved = {key: meta["layout"].get(key) for key in here}
-        if saved != here:
+        if meta["layout"].get("distributed_optimizer") != here["distributed_optimizer"]:
+            saved = {key: meta["layout"].get(key) for key in here}
             raise CheckpointError(
                 f"{directory} was written with layout {_layout_text(saved)}; this run has "
-                f"{_layout_text(here)}. Per-rank checkpoints cannot be resharded: export the global "
-                "(HF) weights and start a run with the new layout from them."
+                f"{_layout_text(here)}. TP, EP, DP and the world size may change on resume, "
+                "the optimizer kind (parallel.distributed_optimizer) may not."
             )
-        _check_files(directory, meta, [rank_file_name(rank)] + ([TRAINER_STATE_FILE] if rank == 0 else []))
+        verify = dist_share(meta)
+        if _same_layout(meta, optimizer):
+            verify.append(rank_file_name(rank))
+        if rank == 0:
+            verify.append(TRAINER_STATE_FILE)
+            verify += sorted(name for name in meta["files"] if name.startswith(f"{MODEL_DIR}/"))
+        verify_files(directory, meta, verify)
     except CheckpointCorruptError as exc:
         return "damaged", str(exc)
     except CheckpointError as exc:
@@ -549,7 +443,7 @@ def _repoint_latest(root: Path, directory: Path) -> None:
     The damaged newer checkpoints are then overwritten as the run reaches their steps again.
     """
     error = None
-    if _world()[0] == 0:
+    if world_rank_size()[0] == 0:
         try:
             write_text_atomically(root / LATEST_FILE, directory.name + "\n")
         except OSError as exc:
@@ -570,12 +464,13 @@ def load_checkpoint(
 ) -> dict[str, Any] | None:
     """Restore model, optimizer, scheduler and RNG states in place; return the trainer's state.
 
-    Every rank calls it with the objects built exactly as for a fresh run of the same layout.
-    Files are verified (sizes, checksums) before any state is touched.
+    Every rank calls it with the objects built as for a fresh run, at any parallel layout of
+    the same model and optimizer kind. Files are verified (sizes, checksums) before any state
+    is touched. RNG streams are restored only at the layout the checkpoint was written with.
 
     Args:
         root: checkpoint root directory.
-        model: this rank's model shard, wrapped as when it was saved.
+        model: this rank's model shard (DDP-wrapped or bare).
         optimizer: the megatron optimizer.
         scheduler: megatron's `OptimizerParamScheduler` (its settings must match the saved ones).
         step: checkpoint to load; default the one `latest` names.
@@ -589,8 +484,8 @@ def load_checkpoint(
     Raises:
         CheckpointCorruptError: the checkpoint is missing, incomplete or damaged (with
             `fallback`: every candidate is, each one's problem listed).
-        CheckpointError: the checkpoint was written with another parallel layout (resharding is
-            not supported by this format) or an unknown format version.
+        CheckpointError: the checkpoint was written with the other optimizer kind (distributed or
+            not), in an unknown format version, or for another model.
     """
     root = Path(root)
     problems: list[str] = []
@@ -600,7 +495,7 @@ def load_checkpoint(
         candidates, problems = _resume_candidates(root, fallback)
         if not candidates and not problems:
             return None
-    is_rank0 = _world()[0] == 0
+    is_rank0 = world_rank_size()[0] == 0
     for candidate in candidates:
         directory = root / step_dir_name(candidate)
         damage = _damage_everywhere(directory, candidate, optimizer)
@@ -622,15 +517,62 @@ def load_checkpoint(
     raise CheckpointCorruptError(f"no intact checkpoint under {root}: " + "; ".join(problems))
 
 
+def load_weights(checkpoint_dir: str | os.PathLike, model: torch.nn.Module) -> dict[str, Any]:
+    """Verify a checkpoint's weight files and load only the model, at any layout (collective).
+
+    Returns:
+        The checkpoint's meta.json.
+
+    Raises:
+        CheckpointCorruptError: a file is missing or damaged (named).
+        CheckpointError: the checkpoint does not fit the model.
+    """
+    directory = Path(checkpoint_dir)
+
+    def inspect() -> str | None:
+        try:
+            meta = read_meta(directory)
+            own = [name for name in meta["files"] if name.startswith(f"{MODEL_DIR}/")]
+            verify_files(directory, meta, dist_share(meta) + (own if world_rank_size()[0] == 0 else []))
+        except CheckpointError as exc:
+            return str(exc)
+        return None
+
+    damage = [why for why in _all_gather(inspect()) if why]
+    if damage:
+        raise CheckpointCorruptError(damage[0])
+    try:
+        load_model_sharded(directory / DIST_DIR, model)
+    except Exception as exc:  # megatron names the tensor that does not fit
+        raise CheckpointError(
+            f"{directory / DIST_DIR} does not fit this model: {type(exc).__name__}: {exc}"
+        ) from exc
+    return read_meta(directory)
+
+
 def _restore(directory: Path, model: torch.nn.Module, optimizer, scheduler) -> dict[str, Any]:
-    rank, _ = _world()
-    path = directory / rank_file_name(rank)
-    # Trusted files written by this module: optimizer/RNG states hold non-tensor Python objects.
-    shard = torch.load(path, map_location="cpu", weights_only=False)
-    if shard.get("rank") != rank:
-        raise CheckpointError(f"{path} holds the shard of rank {shard.get('rank')}, not {rank}")
-    model.load_state_dict(shard["model"], strict=True)
-    _load_optimizer_state(optimizer, shard["optimizer"], path)
-    scheduler.load_state_dict(shard["scheduler"])
-    restore_rng_state(shard["rng"])
+    rank, _ = world_rank_size()
+    meta = read_meta(directory)
+    try:
+        load_sharded(directory / DIST_DIR, model, optimizer, meta["optimizer_step"])
+    except Exception as exc:  # megatron names the tensor that does not fit
+        raise CheckpointError(
+            f"{directory / DIST_DIR} does not fit this model: {type(exc).__name__}: {exc}"
+        ) from exc
+    scheduler.load_state_dict(meta["scheduler"])
+    if _same_layout(meta, optimizer):
+        path = directory / rank_file_name(rank)
+        # Trusted files written by this module: RNG states hold non-tensor Python objects.
+        shard = torch.load(path, map_location="cpu", weights_only=False)
+        if shard.get("rank") != rank:
+            raise CheckpointError(f"{path} holds the RNG streams of rank {shard.get('rank')}, not {rank}")
+        restore_rng_state(shard["rng"])
+    elif rank == 0:
+        logger.warning(
+            "%s was written with layout %s, this run has %s: weights and optimizer state are "
+            "resharded; random streams are not restored (this run keeps its own seeding)",
+            directory.name,
+            _layout_text(meta["layout"]),
+            _layout_text(current_layout(optimizer)),
+        )
     return torch.load(directory / TRAINER_STATE_FILE, map_location="cpu", weights_only=False)

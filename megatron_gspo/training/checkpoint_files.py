@@ -58,6 +58,14 @@ def save_durably(obj: Any, path: Path) -> tuple[int, str]:
     return writer.size, writer.digest.hexdigest()
 
 
+def durable_checksum(path: Path) -> tuple[int, str]:
+    """Size in bytes and hex checksum of a file another writer produced, fsyncing it too."""
+    with open(path, "rb") as handle:
+        digest = hashlib.file_digest(handle, CHECKSUM_ALGORITHM).hexdigest()
+        os.fsync(handle.fileno())
+    return path.stat().st_size, digest
+
+
 def file_checksum(path: Path) -> str:
     """Hex checksum of a file's content, read in chunks."""
     with open(path, "rb") as handle:

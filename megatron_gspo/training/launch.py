@@ -35,7 +35,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=1, help="re-launch under torchrun with N CPU workers")
 
 
-def _relaunch(nproc: int) -> int:
+def relaunch(nproc: int) -> int:
+    """Run this command again under torchrun with `nproc` CPU workers; a worker's user error once, exit 2."""
     # Workers must not see --nproc: torchrun's own parser would take it for --nproc-per-node.
     argv, skip = [], False
     for arg in sys.argv[1:]:
@@ -83,15 +84,15 @@ def run_train(args: argparse.Namespace) -> int:
     if args.resume_or_start:
         overrides.append("trainer.resume_or_start=true")
     cfg = load_config(args.config, overrides)  # a ConfigError is reported by the CLI (exit 2)
-    relaunch = args.nproc > 1 and "RANK" not in os.environ
+    relaunching = args.nproc > 1 and "RANK" not in os.environ
     # Everything checkable is checked before any worker starts and before the run dir is made.
-    validate(cfg, world_size=args.nproc if relaunch else int(os.environ.get("WORLD_SIZE", "1")))
+    validate(cfg, world_size=args.nproc if relaunching else int(os.environ.get("WORLD_SIZE", "1")))
     try:
         check_run_dir_writable(cfg.trainer.run_dir)  # before SFT, not at the first checkpoint
     except ValueCheckError as err:
         raise ConfigError(str(err)) from None
-    if relaunch:
-        return _relaunch(args.nproc)
+    if relaunching:
+        return relaunch(args.nproc)
     # SIGTERM unwinds like Ctrl-C, so the embedded rollout server and exported weights are cleaned up.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     rank0 = os.environ.get("RANK", "0") == "0"

@@ -442,6 +442,8 @@ class Trainer:
                         scheduler=self.scheduler,
                         trainer_state=self._trainer_state(),
                         keep_last=cfg.trainer.keep_last,
+                        model_cfg=self.model_cfg,
+                        tokenizer=self.tokenizer,
                     )
                 metrics["time/step_s"] = time.perf_counter() - t0
                 metrics.update(peak_memory_metrics())

@@ -7,8 +7,11 @@ it failed, and the exception is printed as `FAILED: <type>: <message>`.
 """
 
 import argparse
+import multiprocessing
 import sys
+import tempfile
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -20,6 +23,7 @@ def scenario(skip: str, tp: int, ep: int) -> None:
     from megatron_gspo.model.logprobs import sequence_logprobs
     from megatron_gspo.model.optim import OptimConfig, build_optimizer, optimizer_step, wrap_ddp
     from megatron_gspo.patches import apply_patches
+    from megatron_gspo.training.checkpoint_dist import save_sharded
 
     apply_patches(skip=() if skip == "-" else (skip,))
     parallel = ParallelConfig(tensor_parallel=tp, expert_parallel=ep)
@@ -31,10 +35,20 @@ def scenario(skip: str, tp: int, ep: int) -> None:
     logprobs, _ = sequence_logprobs(ddp, seqs, pad_multiple=tp)
     (-logprobs.sum()).backward()
     optimizer_step(ddp, optimizer, scheduler)
+    leaf = optimizer.chained_optimizers[0]
+    param = next(iter(leaf.model_param_group_index_map))
+    loaded = leaf._get_main_param_and_optimizer_states(param)
+    # What loading a `fully_reshardable` checkpoint hands over: no `step` (kept in param groups).
+    with torch.no_grad():
+        leaf._set_main_param_and_optimizer_states(param, {k: v for k, v in loaded.items() if k != "step"})
     optimizer.load_state_dict(optimizer.state_dict())  # as a resume does
     steps = [s["step"] for opt in optimizer.chained_optimizers for s in opt.optimizer.state.values()]
     if len({id(step) for step in steps}) < len(steps):
         raise AssertionError("Adam step counters are shared between parameters after load_state_dict")
+    with tempfile.TemporaryDirectory() as directory:
+        save_sharded(Path(directory), ddp, optimizer)
+    if any("Manager" in type(p).__name__ or "Manager" in p.name for p in multiprocessing.active_children()):
+        raise AssertionError("a checkpoint save left a Manager process running (orphaned by SIGKILL)")
 
 
 if __name__ == "__main__":

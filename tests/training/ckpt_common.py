@@ -17,7 +17,7 @@ import torch
 
 from megatron_gspo.algorithms.running_stats import RunningMeanStd
 from megatron_gspo.model.builder import EngineConfig, build_model
-from megatron_gspo.model.config import tiny
+from megatron_gspo.model.config import MoEModelConfig, tiny
 from megatron_gspo.model.distributed import ParallelConfig, init_distributed
 from megatron_gspo.model.logprobs import sequence_logprobs
 from megatron_gspo.model.optim import (
@@ -42,6 +42,7 @@ BATCH = 8
 
 @dataclass
 class Run:
+    model_cfg: MoEModelConfig
     model: torch.nn.Module
     ddp: torch.nn.Module
     optimizer: object
@@ -65,10 +66,19 @@ class Run:
         self.stats.load_state_dict(state["loss_stats"])
 
 
-def build_run(parallel: ParallelConfig, *, init: bool = True, seed: int = 1234, dtype: str = "fp32") -> Run:
+def build_run(
+    parallel: ParallelConfig,
+    *,
+    init: bool = True,
+    seed: int = 1234,
+    dtype: str = "fp32",
+    vocab_size: int = len(TOKENIZER),
+) -> Run:
+    """The tiny run at `parallel`; `vocab_size` must divide by the TP size (the tokenizer has 79 tokens)."""
     if init:
         init_distributed(parallel, seed=seed)
-    model = build_model(tiny(vocab_size=len(TOKENIZER)), parallel, EngineConfig(dtype=dtype))
+    model_cfg = tiny(vocab_size=vocab_size)
+    model = build_model(model_cfg, parallel, EngineConfig(dtype=dtype))
     ddp = wrap_ddp(model, distributed_optimizer=parallel.distributed_optimizer)
     optimizer, scheduler = build_optimizer(
         ddp,
@@ -77,7 +87,7 @@ def build_run(parallel: ParallelConfig, *, init: bool = True, seed: int = 1234, 
         total_steps=10,
     )
     stream = PromptStream(AdditionTask(max_digits=3), batch_size=BATCH, seed=7)
-    return Run(model, ddp, optimizer, scheduler, stream, RunningMeanStd())
+    return Run(model_cfg, model, ddp, optimizer, scheduler, stream, RunningMeanStd())
 
 
 def train_step(run: Run) -> dict:
@@ -97,7 +107,8 @@ def train_step(run: Run) -> dict:
     mine = list(range(dp_rank, len(seqs), dp))
     total_tokens = sum(int(m.sum()) for m in masks)
     zero_grads(run.ddp, run.optimizer)
-    logprobs, _ = sequence_logprobs(run.ddp, [seqs[i] for i in mine])
+    tp = ps.get_tensor_model_parallel_world_size()  # sequence parallel: rows padded to a multiple
+    logprobs, _ = sequence_logprobs(run.ddp, [seqs[i] for i in mine], pad_multiple=tp)
     mask = torch.zeros_like(logprobs)
     for row, i in enumerate(mine):
         mask[row, : len(masks[i])] = masks[i].float()
@@ -137,6 +148,8 @@ def save_run(run: Run, root, **kwargs):
         optimizer=run.optimizer,
         scheduler=run.scheduler,
         trainer_state=run.trainer_state(),
+        model_cfg=run.model_cfg,
+        tokenizer=TOKENIZER,
         **kwargs,
     )
 

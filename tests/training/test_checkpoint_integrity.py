@@ -18,6 +18,7 @@ from megatron_gspo.training.checkpoint import (
     read_meta,
     resumable_step,
 )
+from megatron_gspo.training.checkpoint_files import write_meta
 
 LOGGER = "megatron_gspo.training.checkpoint"
 
@@ -73,15 +74,18 @@ def test_meta_records_each_files_sha256(three_steps):
     root, _ = three_steps
     directory = root / "step_00000003"
     meta = read_meta(directory)
-    assert meta["format_version"] == 2 and meta["checksums"]["algorithm"] == "sha256"
+    assert meta["format_version"] == 3 and meta["checksums"]["algorithm"] == "sha256"
     names = {"rank_00000.pt", "trainer_state.pt"}
+    names |= {f"{sub}/{p.name}" for sub in ("dist", "model") for p in (directory / sub).iterdir()}
     assert set(meta["checksums"]["files"]) == set(meta["files"]) == names
     for name in names:  # recomputed independently from the bytes on disk
         assert meta["checksums"]["files"][name] == hashlib.sha256((directory / name).read_bytes()).hexdigest()
         assert meta["files"][name] == (directory / name).stat().st_size
 
 
-@pytest.mark.parametrize("name", ["rank_00000.pt", "trainer_state.pt"])
+@pytest.mark.parametrize(
+    "name", ["rank_00000.pt", "trainer_state.pt", "dist/__0_0.distcp", "dist/.metadata", "model/config.json"]
+)
 def test_flipped_byte_is_named_and_nothing_is_loaded(root, three_steps, name):
     _flip_byte(root / "step_00000003" / name)
     run = build_run(ParallelConfig(), init=False)
@@ -175,15 +179,26 @@ def test_layout_mismatch_is_not_skipped_by_fallback(root):
     assert not isinstance(info.value, CheckpointCorruptError)
 
 
-def test_format_version_1_without_checksums_still_loads(root, three_steps):
-    _, saved = three_steps
+def test_older_and_unknown_format_versions_are_refused(root):
     path = root / "step_00000003" / "meta.json"
     meta = json.loads(path.read_text())
-    for key in ("checksums", "meta_checksum"):
-        del meta[key]
-    path.write_text(json.dumps({**meta, "format_version": 1}))
     run = build_run(ParallelConfig(), init=False)
-    assert load_run(run, root) == saved[3][1] and _same(_weights(run), saved[3][0])
-    path.write_text(json.dumps({**meta, "format_version": 7}))
-    with pytest.raises(CheckpointError, match=r"format version 7, this code reads \[1, 2\]"):
-        load_run(run, root, fallback=True)
+    for version in (2, 7):  # 2: the per-rank format of one layout, before resharding
+        del meta["meta_checksum"]
+        write_meta(path, {**meta, "format_version": version})
+        meta = json.loads(path.read_text())
+        with pytest.raises(CheckpointError, match=rf"format version {version}, this code reads \[3\]"):
+            load_run(run, root, fallback=True)
+
+
+def test_dist_file_missing_from_meta_listing_is_named(root):
+    path = root / "step_00000003" / "meta.json"
+    meta = json.loads(path.read_text())
+    dist_names = [name for name in meta["files"] if name.startswith("dist/")]
+    for name in dist_names:
+        del meta["files"][name], meta["checksums"]["files"][name]
+    del meta["meta_checksum"]
+    write_meta(path, meta)
+    run = build_run(ParallelConfig(), init=False)
+    with pytest.raises(CheckpointCorruptError, match="0 under dist/, expected"):
+        load_run(run, root)

@@ -1,0 +1,160 @@
+"""`megatron-gspo export`: a training checkpoint (any layout) -> an HF checkpoint directory.
+
+    megatron-gspo export --checkpoint runs/x/checkpoints/step_00000040 --out hf/step40
+    megatron-gspo export --checkpoint C --out D --tp 2 --ep 2 --nproc 4       (CPU: self-launches)
+    torchrun --nproc-per-node 8 -m megatron_gspo.cli export --checkpoint C --out D --ep 8   (GPU)
+
+The checkpoint's `model/` holds the architecture (and the run's tokenizer); every rank builds
+its shard of that model at the requested layout, verifies and loads the weights from `dist/`
+(resharded by megatron's `dist_checkpointing`), then `export_hf_checkpoint` streams the
+global tensors to rank 0, which writes each safetensors shard as it fills: no rank holds the
+whole model unless the layout is a world of one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from megatron_gspo.config import ConfigError
+
+
+def add_export_args(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `megatron-gspo export`."""
+    parser.add_argument(
+        "--checkpoint", required=True, help="training checkpoint dir (RUN/checkpoints/step_N)"
+    )
+    parser.add_argument("--out", required=True, help="HF checkpoint directory to (re)create")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load with")
+    parser.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: world / TP)")
+    parser.add_argument("--max-shard-bytes", type=int, default=None, help="safetensors shard size limit")
+    parser.add_argument("--nproc", type=int, default=1, help="re-launch under torchrun with N CPU workers")
+
+
+def is_training_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether `path` is a checkpoint directory `save_checkpoint` wrote (not an HF directory)."""
+    from megatron_gspo.training.checkpoint import DIST_DIR, META_FILE
+
+    path = Path(path)
+    return (path / META_FILE).is_file() and (path / DIST_DIR).is_dir()
+
+
+def _model_description(checkpoint: Path):
+    """(architecture, tokenizer or None) recorded in the checkpoint's `model/` directory."""
+    from megatron_gspo.model.config import MoEModelConfig
+    from megatron_gspo.training.checkpoint import MODEL_DIR, CheckpointError, read_meta
+
+    try:
+        meta = read_meta(checkpoint)
+    except CheckpointError as err:
+        raise ConfigError(f"--checkpoint {checkpoint}: {err}") from None
+    config = checkpoint / MODEL_DIR / "config.json"
+    if f"{MODEL_DIR}/config.json" not in meta["files"]:
+        raise ConfigError(
+            f"--checkpoint {checkpoint} records no model architecture ({config}): "
+            "it was saved without `model_cfg`"
+        )
+    model_cfg = MoEModelConfig.from_hf_config(json.loads(config.read_text()))
+    tokenizer = None
+    if (checkpoint / MODEL_DIR / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(checkpoint / MODEL_DIR))
+    return meta, model_cfg, tokenizer
+
+
+def _layout(args: argparse.Namespace, world: int, num_experts: int):
+    from megatron_gspo.model.distributed import ParallelConfig
+
+    tp = args.tp
+    ep = args.ep if args.ep is not None else max(world // tp, 1)
+    if tp < 1 or ep < 1 or world % (tp * ep) or num_experts % ep:
+        raise ConfigError(
+            f"export layout TP={tp} EP={ep} does not fit {world} process(es) and {num_experts} experts: "
+            "TP x EP must divide the world size and EP the number of experts"
+        )
+    return ParallelConfig(tensor_parallel=tp, expert_parallel=ep)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Entry point: check the arguments, re-launch under torchrun on CPU if asked, export."""
+    checkpoint = Path(args.checkpoint)
+    if not is_training_checkpoint(checkpoint):
+        raise ConfigError(
+            f"--checkpoint {checkpoint} is not a training checkpoint (no meta.json and dist/ inside); "
+            "give a RUN/checkpoints/step_NNNNNNNN directory"
+        )
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    meta, model_cfg, tokenizer = _model_description(checkpoint)
+    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    parallel = _layout(args, world, model_cfg.num_experts)
+    if args.nproc > 1 and "RANK" not in os.environ:
+        from megatron_gspo.training.launch import relaunch
+
+        return relaunch(args.nproc)
+    from megatron_gspo.training.checkpoint import CheckpointError
+
+    try:
+        path = export_training_checkpoint(
+            checkpoint, args.out, parallel, model_cfg, tokenizer, args.max_shard_bytes
+        )
+    except CheckpointError as err:  # damaged or not this model: the user's to fix, named
+        raise ConfigError(f"--checkpoint {checkpoint}: {err}") from None
+    if os.environ.get("RANK", "0") == "0":
+        print(f"exported step {meta['step']} of {checkpoint} to {path}", flush=True)
+    return 0
+
+
+def export_training_checkpoint(
+    checkpoint: Path, out: str | os.PathLike, parallel, model_cfg, tokenizer, max_shard_bytes
+):
+    """Build the model at `parallel`, load the checkpoint's weights, write HF (collective)."""
+    from megatron_gspo.model.builder import build_model
+    from megatron_gspo.model.convert import export_hf_checkpoint
+    from megatron_gspo.model.distributed import destroy_distributed, init_distributed
+    from megatron_gspo.training.checkpoint import load_weights
+
+    init_distributed(parallel)
+    try:
+        model = build_model(model_cfg, parallel)
+        load_weights(checkpoint, model)
+        return export_hf_checkpoint(model, out, model_cfg, tokenizer, max_shard_bytes=max_shard_bytes)
+    finally:
+        destroy_distributed()
+
+
+@contextlib.contextmanager
+def hf_directory(path: str | os.PathLike) -> Iterator[Path]:
+    """`path` itself if it is an HF checkpoint; a training checkpoint is exported to a temp dir first.
+
+    The export runs in a child process (`megatron-gspo export`), so the caller's process keeps
+    no distributed state; the temporary directory is removed on exit.
+    """
+    if not is_training_checkpoint(path):
+        yield Path(path)
+        return
+    with tempfile.TemporaryDirectory(prefix="megatron-gspo-export-") as tmp:
+        out = Path(tmp) / "hf"
+        cmd = [
+            sys.executable,
+            "-m",
+            "megatron_gspo.cli",
+            "export",
+            "--checkpoint",
+            str(path),
+            "--out",
+            str(out),
+        ]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise ConfigError(f"exporting training checkpoint {path} failed: {last}")
+        yield out

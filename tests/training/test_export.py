@@ -1,0 +1,127 @@
+"""`megatron-gspo export`: a TP2 x EP2 training checkpoint -> HF, as a user runs it.
+
+The round trip is checked against the global weights the saving run gathered itself: the
+exported directory, imported with `load_hf_checkpoint` into a world-of-one model, holds exactly
+those weights and gives exactly the log-probs of a model handed them through
+`load_global_state_dict`.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from reshard_worker import VOCAB, fixed_batch
+
+from megatron_gspo.model.builder import build_model
+from megatron_gspo.model.config import tiny
+from megatron_gspo.model.convert import load_hf_checkpoint
+from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+from megatron_gspo.model.logprobs import sequence_logprobs
+from megatron_gspo.model.sharding import gather_global_state_dict, load_global_state_dict
+from megatron_gspo.training.export import hf_directory
+
+HERE = Path(__file__).parent
+REPO = HERE.parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_gspo.cli", *args],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+        cwd=REPO,
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A checkpoint saved by a TP2 x EP2 run (4 workers) and the global weights it held."""
+    tmp = tmp_path_factory.mktemp("tp2ep2")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
+    cmd += [str(HERE / "reshard_worker.py"), "save", "--root", str(tmp / "ckpt"), "--out", str(tmp / "saved")]
+    done = subprocess.run(
+        [*cmd, "--tp", "2", "--ep", "2"], env=ENV, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    saved = torch.load(tmp / "saved.pt", weights_only=False)
+    return tmp / "ckpt" / "step_00000002", saved["weights"]
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    init_distributed(ParallelConfig())
+    yield
+    destroy_distributed()
+
+
+def _logprobs(model) -> torch.Tensor:
+    with torch.no_grad():
+        return sequence_logprobs(model, fixed_batch())[0]
+
+
+@pytest.mark.multiprocess
+def test_export_round_trip_from_tp2_ep2(checkpoint, world_of_one, tmp_path):
+    ckpt, weights = checkpoint
+    out = tmp_path / "hf"
+    done = run_cli("export", "--checkpoint", str(ckpt), "--out", str(out), "--ep", "2", "--nproc", "2")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"exported step 2 of {ckpt} to {out}" in done.stdout
+    names = sorted(p.name for p in out.iterdir())
+    assert "config.json" in names and "tokenizer_config.json" in names
+    assert any(name.endswith(".safetensors") for name in names)
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == VOCAB
+
+    cfg = tiny(vocab_size=VOCAB)
+    imported = build_model(cfg, ParallelConfig()).eval()
+    load_hf_checkpoint(imported, out)
+    got = gather_global_state_dict(imported)
+    assert got.keys() == weights.keys() and all(torch.equal(got[k], weights[k]) for k in got)
+    reference = build_model(cfg, ParallelConfig()).eval()
+    load_global_state_dict(reference, weights)
+    assert torch.equal(_logprobs(imported), _logprobs(reference))
+
+
+def test_analysis_tools_take_a_training_checkpoint(checkpoint, tmp_path):
+    ckpt, _ = checkpoint
+    with hf_directory(ckpt) as hf:
+        assert hf != ckpt and (hf / "config.json").is_file() and (hf / "tokenizer_config.json").is_file()
+    assert not hf.exists()  # the temporary export is gone
+    with hf_directory(tmp_path) as same:  # anything else is taken as an HF directory
+        assert same == tmp_path
+
+
+def _assert_user_error(done: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit 2 and one line naming the problem, last on stderr (library warnings may precede it)."""
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert "Traceback" not in done.stderr and lines[-1].startswith("megatron-gspo export: "), done.stderr
+    assert sum(line.startswith("megatron-gspo") for line in lines) == 1, done.stderr
+    for needle in needles:
+        assert needle in lines[-1], done.stderr
+
+
+def test_bad_checkpoint_path_is_one_named_line(tmp_path):
+    missing = tmp_path / "nope"
+    done = run_cli("export", "--checkpoint", str(missing), "--out", str(tmp_path / "hf"))
+    _assert_user_error(done, f"--checkpoint {missing} is not a training checkpoint")
+
+
+def test_damaged_checkpoint_is_named_not_exported(checkpoint, tmp_path):
+    ckpt, _ = checkpoint
+    copy = tmp_path / "step_00000002"
+    shutil.copytree(ckpt, copy)
+    target = copy / "dist" / "__1_0.distcp"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+    done = run_cli("export", "--checkpoint", str(copy), "--out", str(tmp_path / "hf"))
+    _assert_user_error(done, "dist/__1_0.distcp is corrupt: its sha256 is")
+    assert not (tmp_path / "hf").exists()
