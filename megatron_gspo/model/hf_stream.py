@@ -156,6 +156,19 @@ class Bucket:
         return flat
 
 
+def tensor_dtype(name: str) -> torch.dtype:
+    """The torch dtype of an SGLang dtype string (`bfloat16`, `float32`, ...); ValueError if none."""
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def flat_nbytes(dtypes: list[str], shapes: list[list[int]]) -> int:
+    """Bytes of a flattened bucket holding tensors of these dtypes and shapes."""
+    return sum(torch.Size(s).numel() * tensor_dtype(d).itemsize for d, s in zip(dtypes, shapes))
+
+
 def unflatten_bucket(
     flat: torch.Tensor, names: list[str], dtypes: list[str], shapes: list[list[int]]
 ) -> dict[str, torch.Tensor]:
@@ -163,13 +176,11 @@ def unflatten_bucket(
     if not (len(names) == len(dtypes) == len(shapes)):
         raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
     out, offset = {}, 0
-    described = sum(torch.Size(s).numel() * getattr(torch, str(d)).itemsize for d, s in zip(dtypes, shapes))
+    described = flat_nbytes(dtypes, shapes)
     if described != flat.numel():
         raise ValueError(f"bucket holds {flat.numel()} bytes, its tensors describe {described}")
     for name, dtype_name, shape in zip(names, dtypes, shapes):
-        dtype = getattr(torch, str(dtype_name), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{name}: unknown dtype {dtype_name!r}")
+        dtype = tensor_dtype(dtype_name)
         if any(int(d) < 0 for d in shape):
             raise ValueError(f"{name}: negative dimension in shape {shape}")
         size = torch.Size(shape).numel() * dtype.itemsize

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.model.hf_checkpoint import check_finite, check_fits_model
-from megatron_gspo.model.hf_stream import unflatten_bucket
+from megatron_gspo.model.hf_stream import flat_nbytes, tensor_dtype, unflatten_bucket
 from megatron_gspo.rollout.engine import GenerationEngine
 from megatron_gspo.rollout.update_group import destroy_update_group, init_update_group
 
@@ -199,20 +199,12 @@ class WeightReceiver:
     ) -> dict[str, torch.Tensor]:
         device = self.engine.device
         if load_format == FLATTENED_BUCKET:
-            nbytes = sum(torch.Size(s).numel() * _dtype(d).itemsize for d, s in zip(dtypes, shapes))
-            flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            flat = torch.empty(flat_nbytes(dtypes, shapes), dtype=torch.uint8, device=device)
             dist.broadcast(flat, group=group, group_src=0)
             return unflatten_bucket(flat, names, dtypes, shapes)
         out = {}
         for name, dtype, shape in zip(names, dtypes, shapes):
-            tensor = torch.empty(shape, dtype=_dtype(dtype), device=device)
+            tensor = torch.empty(shape, dtype=tensor_dtype(dtype), device=device)
             dist.broadcast(tensor, group=group, group_src=0)
             out[name] = tensor
         return out
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, str(name), None)
-    if not isinstance(dtype, torch.dtype):
-        raise WeightSyncError(f"unknown dtype {name!r}")
-    return dtype

@@ -49,6 +49,8 @@ def test_flatten_round_trips_mixed_dtypes_bit_exactly():
     out = unflatten_bucket(aligned.flatten(), aligned.names, aligned.dtypes, aligned.shapes)
     for name, tensor in zip(aligned.names, aligned.tensors):
         assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor)
+    with pytest.raises(ValueError, match="unknown dtype 'float99'"):
+        unflatten_bucket(aligned.flatten(), aligned.names, ["float99", *aligned.dtypes[1:]], aligned.shapes)
     with pytest.raises(ValueError, match="describe"):
         unflatten_bucket(aligned.flatten()[:-4], aligned.names, aligned.dtypes, aligned.shapes)
 
