@@ -176,20 +176,25 @@ def check_config(name: str, cfg: DictConfig) -> None:
 
 
 def plan(variants: list[str], seeds: list[int], sets: dict[str, Any], work: Path) -> list[Job]:
-    """Cold starts first, then each seed's variants (each needing its seed's cold start)."""
-    shared = {**HARNESS, **sets}
+    """Cold starts first, then each seed's variants (each needing its seed's cold start).
+
+    A run's config: the base config, `HARNESS`, the variant's overrides, `sets` (--set wins),
+    then what the harness sets per run (seeds, directories, the cold start's checkpoint).
+    """
     for name in variants:
-        check_config(name, compose(shared, VARIANTS[name]))
+        check_config(name, compose(HARNESS, VARIANTS[name], sets))
+    # RL starts from the cold start's weights: no SFT (nor its early-stop target, which needs SFT steps).
+    no_sft = {"sft.steps": 0, "sft.target_accuracy": None}
     jobs, runs = [], []
     for seed in seeds:
         seeded = {"trainer.seed": seed, "sft.seed": seed}
-        cold_cfg = compose(shared, seeded)
+        cold_cfg = compose(HARNESS, sets, seeded)
         cold_dir = work / "cold_start" / f"seed{seed}-{config_hash(cold_cfg, COLD_START_KEYS)}"
         where = {"trainer.run_dir": str(cold_dir), "trainer.weight_sync_dir": str(cold_dir / "hf")}
-        cold = Job(None, seed, cold_dir, compose(shared, seeded, {"trainer.steps": 0, **where}))
+        cold = Job(None, seed, cold_dir, compose(HARNESS, sets, seeded, {"trainer.steps": 0, **where}))
         jobs.append(cold)
         for name in variants:
-            rl = compose(shared, VARIANTS[name], seeded, {"sft.steps": 0})
+            rl = compose(HARNESS, VARIANTS[name], sets, seeded, no_sft)
             rl.model.pop("overrides", None)  # the architecture comes from the cold start's checkpoint
             run_dir = work / name / f"seed{seed}-{config_hash(rl)}-{cold_dir.name.split('-')[1]}"
             OmegaConf.update(rl, "model.hf_path", str(cold_dir / "hf"), force_add=True)
@@ -286,8 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=None, help="default: all")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 1 2 3")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                        help="override of every run, e.g. optim.lr=5e-4 (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+        help="override of every run, e.g. optim.lr=5e-4 (repeatable; a value replaces the key whole)",
+    )  # fmt: skip
     parser.add_argument(
         "--jobs", type=int, default=2, help="trainings at once (each one process + its server)"
     )
@@ -307,11 +314,12 @@ def main(argv: list[str] | None = None) -> int:
         jobs = plan(variants, seeds, sets, args.work_dir.resolve())
     except ValueError as err:
         parser.error(str(err))
+    from run import machine  # benchmarks/run.py: what the figures were measured on
+
+    where = machine()  # before the runs: its load average says what else shared the cores
     start = time.perf_counter()
     outcomes = run_jobs(jobs, args.jobs)
     runs, colds = collect(jobs, outcomes)
-    from run import machine  # benchmarks/run.py: what the figures were measured on
-
     provenance = {
         "command": shlex.join(
             ["python", "benchmarks/reproduce.py", *(sys.argv[1:] if argv is None else argv)]
@@ -322,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         "seeds": seeds,
         "jobs": args.jobs,
         "wall_seconds": time.perf_counter() - start,
-        "machine": machine(),
+        "machine": where,
     }
     report = assemble(runs, colds, variants, target=args.target, gain=args.target_gain, provenance=provenance)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -31,15 +31,17 @@ REWARD = "rollout/reward_mean"
 ACCURACY = "eval/accuracy"
 OLD_NEW_LAYER = "drift/old_new/layer_"
 
-# Collapse: training reward below COLLAPSE_FRACTION of its start (mean of the first START_STEPS RL
-# steps) on each of the last K steps, K = max(MIN_TAIL, ceil(steps x TAIL_FRACTION)).
-START_STEPS, COLLAPSE_FRACTION, MIN_TAIL, TAIL_FRACTION = 3, 0.5, 3, 0.2
+# Collapse: training reward below COLLAPSE_FRACTION of RL step 1's on each of the last K steps,
+# K = max(MIN_TAIL, ceil(steps x TAIL_FRACTION)). Step 1 is the reference because its rollouts come
+# from the cold-start weights themselves; at a high lr the policy can halve its reward by step 2,
+# so a mean over the first steps would already include the fall.
+COLLAPSE_FRACTION, MIN_TAIL, TAIL_FRACTION = 0.5, 3, 0.2
 COLLAPSE_DEFINITION = (
     f"a run **collapsed** when its training reward (`{REWARD}`, mean over the step's responses) is "
-    f"below {COLLAPSE_FRACTION:.0%} of its start (the mean of RL steps 1-{START_STEPS}) on every one of "
-    f"its last K steps, K = max({MIN_TAIL}, ceil({TAIL_FRACTION:g} x steps)), i.e. it fell and stayed "
-    f"down; the collapse step is the first step of that final streak. Runs shorter than "
-    f"{START_STEPS} + K steps are not judged (n/a)."
+    f"below {COLLAPSE_FRACTION:.0%} of RL step 1's (sampled from the cold-start weights, before any "
+    f"update) on every one of its last K steps, K = max({MIN_TAIL}, ceil({TAIL_FRACTION:g} x steps)): "
+    "it fell and stayed down. The collapse step is the first step of that final streak. Runs shorter "
+    "than 1 + K steps are not judged (n/a)."
 )
 
 
@@ -97,11 +99,15 @@ def clip_series(records: list[dict[str, Any]], loss_type: str) -> tuple[str, lis
 
 
 def collapse(rewards: list[float]) -> dict[str, Any]:
-    """`{"collapsed": bool or None, "step": first step of the final streak or None}` (see definition)."""
+    """`{"collapsed": bool or None, "step": first step of the final streak or None}` (see definition).
+
+    Args:
+        rewards: training reward of RL steps 1, 2, ... in order.
+    """
     tail = max(MIN_TAIL, math.ceil(TAIL_FRACTION * len(rewards)))
-    if len(rewards) < START_STEPS + tail:
+    if len(rewards) < 1 + tail:
         return {"collapsed": None, "step": None}
-    threshold = COLLAPSE_FRACTION * statistics.mean(rewards[:START_STEPS])
+    threshold = COLLAPSE_FRACTION * rewards[0]
     streak = 0
     for value in reversed(rewards):
         if value >= threshold:

@@ -120,6 +120,8 @@ def test_collapse_needs_the_reward_to_fall_below_half_and_stay_there():
     assert report.collapse([0.6, 0.6, 0.6, 0.5, 0.2, 0.1, 0.1]) == {"collapsed": True, "step": 5}
     assert report.collapse([0.6, 0.6, 0.6, 0.1, 0.1, 0.1, 0.4]) == {"collapsed": False, "step": None}
     assert report.collapse([0.6, 0.6, 0.6, 0.6, 0.1, 0.1]) == {"collapsed": False, "step": None}  # 2 < K=3
-    assert report.collapse([0.6, 0.6, 0.6, 0.1, 0.1]) == {"collapsed": None, "step": None}  # too short
+    assert report.collapse([0.6, 0.2, 0.2, 0.2]) == {"collapsed": True, "step": 2}  # against step 1 alone
+    assert report.collapse([0.6, 0.1, 0.1]) == {"collapsed": None, "step": None}  # too short to judge
+    assert report.collapse([0.0] * 8) == {"collapsed": False, "step": None}  # nothing to fall from
     assert report.steps_to([(0, 0.5), (5, 0.55), (10, 0.62), (15, 0.7)], 0.6) == 10
     assert report.steps_to([(0, 0.7), (5, 0.55)], 0.6) is None  # the cold start itself does not count
