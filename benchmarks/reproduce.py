@@ -114,6 +114,8 @@ class Job:
     run_dir: Path
     config: DictConfig
     needs: Job | None = None
+    product: Path | None = None
+    """A file the run must leave behind to count as finished (the cold start's HF export)."""
 
     @property
     def label(self) -> str:
@@ -156,10 +158,12 @@ def compose(*layers: dict[str, Any]) -> DictConfig:
 
 def config_hash(cfg: DictConfig, keys: tuple[str, ...] | None = None) -> str:
     """A short hash of the config (or of `keys` of it), independent of key order."""
-    data = OmegaConf.to_container(cfg) if keys is None else {k: OmegaConf.select(cfg, k) for k in keys}
-    if keys is not None:
-        data = {k: OmegaConf.to_container(v) if isinstance(v, DictConfig) else v for k, v in data.items()}
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    if keys is None:
+        data = OmegaConf.to_container(cfg)
+    else:
+        picked = {key: OmegaConf.select(cfg, key) for key in keys}
+        data = {k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for k, v in picked.items()}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
 
 
 def check_config(name: str, cfg: DictConfig) -> None:
@@ -188,15 +192,16 @@ def plan(variants: list[str], seeds: list[int], sets: dict[str, Any], work: Path
     jobs, runs = [], []
     for seed in seeds:
         seeded = {"trainer.seed": seed, "sft.seed": seed}
-        cold_cfg = compose(HARNESS, sets, seeded)
-        cold_dir = work / "cold_start" / f"seed{seed}-{config_hash(cold_cfg, COLD_START_KEYS)}"
+        cold_key = config_hash(compose(HARNESS, sets, seeded), COLD_START_KEYS)
+        cold_dir = work / "cold_start" / f"seed{seed}-{cold_key}"
         where = {"trainer.run_dir": str(cold_dir), "trainer.weight_sync_dir": str(cold_dir / "hf")}
-        cold = Job(None, seed, cold_dir, compose(HARNESS, sets, seeded, {"trainer.steps": 0, **where}))
+        cold_cfg = compose(HARNESS, sets, seeded, {"trainer.steps": 0, **where})
+        cold = Job(None, seed, cold_dir, cold_cfg, product=cold_dir / "hf" / "config.json")
         jobs.append(cold)
         for name in variants:
             rl = compose(HARNESS, VARIANTS[name], sets, seeded, no_sft)
             rl.model.pop("overrides", None)  # the architecture comes from the cold start's checkpoint
-            run_dir = work / name / f"seed{seed}-{config_hash(rl)}-{cold_dir.name.split('-')[1]}"
+            run_dir = work / name / f"seed{seed}-{config_hash(rl)}-{cold_key}"
             OmegaConf.update(rl, "model.hf_path", str(cold_dir / "hf"), force_add=True)
             OmegaConf.update(rl, "trainer.run_dir", str(run_dir), force_add=True)
             runs.append(Job(name, seed, run_dir, rl, needs=cold))
@@ -219,6 +224,8 @@ def execute(job: Job, env: dict[str, str]) -> Outcome:
     seconds = time.perf_counter() - start
     if code != 0:
         return Outcome("failed", seconds, f"exit status {code}")
+    if job.product is not None and not job.product.is_file():
+        return Outcome("failed", seconds, f"exited 0 but left no {job.product}")
     marker = {"seconds": seconds, "finished": datetime.datetime.now(datetime.UTC).isoformat(), "command": cmd}
     tmp = job.run_dir / (DONE + ".tmp")
     tmp.write_text(json.dumps(marker, indent=1))
