@@ -368,15 +368,21 @@ class GenerationEngine:
         scaled_lp = torch.log_softmax(logits / temps.unsqueeze(1), dim=-1)
         raw_lp = scaled_lp if bool((temps == 1.0).all()) else torch.log_softmax(logits, dim=-1)
         report_lp = raw_lp if self.return_original_logprob else scaled_lp
-        tokens = torch.empty(len(items), dtype=torch.long)
-        for b, it in enumerate(items):
-            sp = it.sampling
-            if sp.greedy or sp.top_k == 1:
-                tokens[b] = int(torch.argmax(logits[b]))
-                continue
-            probs = filter_probs(scaled_lp[b].exp(), top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p)
-            noise = torch.empty_like(probs).exponential_(generator=generators[b])
-            tokens[b] = int(torch.argmax(probs / noise))
+        options = [it.sampling for it in items]
+        greedy = torch.tensor([sp.greedy or sp.top_k == 1 for sp in options])
+        tokens = torch.argmax(logits, dim=-1)
+        sampled = (~greedy).nonzero().flatten().tolist()
+        if sampled:  # one batched filter; each row's noise from its own generator (seeded rows repeat)
+            probs = filter_probs(
+                scaled_lp[sampled].exp(),
+                top_k=torch.tensor([options[b].top_k for b in sampled]),
+                top_p=torch.tensor([options[b].top_p for b in sampled], dtype=logits.dtype),
+                min_p=torch.tensor([options[b].min_p for b in sampled], dtype=logits.dtype),
+            )
+            noise = torch.stack(
+                [torch.empty_like(probs[0]).exponential_(generator=generators[b]) for b in sampled]
+            )
+            tokens[sampled] = torch.argmax(probs / noise, dim=-1)
         return tokens, report_lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
     def _finish_reason(self, sampling: SamplingOptions, token: int, n_out: int) -> dict | None:
@@ -388,24 +394,38 @@ class GenerationEngine:
 
 
 def filter_probs(
-    probs: torch.Tensor, *, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0
+    probs: torch.Tensor,
+    *,
+    top_k: int | torch.Tensor = -1,
+    top_p: float | torch.Tensor = 1.0,
+    min_p: float | torch.Tensor = 0.0,
 ) -> torch.Tensor:
-    """Zero the tokens outside top-k / top-p / min-p (SGLang's order); `probs` [V], unnormalised result.
+    """Zero the tokens outside top-k / top-p / min-p (SGLang's order); unnormalised result.
 
-    The most likely token always survives; the sampler needs no renormalisation because the
+    `probs` is [V] or [B, V]; each option is a number or one value per row ([B]). The most
+    likely token always survives; the sampler needs no renormalisation because the
     exponential race `argmax(p / Exp(1))` samples proportionally to the remaining mass.
     """
-    vocab = probs.shape[-1]
-    sorted_p, order = probs.sort(descending=True)
-    keep = torch.ones(vocab, dtype=torch.bool)
-    if 0 < top_k < vocab:
-        keep[top_k:] = False
-    if top_p < 1.0:
-        mass_before = sorted_p.cumsum(0) - sorted_p
-        keep &= mass_before <= top_p
-    if min_p > 0.0:
-        keep &= sorted_p >= min_p * sorted_p[0]
-    keep[0] = True
-    out = torch.zeros_like(probs)
-    out[order[keep]] = probs[order[keep]]
-    return out
+    rows = probs if probs.dim() == 2 else probs.unsqueeze(0)
+    vocab = rows.shape[-1]
+
+    def column(value, dtype) -> torch.Tensor:
+        return torch.as_tensor(value, dtype=dtype).reshape(-1, 1).expand(rows.shape[0], 1)
+
+    top_k = column(top_k, torch.long)
+    top_p, min_p = column(top_p, rows.dtype), column(min_p, rows.dtype)
+    if (
+        not ((top_k > 0) & (top_k < vocab)).any()
+        and bool((top_p >= 1.0).all())
+        and bool((min_p <= 0.0).all())
+    ):
+        return probs  # nothing to filter (SGLang's defaults)
+    sorted_p, order = rows.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab).unsqueeze(0)
+    keep = (top_k <= 0) | (top_k >= vocab) | (rank < top_k)
+    keep &= (top_p >= 1.0) | (sorted_p.cumsum(-1) - sorted_p <= top_p)
+    keep &= sorted_p >= min_p * sorted_p[:, :1]
+    keep[:, 0] = True
+    kept = torch.zeros_like(keep).scatter(-1, order, keep)
+    out = torch.where(kept, rows, torch.zeros((), dtype=rows.dtype))
+    return out if probs.dim() == 2 else out.squeeze(0)

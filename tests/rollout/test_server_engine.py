@@ -59,6 +59,37 @@ def test_filter_probs_matches_hand_computed_sets():
     assert torch.equal(kept[[1, 3, 4]], probs[[1, 3, 4]])
 
 
+def test_filter_probs_per_row_options_equal_each_row_alone():
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.rand(6, 11, generator=gen)
+    top_k = [-1, 3, 20, 1, -1, 5]
+    top_p = [1.0, 1.0, 0.5, 1.0, 0.9, 0.3]
+    min_p = [0.0, 0.2, 0.0, 0.0, 0.5, 0.0]
+    batched = filter_probs(
+        probs, top_k=torch.tensor(top_k), top_p=torch.tensor(top_p), min_p=torch.tensor(min_p)
+    )
+    for b in range(6):
+        alone = filter_probs(probs[b], top_k=top_k[b], top_p=top_p[b], min_p=min_p[b])
+        assert torch.equal(batched[b], alone), b
+    assert (batched == 0).sum() > 20  # the options really filter
+
+
+def test_seeded_rows_sample_the_same_alone_and_in_a_mixed_batch(ckpt):
+    engine = GenerationEngine(ckpt)
+    options = [
+        SamplingOptions(max_new_tokens=4, temperature=0.7, sampling_seed=5, ignore_eos=True),
+        SamplingOptions(max_new_tokens=4, temperature=0.0, ignore_eos=True),
+        SamplingOptions(
+            max_new_tokens=4, temperature=1.3, top_k=4, top_p=0.8, sampling_seed=9, ignore_eos=True
+        ),
+    ]
+    together = engine.generate([GenerationInput(PROMPT, sp) for sp in options])
+    for sp, out in zip(options, together):
+        alone = engine.generate([GenerationInput(PROMPT, sp)])[0]
+        assert alone.output_ids == out.output_ids
+        assert alone.output_logprobs == pytest.approx(out.output_logprobs, abs=1e-5)
+
+
 def test_sampling_follows_the_filtered_distribution(ckpt):
     engine = GenerationEngine(ckpt)
     rows = [
