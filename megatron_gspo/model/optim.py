@@ -97,6 +97,7 @@ def build_optimizer(
         ),
         [ddp_model],
     )
+    _use_foreach_kernels(optimizer)
     decay_steps = max(total_steps, cfg.lr_warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -112,6 +113,21 @@ def build_optimizer(
         wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+def _use_foreach_kernels(optimizer) -> None:
+    """Let torch's Adam/AdamW (megatron's fallback without TE/apex) update all tensors per kernel.
+
+    torch picks its multi-tensor path by default on CUDA only; on CPU it would loop in Python
+    over every parameter, a measurable share of a tiny model's step. Fused TE/apex optimizers
+    are left alone.
+    """
+    for megatron_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(megatron_optimizer, "optimizer", None)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            for group in inner.param_groups:
+                if group.get("foreach") is None and not group.get("fused"):
+                    group["foreach"] = True
 
 
 def zero_grads(ddp_model: torch.nn.Module, optimizer) -> None:

@@ -35,6 +35,7 @@ token index `l * R + r`; under sequence parallelism TP rank i holds positions
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -118,10 +119,16 @@ def packing_layout(model: torch.nn.Module) -> str:
 
     while hasattr(model, "module"):
         model = model.module
+    if model in _LAYOUTS:  # asked on every forward; a built model's attention never changes
+        return _LAYOUTS[model]
     cores = [m.core_attention for m in model.modules() if isinstance(m, Attention)]
     if not cores:
         raise PackingError(f"{type(model).__name__} has no megatron attention layer to pack for")
-    return "mask" if all(isinstance(c, DotProductAttention) for c in cores) else "thd"
+    _LAYOUTS[model] = "mask" if all(isinstance(c, DotProductAttention) for c in cores) else "thd"
+    return _LAYOUTS[model]
+
+
+_LAYOUTS: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
 
 
 def _place(
