@@ -1,18 +1,19 @@
 """Hard-coded `device="cuda"` tensors and `.cuda()` calls are created on CPU instead.
 
-Megatron's optimizer (found-inf flags, grad-norm buffers) and `dist_checkpointing` (the fully
-parallel load's exchanges) allocate with `device="cuda"`, and `clip_grads` / the fp32
-optimizer assert `param.grad.type() == "torch.cuda.FloatTensor"`. A torch function mode
-rewrites those device arguments to CPU and reports CPU float tensors with their CUDA type
-names; it only touches calls that name a CUDA device.
+Megatron's optimizer (found-inf flags, grad-norm buffers), `dist_checkpointing` (the fully
+parallel load's exchanges) and the default causal masks allocate with `device="cuda"`, and
+`clip_grads` / the fp32 optimizer assert `param.grad.type() == "torch.cuda.FloatTensor"`. A
+torch function mode rewrites those device arguments to CPU and reports CPU float tensors
+with their CUDA type names; it only touches calls that name a CUDA device.
 
 The mode is entered only where those calls live: the methods of megatron's optimizer classes
-(construction, grad checks, grad norm and clipping, state dicts), the `clip_grads` functions
-and `dist_checkpointing.save` / `load`. `step` / `step_with_ready_grads` run the torch
-optimizer's per-parameter math and call the others, so they run outside it: a mode intercepts
-every torch call made under it, and held for the whole process it cost about a fifth of a tiny
-model's RL step. Other CUDA-only spots on megatron-core's CPU paths have their own patches
-(`cuda_device`, `cuda_streams`, `rng_tracker`).
+(construction, grad checks, grad norm and clipping, state dicts), the `clip_grads` functions,
+`dist_checkpointing.save` / `load` and the default attention masks. `step` /
+`step_with_ready_grads` run the torch optimizer's per-parameter math and call the others, so
+they run outside it: a mode intercepts every torch call made under it, and held for the whole
+process it cost about a fifth of a tiny model's RL step. Other CUDA-only spots on
+megatron-core's CPU paths have their own patches (`cuda_device`, `cuda_streams`,
+`rng_tracker`, `schedule_token_counter`).
 """
 
 import functools
@@ -51,6 +52,7 @@ class CudaToCpuMode(torch.overrides.TorchFunctionMode):
 _ACTIVE = threading.local()
 _UNWRAPPED = ("step", "step_with_ready_grads")
 _CLIP_GRADS_FUNCTIONS = ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32")
+_MASK_FUNCTIONS = ("get_default_causal_mask", "get_sliding_window_causal_mask")
 
 
 def _under_mode(method):
@@ -92,18 +94,26 @@ def _check() -> None:
 
     for name in ("save", "load"):
         require(hasattr(dist_checkpointing, name), "cuda_tensors_to_cpu", f"dist_checkpointing.{name}")
+    from megatron.core.transformer import utils
+
+    for name in _MASK_FUNCTIONS:
+        require(hasattr(utils, name), "cuda_tensors_to_cpu", f"transformer.utils.{name}")
 
 
 def _functions_to_wrap() -> list[tuple[object, str]]:
     """(module, name) of the module-level functions that run under the mode."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import serialization
+    from megatron.core.fusions import fused_softmax
     from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.transformer import utils
 
     # ChainedOptimizer.step calls the clip_grads functions directly (optimizer.py holds its own
     # references); dist_checkpointing's exchanges and the fully parallel load allocate on CUDA.
     found = [(module, name) for name in _CLIP_GRADS_FUNCTIONS for module in (clip_grads, optimizer)]
     found += [(module, name) for name in ("save", "load") for module in (dist_checkpointing, serialization)]
+    # The local attention's softmax builds its default masks (no attention_mask given) on CUDA.
+    found += [(module, name) for name in _MASK_FUNCTIONS for module in (utils, fused_softmax)]
     return [(module, name) for module, name in found if hasattr(module, name)]
 
 
