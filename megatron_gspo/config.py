@@ -472,6 +472,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             f"parallel.expert_parallel={cfg.parallel.expert_parallel} does not divide "
             f"the {model_cfg.num_experts} experts of each layer"
         )
+    try:
+        cfg.parallel.check_num_layers(model_cfg.num_layers)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if model_cfg.num_query_groups % cfg.parallel.tensor_parallel:
         raise ConfigError(
             f"parallel.tensor_parallel={cfg.parallel.tensor_parallel} does not divide the "
