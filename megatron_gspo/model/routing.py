@@ -17,7 +17,8 @@ Both packing layouts follow from the segments `(row, start, n)`:
 - `RoutingReplay` owns this model's per-layer `RouterReplay` handles (megatron keeps them in
   a class-level list): `recording()` captures the routing of one forward pass, `replaying()`
   forces the routing of the next forward (and of its backward recompute), `close()` returns
-  megatron's class-level state to empty.
+  megatron's class-level state to empty; `select` / `start_recording` / `take_recording` do
+  the same per micro-batch of a schedule run (`model/routing_hooks.py` keys them).
 - `RoutingCapture` records the routing a forward actually used with forward hooks on every
   `TopKRouter` (works with or without replay; the drift metrics use it).
 - `routing_from_rollout` / `routing_to_samples` convert between the rollout engine's

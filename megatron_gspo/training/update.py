@@ -8,6 +8,10 @@ micro-batches once per step. Per-token data, the loss and every tensor a collect
 live on `compute_device()`. The loss normaliser of a mini-batch is computed over all its rows
 (all-reduced over DP) and every micro-batch divides by it, so the summed gradient does not
 depend on the split; megatron's DDP averages gradients over DP, hence the `dp_loss_scale` factor.
+Each pass over a mini-batch is one run of megatron's forward-backward schedule over its
+micro-batches (`model/pipeline.py`; 1F1B under pipeline parallelism): the policy loss is the
+schedule's loss function on the last stage, where log-probs, pi_old and the loss metrics live;
+the step's metrics reach every rank from there (`share_from_last_stage`).
 
 pi_old is the rollout engine's log-probs (`old_logprobs=rollout`) or a no-grad trainer forward
 with the rollout weights before the first update (`recompute`). The train/inference mismatch

@@ -51,7 +51,8 @@ def _aux_grads(model, micro_batches, scales):
     for tokens, scale in zip(micro_batches, scales):
         set_aux_loss_scale(scale)
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-        logits = model(input_ids=tokens, position_ids=positions, attention_mask=None)
+        causal = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool).triu(1)[None, None]
+        logits = model(input_ids=tokens, position_ids=positions, attention_mask=causal)
         (logits.float().sum() * 0.0).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if "router" in n and p.grad is not None}
 
