@@ -7,6 +7,12 @@ tensors each layer keeps for backward, with or without activation recompute), so
 for H100 nodes can be checked on a laptop or in CI. A layout whose estimate plus a reserve
 (CUDA context, NCCL buffers, allocator fragmentation) exceeds the GPU memory is refused.
 The KV cache of colocated rollout engines is not included (rollouts run on other nodes).
+
+Under pipeline parallelism every stage is estimated on its own: its share of the layers,
+the embedding on the first stage, the final norm and output layer (with tied embeddings, the
+output layer's copy of the embedding) and the logits on the last. Megatron's 1F1B schedule
+keeps up to PP - s micro-batches in flight on stage s, so the first stage holds the most
+activations; the stage that needs the most memory decides whether the layout fits.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ GIB = 1024**3
 
 @dataclass
 class ShardPlan:
-    """Parameters and model-state bytes held by one rank."""
+    """Parameters and model-state bytes held by one rank (of one pipeline stage)."""
 
     dense_params: int
     expert_params: int
@@ -34,22 +40,62 @@ class ShardPlan:
         return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
 
 
-def shard_plan(model, parallel, engine, world_size: int) -> ShardPlan:
+@dataclass(frozen=True)
+class Stage:
+    """What one pipeline stage holds: layers [first_layer, first_layer + layers), ends of the model."""
+
+    index: int
+    first_layer: int
+    layers: int
+    embedding: bool
+    output: bool
+
+    def describe(self) -> str:
+        """`layers 0-46 + embedding`-style summary."""
+        text = f"layers {self.first_layer}-{self.first_layer + self.layers - 1}"
+        return text + " + embedding" * self.embedding + " + output layer" * self.output
+
+
+def pipeline_stages(num_layers: int, pipeline_parallel: int) -> list[Stage]:
+    """The stages of an even split (megatron's default; `ParallelConfig.check_num_layers` refuses others)."""
+    if pipeline_parallel < 1 or num_layers % pipeline_parallel:
+        raise ValueError(f"pipeline_parallel={pipeline_parallel} does not divide the {num_layers} layers")
+    per = num_layers // pipeline_parallel
+    last = pipeline_parallel - 1
+    return [Stage(s, s * per, per, s == 0, s == last) for s in range(pipeline_parallel)]
+
+
+def _stage_params(model, stage: Stage, pipeline_parallel: int) -> tuple[int, int]:
+    """(dense, expert) parameters of a stage, whole (before TP / EP splits)."""
+    h, vocab = model.hidden_size, model.vocab_size
+    expert_per_layer = model.num_experts * 3 * h * model.moe_ffn_hidden_size
+    outside_layers = vocab * h * (1 if model.tie_word_embeddings else 2) + h  # embedding, output, norm
+    dense_per_layer = (model.num_parameters - outside_layers) // model.num_layers - expert_per_layer
+    dense = stage.layers * dense_per_layer
+    if pipeline_parallel == 1:
+        dense += outside_layers
+    else:  # a tied output layer is a copy of the embedding on the last stage
+        dense += vocab * h * stage.embedding + (vocab * h + h) * stage.output
+    return dense, stage.layers * expert_per_layer
+
+
+def shard_plan(model, parallel, engine, world_size: int, stage: Stage | None = None) -> ShardPlan:
     """Per-rank model-state estimate for `MoEModelConfig` x `ParallelConfig` x `EngineConfig`.
 
     Dense parameters (attention, norms, router, embeddings) are split over TP; expert
-    parameters over EP x expert-TP. Grad buffers are fp32. Adam keeps two fp32 moments, plus
-    an fp32 master copy when training in bf16; the distributed optimizer shards these over
-    the data-parallel replicas of each parameter (world / TP for dense, world / (EP x ETP) for
-    experts).
+    parameters over EP x expert-TP; layers over the pipeline stages (`stage`, default the
+    first). Grad buffers are fp32. Adam keeps two fp32 moments, plus an fp32 master copy when
+    training in bf16; the distributed optimizer shards these over the data-parallel replicas
+    of each parameter (world / (TP x PP) for dense, world / (EP x ETP x PP) for experts).
     """
-    expert = model.num_layers * model.num_experts * 3 * model.hidden_size * model.moe_ffn_hidden_size
-    dense = model.num_parameters - expert
+    pp = parallel.pipeline_parallel
+    stage = stage or pipeline_stages(model.num_layers, pp)[0]
+    dense, expert = _stage_params(model, stage, pp)
     tp, ep, etp = parallel.tensor_parallel, parallel.expert_parallel, parallel.expert_tp
     dense_local, expert_local = dense // tp, expert // (ep * etp)
     weight_size = 2 if engine.dtype == "bf16" else 4
     optimizer_size = 8 + (4 if engine.dtype == "bf16" else 0)
-    dense_dp, expert_dp = world_size // tp, world_size // (ep * etp)
+    dense_dp, expert_dp = world_size // (tp * pp), world_size // (ep * etp * pp)
     if parallel.distributed_optimizer:
         optimizer = dense_local * optimizer_size / dense_dp + expert_local * optimizer_size / expert_dp
     else:
@@ -72,9 +118,11 @@ class ActivationPlan:
         logits_bytes: the output layer's [tokens, vocab / TP] logits in the compute dtype plus
             the fp32 copy megatron's vocab-parallel cross-entropy makes and keeps for backward.
         layer_bytes: tensors one transformer layer keeps for backward, for all tokens.
-        stored_bytes: what the layers hold at once: every layer's `layer_bytes` without
-            recompute; with full recompute, each layer's input plus one layer rebuilt.
+        stored_bytes: what the stage's layers hold at once, for `in_flight` micro-batches:
+            every layer's `layer_bytes` without recompute; with full recompute, each layer's
+            input, plus one layer rebuilt.
         recompute: whether activation recompute is on.
+        in_flight: micro-batches whose activations the stage holds at once (1F1B: PP - stage).
     """
 
     tokens: int
@@ -82,6 +130,7 @@ class ActivationPlan:
     layer_bytes: int
     stored_bytes: int
     recompute: bool
+    in_flight: int = 1
 
     @property
     def total_bytes(self) -> int:
@@ -114,22 +163,29 @@ def layer_elements_per_token(model, parallel, *, flash_attention: bool, seq_len:
 
 
 def activation_plan(
-    model, parallel, engine, *, tokens: int, seq_len: int, flash_attention: bool
+    model, parallel, engine, *, tokens: int, seq_len: int, flash_attention: bool, stage: Stage | None = None
 ) -> ActivationPlan:
-    """Activation estimate of one micro-batch of `tokens` tokens (rows up to `seq_len` long) on one rank."""
+    """Activation estimate of micro-batches of `tokens` tokens (rows up to `seq_len` long) on one rank.
+
+    `stage` (default: the first, or the only one) decides the layers held, the micro-batches
+    in flight (PP - stage index under 1F1B) and whether the logits are there (last stage).
+    """
+    pp = parallel.pipeline_parallel
+    stage = stage or pipeline_stages(model.num_layers, pp)[0]
+    in_flight = pp - stage.index
     size = 2 if engine.dtype == "bf16" else 4
     tp = parallel.tensor_parallel
     vocab_local = -(-model.vocab_size // tp)
-    logits = tokens * vocab_local * (size + 4)
+    logits = tokens * vocab_local * (size + 4) if stage.output else 0
     elements, fp32 = layer_elements_per_token(
         model, parallel, flash_attention=flash_attention, seq_len=seq_len
     )
     layer = int(tokens * (elements * size + fp32 * 4))
     if engine.recompute_activations:  # megatron full/uniform/1: each layer's [tokens / TP, H] input kept
-        stored = model.num_layers * tokens * model.hidden_size // tp * size + layer
+        stored = in_flight * stage.layers * tokens * model.hidden_size // tp * size + layer
     else:
-        stored = model.num_layers * layer
-    return ActivationPlan(tokens, logits, layer, stored, engine.recompute_activations)
+        stored = in_flight * stage.layers * layer
+    return ActivationPlan(tokens, logits, layer, stored, engine.recompute_activations, in_flight)
 
 
 def micro_batch_shape(cfg, task, world_size: int) -> tuple[int, int, str]:
@@ -164,6 +220,39 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. parallel.expert_parallel=8")
 
 
+@dataclass
+class StagePlan:
+    """Model states and activations of one rank of one pipeline stage."""
+
+    stage: Stage
+    states: ShardPlan
+    activation: ActivationPlan
+    activation_no_recompute: ActivationPlan
+
+    @property
+    def total_bytes(self) -> int:
+        """Model states + activations."""
+        return self.states.total_bytes + self.activation.total_bytes
+
+
+def stage_plans(cfg, model, world_size: int, *, tokens: int, seq_len: int) -> list[StagePlan]:
+    """Every pipeline stage's estimate (one entry without pipeline parallelism)."""
+    flash = cfg.engine.use_te is not False  # the TE spec's fused attention on a GPU node
+    no_recompute = dataclasses.replace(cfg.engine, recompute_activations=False)
+    plans = []
+    for stage in pipeline_stages(model.num_layers, cfg.parallel.pipeline_parallel):
+        kwargs = dict(tokens=tokens, seq_len=seq_len, flash_attention=flash, stage=stage)
+        plans.append(
+            StagePlan(
+                stage,
+                shard_plan(model, cfg.parallel, cfg.engine, world_size, stage),
+                activation_plan(model, cfg.parallel, cfg.engine, **kwargs),
+                activation_plan(model, cfg.parallel, no_recompute, **kwargs),
+            )
+        )
+    return plans
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Validate and print the plan; non-zero exit when the estimate does not fit the GPU."""
     from megatron_gspo.config import build_model_config, build_task, load_config, validate
@@ -171,31 +260,30 @@ def run_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     validate(cfg, world_size=args.world_size)
     model = build_model_config(cfg)
-    plan = shard_plan(model, cfg.parallel, cfg.engine, args.world_size)
     tokens, seq_len, cut = micro_batch_shape(cfg, build_task(cfg), args.world_size)
-    flash = cfg.engine.use_te is not False  # the TE spec's fused attention on a GPU node
-    act = activation_plan(
-        model, cfg.parallel, cfg.engine, tokens=tokens, seq_len=seq_len, flash_attention=flash
-    )
-    no_recompute = activation_plan(
-        model,
-        cfg.parallel,
-        dataclasses.replace(cfg.engine, recompute_activations=False),
-        tokens=act.tokens,
-        seq_len=seq_len,
-        flash_attention=flash,
-    )
+    stages = stage_plans(cfg, model, args.world_size, tokens=tokens, seq_len=seq_len)
     p = cfg.parallel
     shape = f"{model.num_layers} layers, {model.num_experts} experts top-{model.moe_topk}"
     print(
         f"{args.config}: {model.num_parameters / 1e9:.1f}B parameters ({shape}) on {args.world_size} ranks: "
-        f"TP={p.tensor_parallel} EP={p.expert_parallel} ETP={p.expert_tp} "
-        f"DP={args.world_size // p.tensor_parallel} SP={p.use_sequence_parallel} "
+        f"TP={p.tensor_parallel} PP={p.pipeline_parallel} EP={p.expert_parallel} ETP={p.expert_tp} "
+        f"DP={p.check_world_size(args.world_size)} SP={p.use_sequence_parallel} "
         f"distributed optimizer={p.distributed_optimizer} dtype={cfg.engine.dtype}"
     )
+    if len(stages) > 1:
+        for sp in stages:
+            print(
+                f"stage {sp.stage.index}: {sp.stage.describe()}: model states "
+                f"{sp.states.total_bytes / GIB:.1f} GiB + activation "
+                f"{sp.activation.total_bytes / GIB:.1f} GiB "
+                f"({sp.activation.in_flight} micro-batch(es) in flight) = {sp.total_bytes / GIB:.1f} GiB"
+            )
+    worst = max(stages, key=lambda sp: sp.total_bytes)
+    plan, act, no_recompute = worst.states, worst.activation, worst.activation_no_recompute
+    where = f"stage {worst.stage.index} (the largest), " if len(stages) > 1 else ""
     print(
-        f"per rank: {plan.dense_params / 1e6:.0f}M dense + {plan.expert_params / 1e6:.0f}M expert params; "
-        f"weights {plan.weight_bytes / GIB:.1f} GiB, grads {plan.grad_bytes / GIB:.1f} GiB, "
+        f"per rank: {where}{plan.dense_params / 1e6:.0f}M dense + {plan.expert_params / 1e6:.0f}M expert "
+        f"params; weights {plan.weight_bytes / GIB:.1f} GiB, grads {plan.grad_bytes / GIB:.1f} GiB, "
         f"optimizer {plan.optimizer_bytes / GIB:.1f} GiB = {plan.total_bytes / GIB:.1f} GiB model states"
     )
     recompute = "on" if act.recompute else "off"
@@ -218,7 +306,7 @@ def run_plan(args: argparse.Namespace) -> int:
         return 0
     print(
         f"DOES NOT FIT: {over / GIB:.1f} GiB over the {args.gpu_memory_gb:g} GiB GPU; raise "
-        "expert_parallel / tensor_parallel, use the distributed optimizer, turn on "
+        "expert_parallel / tensor_parallel / pipeline_parallel, use the distributed optimizer, turn on "
         "engine.recompute_activations or lower trainer.micro_batch_size / trainer.max_tokens_per_micro_batch"
     )
     return 1

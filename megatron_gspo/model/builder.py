@@ -75,7 +75,7 @@ def transformer_config(
 
     Args:
         model: the architecture.
-        parallel: the TP x EP layout.
+        parallel: the TP x PP x EP layout.
         engine: numerics and kernels (default `EngineConfig()`).
         routing_replay: build megatron's per-layer `RouterReplay` handles.
         aux_loss_coeff: load-balancing loss coefficient; None: the architecture's
@@ -126,6 +126,10 @@ def transformer_config(
         moe_enable_routing_replay=routing_replay,
         **fused_flags(engine, available),
         tensor_model_parallel_size=parallel.tensor_parallel,
+        pipeline_model_parallel_size=parallel.pipeline_parallel,
+        # Packed micro-batches differ in length: stages exchange shapes before activations.
+        variable_seq_lengths=parallel.pipeline_parallel > 1,
+        pipeline_dtype=engine.torch_dtype,
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.expert_tp,
         sequence_parallel=parallel.use_sequence_parallel,
@@ -163,6 +167,9 @@ def build_model(
 ):
     """Build this rank's shard of the policy (call after `init_distributed`).
 
+    Under pipeline parallelism the shard is this rank's stage: the embedding only on the first
+    stage, the output layer only on the last, and megatron numbers the stage's layers globally.
+
     In bf16 the result is megatron's `Float16Module` around the `GPTModel` (as megatron's
     `get_model` wraps it); code that needs the `GPTModel` unwraps `.module`.
 
@@ -170,12 +177,14 @@ def build_model(
     here so a second model built in one process never inherits the first one's layers.
     `aux_loss_coeff` as in `transformer_config`.
     """
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     engine = engine or EngineConfig()
     available = KernelAvailability.detect()
     engine.check_hardware(available)
+    parallel.check_num_layers(model.num_layers)
     if routing_replay and engine.router_fusion:
         raise ValueError("routing replay with engine.router_fusion: the fused top-k silently bypasses replay")
     RouterReplay.clear_global_router_replay_instances()
@@ -192,8 +201,8 @@ def build_model(
         transformer_layer_spec=layer_spec(model, engine, available),
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=model.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_percent=1.0,

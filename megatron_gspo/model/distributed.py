@@ -1,4 +1,4 @@
-"""Process groups for TP x EP x DP: one entry point for torchrun workers and plain processes.
+"""Process groups for TP x PP x EP x DP: one entry point for torchrun workers and plain processes.
 
 `init_distributed` applies the megatron-core runtime patches this machine needs, starts
 torch.distributed (NCCL on GPUs, gloo on CPU), builds megatron's model-parallel groups and
@@ -39,6 +39,8 @@ class ParallelConfig:
     """Tensor-parallel size (attention heads, FFN columns, vocabulary split across ranks)."""
     expert_parallel: int = 1
     """Expert-parallel size (experts of each MoE layer split across ranks)."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel size (consecutive transformer layers split into this many stages)."""
     expert_tensor_parallel: int | None = None
     """Tensor-parallel size inside each expert (default: tensor_parallel, megatron's default)."""
     sequence_parallel: bool | None = None
@@ -53,7 +55,7 @@ class ParallelConfig:
     for rollouts or an export while the other ranks block."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "expert_parallel"):
+        for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         if self.token_dispatcher not in ("alltoall", "allgather"):
@@ -80,18 +82,32 @@ class ParallelConfig:
         return self.expert_tensor_parallel or self.tensor_parallel
 
     def check_world_size(self, world_size: int) -> int:
-        """Validate the layout against a world size; returns the data-parallel size."""
-        if world_size % self.tensor_parallel:
+        """Validate the layout against a world size; returns the data-parallel size.
+
+        Megatron lays out world = TP x PP x DP for dense parts and world = ETP x EP x PP x
+        expert-DP for experts: both products must divide the world.
+        """
+        model_group = self.tensor_parallel * self.pipeline_parallel
+        if world_size % model_group:
             raise ValueError(
-                f"world size {world_size} is not divisible by tensor_parallel={self.tensor_parallel}"
+                f"world size {world_size} is not divisible by tensor_parallel x pipeline_parallel = "
+                f"{self.tensor_parallel} x {self.pipeline_parallel}"
             )
-        expert_group = self.expert_tp * self.expert_parallel
+        expert_group = self.expert_tp * self.expert_parallel * self.pipeline_parallel
         if world_size % expert_group:
             raise ValueError(
-                f"world size {world_size} is not divisible by expert_tensor_parallel x expert_parallel = "
-                f"{self.expert_tp} x {self.expert_parallel}"
+                f"world size {world_size} is not divisible by expert_tensor_parallel x expert_parallel x "
+                f"pipeline_parallel = {self.expert_tp} x {self.expert_parallel} x {self.pipeline_parallel}"
             )
-        return world_size // self.tensor_parallel
+        return world_size // model_group
+
+    def check_num_layers(self, num_layers: int) -> None:
+        """Refuse a pipeline that cannot split `num_layers` evenly (every stage holds as many layers)."""
+        if num_layers % self.pipeline_parallel:
+            raise ValueError(
+                f"parallel.pipeline_parallel={self.pipeline_parallel} does not divide the "
+                f"{num_layers} transformer layers"
+            )
 
 
 def compute_device() -> torch.device:
@@ -137,6 +153,7 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> int:
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_parallel,
+        pipeline_model_parallel_size=parallel.pipeline_parallel,
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.expert_tp,
         distributed_timeout_minutes=math.ceil(parallel.timeout_minutes),  # megatron's own groups too

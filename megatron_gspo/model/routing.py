@@ -17,7 +17,8 @@ Both packing layouts follow from the segments `(row, start, n)`:
 - `RoutingReplay` owns this model's per-layer `RouterReplay` handles (megatron keeps them in
   a class-level list): `recording()` captures the routing of one forward pass, `replaying()`
   forces the routing of the next forward (and of its backward recompute), `close()` returns
-  megatron's class-level state to empty.
+  megatron's class-level state to empty; `select` / `start_recording` / `take_recording` do
+  the same per micro-batch of a schedule run (`model/routing_hooks.py` keys them).
 - `RoutingCapture` records the routing a forward actually used with forward hooks on every
   `TopKRouter` (works with or without replay; the drift metrics use it).
 - `routing_from_rollout` / `routing_to_samples` convert between the rollout engine's
@@ -136,9 +137,12 @@ class RoutingReplay:
                 loss = forward(model, batch); loss.backward()
 
     Under activation recompute the backward re-runs each layer's forward; run the backward
-    inside the `replaying()` block so the recompute replays the same indices (megatron's
-    `REPLAY_BACKWARD` queue is only needed when several micro-batches are in flight, i.e.
-    pipeline schedules, which this project does not use).
+    inside the `replaying()` block so the recompute replays the same indices. Under a
+    pipeline schedule several micro-batches are in flight, so the routing is chosen per
+    micro-batch instead: `select(routing)` right before that micro-batch's forward and again
+    right before its backward (`KeyedReplay` does both, keyed by micro-batch), and
+    `start_recording()` / `take_recording()` around each forward. Megatron's `REPLAY_BACKWARD`
+    queue (replay in call order) is never used.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -156,6 +160,8 @@ class RoutingReplay:
                 "build it with build_model(..., routing_replay=True)"
             )
         self.instances = [r.router_replay for r in routers]
+        self.layer_numbers: list[int] = [r.layer_number for r in routers]
+        """Global 1-based layer number of each local MoE layer (megatron's, pipeline offset included)."""
         self.num_experts: int = config.num_moe_experts
         self.topk: int = config.moe_router_topk
         self.recompute: bool = config.recompute_granularity is not None
@@ -239,6 +245,39 @@ class RoutingReplay:
                 instance.set_target_indices(indices.to(torch.long))
             self._set_action(RouterReplayAction.REPLAY_FORWARD)
             yield
+
+    def select(self, layers: Sequence[torch.Tensor]) -> None:
+        """Replay `layers` (per local layer `[local_tokens, k]`, checked) in the next forward or recompute."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if self._closed:
+            raise RoutingError("select: this RoutingReplay was closed")
+        for instance, indices in zip(self.instances, layers, strict=True):
+            instance.clear_indices()
+            instance.set_target_indices(indices.to(torch.long))
+        self._set_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def start_recording(self) -> None:
+        """Record the routing of the next forward (read it with `take_recording`)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if self._closed:
+            raise RoutingError("start_recording: this RoutingReplay was closed")
+        self._reset()
+        self._set_action(RouterReplayAction.RECORD)
+
+    def take_recording(self) -> LayerRouting:
+        """The routing recorded since `start_recording` (per local layer), and stop recording."""
+        indices = [instance.get_recorded_indices() for instance in self.instances]
+        self._reset()
+        if any(t is None for t in indices):
+            layers = [i for i, t in enumerate(indices) if t is None]
+            raise RoutingError(f"recording: no forward pass reached MoE layers {layers}")
+        return compact(indices, self.num_experts)
+
+    def reset(self) -> None:
+        """Stop recording or replaying (the router routes by itself again)."""
+        self._reset()
 
     def check(self, layers: Sequence[torch.Tensor]) -> None:
         """Validate per-layer routing against this model (layer count, k, expert range, repeats)."""

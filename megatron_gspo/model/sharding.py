@@ -1,7 +1,13 @@
-"""Global (unsharded, world-size-1) Megatron state dicts <-> this rank's TP/EP shard.
+"""Global (unsharded, world-size-1) Megatron state dicts <-> this rank's TP/EP/PP shard.
 
-A *global* state dict uses the names and shapes of the model built at TP=EP=1: experts are
-`...local_experts.{e}` with the global expert index e, tensors unsplit. Megatron marks
+A *global* state dict uses the names and shapes of the model built at TP=EP=PP=1: layers are
+`decoder.layers.{l}` with the global layer index l, experts `...local_experts.{e}` with the
+global expert index e, tensors unsplit. Under pipeline parallelism a stage's module numbers its
+layers from 0; each `TransformerLayer` knows its global `layer_number` (megatron adds the
+stage's offset, uneven first/last stages included), which is what names it here. The
+embedding lives on the first stage, the final norm and output layer on the last; with tied
+embeddings the last stage's `output_layer.weight` is a replica of the global
+`embedding.word_embeddings.weight` (loaded from it, never yielded twice). Megatron marks
 every tensor-parallel parameter with `tensor_model_parallel`, `partition_dim` and
 `partition_stride` (2 for SwiGLU fc1, whose shards are [gate_r; up_r]); expert parameters
 (`allreduce=False`) are split over the expert-TP group, the rest over the TP group. Under
@@ -23,6 +29,11 @@ import torch
 import torch.distributed as dist
 
 _LOCAL_EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..*)")
+_LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
+_EMBEDDING = "embedding.word_embeddings.weight"
+# GPTModel's tensors outside the layers, by the pipeline stage that holds them.
+_FIRST_STAGE_PREFIXES = ("embedding.",)
+_LAST_STAGE_PREFIXES = ("decoder.final_layernorm.", "output_layer.")
 # TransformerEngine layer-spec names -> local-spec names.
 _TE_NAMES = (
     (re.compile(r"(.*)\.self_attention\.linear_qkv\.layer_norm_weight$"), r"\1.input_layernorm.weight"),
@@ -69,12 +80,43 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _layer_numbers(model: torch.nn.Module) -> dict[int, int]:
+    """This stage's module index of each transformer layer -> its global (0-based) layer index."""
+    layers = getattr(getattr(model, "decoder", None), "layers", None) or []
+    return {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
+
+
+def _is_tied_replica(model: torch.nn.Module) -> bool:
+    """Whether this stage's output layer is a copy of the first stage's embedding (tied, PP > 1)."""
+    return bool(getattr(model, "share_embeddings_and_output_weights", False)) and not getattr(
+        model, "pre_process", True
+    )
+
+
+def _global_layer_name(name: str, layer_numbers: dict[int, int]) -> str:
+    match = _LAYER.match(name)
+    if not match:
+        return name
+    return f"{match.group(1)}{layer_numbers[int(match.group(2))]}{match.group(3)}"
+
+
 def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers by canonical name, without `_extra_state` entries."""
+    """Parameters and persistent buffers by canonical name with global layer numbers.
+
+    `_extra_state` entries are left out. A tied last stage's `output_layer.weight` is listed
+    under the embedding's name (it holds the same global tensor).
+    """
     model = _unwrap(model)
-    named = {canonical_name(n): p for n, p in model.named_parameters()}
+    layer_numbers = _layer_numbers(model)
+    tied_replica = _is_tied_replica(model)
+
+    def rename(name: str) -> str:
+        name = _global_layer_name(canonical_name(name), layer_numbers)
+        return _EMBEDDING if tied_replica and name == "output_layer.weight" else name
+
+    named = {rename(n): p for n, p in model.named_parameters()}
     for name, value in model.state_dict(keep_vars=True).items():
-        name = canonical_name(name)
+        name = rename(name)
         if name not in named and torch.is_tensor(value) and not name.endswith("_extra_state"):
             named[name] = value
     return named
@@ -136,8 +178,8 @@ def load_global_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor
         if global_name not in state:
             raise ShardingError(f"global state dict has no tensor {global_name!r} (for local {local_name!r})")
         wanted[global_name] = target
-    expected_experts = n_local * _expert_layout()[1]
-    extra = [n for n in state if n not in wanted and not _belongs_to_other_ep_rank(n, expected_experts)]
+    elsewhere = _held_elsewhere(_unwrap(model), named, n_local * _expert_layout()[1])
+    extra = [n for n in state if n not in wanted and not elsewhere(n)]
     if extra:
         raise ShardingError(f"global state dict has tensors the model lacks: {sorted(extra)[:5]}")
     with torch.no_grad():
@@ -155,23 +197,56 @@ def load_global_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor
             target.copy_(source)
 
 
-def _belongs_to_other_ep_rank(name: str, total_experts: int) -> bool:
-    match = _LOCAL_EXPERT.match(name)
-    return bool(match) and int(match.group(2)) < total_experts
+def _held_elsewhere(model: torch.nn.Module, named: dict[str, torch.Tensor], total_experts: int):
+    """A predicate: does a global name belong to another EP rank's experts or another PP stage?
+
+    Another stage's layers are recognised by their layer-relative name (every layer holds the
+    same tensors), the embedding / final norm / output layer by the stage that holds them.
+    """
+    own_layers, own_kinds = set(), set()
+    for name in named:
+        if match := _LAYER.match(name):
+            own_layers.add(int(match.group(2)))
+            own_kinds.add(_expert_kind(match.group(3)))
+    other_stage_prefixes = ()
+    if not getattr(model, "pre_process", True):
+        other_stage_prefixes += _FIRST_STAGE_PREFIXES
+    if not getattr(model, "post_process", True):
+        other_stage_prefixes += _LAST_STAGE_PREFIXES
+
+    def elsewhere(name: str) -> bool:
+        layer = _LAYER.match(name)
+        if not layer:
+            return name.startswith(other_stage_prefixes)
+        expert = _LOCAL_EXPERT.match(name)
+        if expert and int(expert.group(2)) >= total_experts:
+            return False
+        other_layer = int(layer.group(2)) not in own_layers
+        return (other_layer or bool(expert)) and _expert_kind(layer.group(3)) in own_kinds
+
+    return elsewhere
 
 
-def iter_global_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (global name, full tensor) for every tensor of the model, on every rank.
+def _expert_kind(layer_relative: str) -> str:
+    """A layer-relative name with its expert index replaced by 0 (compares experts by kind)."""
+    return _LOCAL_EXPERT.sub(r"\g<1>0\g<3>", layer_relative)
 
-    Collective: all ranks must iterate it to the end together. Tensors are gathered one at a
-    time, so peak memory is one full tensor (expert tensors: one per EP rank).
+
+def _iter_stage_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(global name, full tensor) for every tensor of this pipeline stage, gathered over TP and EP.
+
+    Collective over this stage's TP and EP groups. A tied last stage's copy of the embedding
+    is skipped (the first stage yields it).
     """
     from megatron.core import parallel_state as ps
 
     named = _named_tensors(model)
     ep_rank, ep_world = _expert_layout()
     n_local = _num_local_experts(named)
+    skip_replica = _is_tied_replica(_unwrap(model))
     for local_name, param in named.items():
+        if skip_replica and local_name == _EMBEDDING:
+            continue
         tensor = param.detach()
         if getattr(param, "tensor_model_parallel", False):
             group = _tp_group(param)
@@ -186,6 +261,85 @@ def iter_global_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
                 yield to_global_name(local_name, rank, n_local), shard
         else:
             yield to_global_name(local_name, ep_rank, n_local), tensor
+
+
+class _GlobalTensorInfo(NamedTuple):
+    """What a rank of another stage needs to receive one global tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _stage_manifest(model: torch.nn.Module) -> list[_GlobalTensorInfo]:
+    """The global tensors `_iter_stage_tensors` yields on this stage, in order (no communication)."""
+    named = _named_tensors(model)
+    ep_rank, ep_world = _expert_layout()
+    n_local = _num_local_experts(named)
+    skip_replica = _is_tied_replica(_unwrap(model))
+    manifest = []
+    for local_name, param in named.items():
+        if skip_replica and local_name == _EMBEDDING:
+            continue
+        shape = list(param.shape)
+        if getattr(param, "tensor_model_parallel", False):
+            shape[param.partition_dim] *= _tp_group(param).size()
+        ranks = range(ep_world) if _LOCAL_EXPERT.match(local_name) else [ep_rank]
+        manifest += [
+            _GlobalTensorInfo(to_global_name(local_name, r, n_local), tuple(shape), param.dtype)
+            for r in ranks
+        ]
+    return manifest
+
+
+def _stage_manifests(model: torch.nn.Module, in_rank0_group: bool) -> list[list[_GlobalTensorInfo]]:
+    """Every stage's manifest in stage order, on every rank (control plane).
+
+    Every pipeline group holds the same stages, so global rank 0's group alone describes them.
+    """
+    from megatron.core import parallel_state as ps
+
+    from megatron_gspo.model import control_plane
+
+    mine = (ps.get_pipeline_model_parallel_rank(), _stage_manifest(model)) if in_rank0_group else None
+    return [manifest for _, manifest in sorted(m for m in control_plane.all_gather_objects(mine) if m)]
+
+
+def iter_global_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (global name, full tensor) for every tensor of the model, on every rank.
+
+    Collective: all ranks must iterate it to the end together. Tensors are gathered one at a
+    time over TP and EP (peak memory: one full tensor; expert tensors: one per EP rank). Under
+    pipeline parallelism the stages take turns in order: the owning stage gathers a tensor and
+    broadcasts it over each pipeline group, so every rank sees every tensor, one at a time,
+    received on the compute device; no rank ever holds another stage's weights at once.
+    """
+    from megatron.core import parallel_state as ps
+
+    from megatron_gspo.model.distributed import compute_device
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        yield from _iter_stage_tensors(model)
+        return
+    group = ps.get_pipeline_model_parallel_group()
+    pp_ranks = dist.get_process_group_ranks(group)  # in stage order
+    stage = ps.get_pipeline_model_parallel_rank()
+    own = _iter_stage_tensors(model)
+    for source, manifest in enumerate(_stage_manifests(model, 0 in pp_ranks)):
+        for info in manifest:
+            if source == stage:
+                name, tensor = next(own)
+                if name != info.name:
+                    raise ShardingError(
+                        f"stage {stage} yields {name!r} where its manifest says {info.name!r}"
+                    )
+                tensor = tensor.contiguous()
+            else:
+                tensor = torch.empty(info.shape, dtype=info.dtype, device=compute_device())
+            dist.broadcast(tensor, src=pp_ranks[source], group=group)
+            yield info.name, tensor
+    if next(own, None) is not None:
+        raise ShardingError(f"stage {stage} holds tensors beyond its manifest")
 
 
 def gather_global_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
