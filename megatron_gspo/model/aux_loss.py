@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_gspo.model.pipeline import MicroBatchHooks
+
 
 def aux_loss_scale(micro_normalizer: torch.Tensor, normalizer: torch.Tensor, dp_size: int) -> torch.Tensor:
     """The backward scale of one micro-batch's aux loss.
@@ -36,3 +38,23 @@ def set_aux_loss_scale(scale: torch.Tensor) -> None:
 
     # set_loss_scale keeps the first tensor it gets and copies into it afterwards: hand it its own.
     MoEAuxLossAutoScaler.set_loss_scale(scale.detach().to(torch.float32).clone())
+
+
+class AuxLossWeights(MicroBatchHooks):
+    """Set micro-batch i's aux-loss scale right before its backward (a schedule hook).
+
+    Megatron's scale is one class-level value read during backward, and its schedule resets
+    it to 1 / num_microbatches after every forward; under a pipeline several forwards run
+    before a backward. Setting it when micro-batch i's backward starts gives each backward
+    (and its recompute) its own weight.
+
+    Args:
+        scales: per micro-batch of the run, from `aux_loss_scale`.
+    """
+
+    def __init__(self, scales: list[torch.Tensor]) -> None:
+        self.scales = scales
+
+    def before_backward(self, i: int) -> None:
+        """Weight micro-batch i's aux-loss gradient."""
+        set_aux_loss_scale(self.scales[i])

@@ -76,6 +76,15 @@ def broadcast_from_rank0(obj: T) -> T:
     return obj
 
 
+def broadcast_from(obj: T, src: int) -> T:
+    """Global rank `src`'s `obj` on every rank (control plane), e.g. metrics only a later stage has."""
+    if _multi_rank():
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=control_group())
+        obj = box[0]
+    return obj
+
+
 def all_gather_objects(obj: Any) -> list[Any]:
     """Every rank's `obj`, in global rank order (control plane)."""
     if not _multi_rank():

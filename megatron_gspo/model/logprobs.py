@@ -104,17 +104,24 @@ def attention_inputs(model: torch.nn.Module, packed: PackedBatch, device: torch.
     return {"attention_mask": None, "packed_seq_params": thd_params(packed, device)}
 
 
-def packed_forward(
+def is_last_stage(model: torch.nn.Module) -> bool:
+    """Whether `model` is the pipeline stage that holds the output layer (always, without PP)."""
+    return bool(_unwrap(model).post_process)
+
+
+def stage_forward(
     model: torch.nn.Module,
     packed: PackedBatch,
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the policy on a packed batch; returns per-position (log-prob of the next token, entropy).
+    """Run this pipeline stage on a packed batch; returns (its output, entropy or None).
 
-    Both are [R, L] on the compute device; the log-prob at (r, t) is that of
-    `packed.labels[r, t]` (keeps the autograd graph), meaningful only where that label exists.
+    On the last stage (the only one without pipeline parallelism) the output is the [R, L]
+    negative log-prob of `packed.labels` (keeps the autograd graph) and the entropy is [R, L]
+    when asked for; earlier stages return their hidden states ([L, R, H], the input of the
+    next stage, which megatron's schedule hands over with `set_input_tensor`) and no entropy.
     A "mask" batch gets its block-diagonal mask built here. A "thd" batch gets
     `PackedSeqParams` when the model's attention takes them (TE); megatron's local attention
     refuses them, and there (CPU) the THD row runs with the equivalent block-diagonal mask of
@@ -122,11 +129,11 @@ def packed_forward(
     kernel differs.
 
     Args:
-        model: a megatron GPTModel (optionally wrapped by megatron DDP).
+        model: a megatron GPTModel stage (optionally wrapped by megatron DDP).
         packed: from `pack_sequences` (its layout must suit the model, see `packing_layout`).
         temperature: logits are divided by it first (match the rollout engine's sampling
             temperature, as SGLang's returned log-probs are log_softmax(logits / T)).
-        with_entropy: also compute the entropy of every position's distribution.
+        with_entropy: also compute the entropy of every position's distribution (last stage).
 
     Raises:
         PackingError: a "mask" batch for a model whose attention ignores the mask (TE).
@@ -135,15 +142,40 @@ def packed_forward(
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     device = compute_device()
     kwargs = attention_inputs(model, packed, device)
+    last = is_last_stage(model)
     found: dict = {}
-    with _logits_hook(model, temperature, with_entropy, found):
-        neg_logprobs = model(
+    hook = _logits_hook(model, temperature, with_entropy, found) if last else contextlib.nullcontext()
+    with hook:
+        output = model(
             packed.tokens.to(device),
             packed.position_ids.to(device),
             labels=packed.labels.to(device),
             **kwargs,
         )
-    entropy = found["entropy"].transpose(0, 1) if with_entropy else None
+    entropy = found["entropy"].transpose(0, 1) if last and with_entropy else None
+    return output, entropy
+
+
+def packed_forward(
+    model: torch.nn.Module,
+    packed: PackedBatch,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the whole policy on a packed batch; returns per-position (log-prob of the next token, entropy).
+
+    Both are [R, L] on the compute device; the log-prob at (r, t) is that of
+    `packed.labels[r, t]` (keeps the autograd graph), meaningful only where that label exists.
+    Arguments as `stage_forward`; the model must hold every layer (no pipeline parallelism:
+    `model/pipeline.py` runs the stages of a pipeline).
+    """
+    if not (_unwrap(model).pre_process and is_last_stage(model)):
+        raise ValueError(
+            "packed_forward needs the whole model on this rank; under pipeline parallelism run the "
+            "stages through model.pipeline.run_micro_batches"
+        )
+    neg_logprobs, entropy = stage_forward(model, packed, temperature=temperature, with_entropy=with_entropy)
     return -neg_logprobs, entropy
 
 

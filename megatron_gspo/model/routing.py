@@ -136,9 +136,12 @@ class RoutingReplay:
                 loss = forward(model, batch); loss.backward()
 
     Under activation recompute the backward re-runs each layer's forward; run the backward
-    inside the `replaying()` block so the recompute replays the same indices (megatron's
-    `REPLAY_BACKWARD` queue is only needed when several micro-batches are in flight, i.e.
-    pipeline schedules, which this project does not use).
+    inside the `replaying()` block so the recompute replays the same indices. Under a
+    pipeline schedule several micro-batches are in flight, so the routing is chosen per
+    micro-batch instead: `select(routing)` right before that micro-batch's forward and again
+    right before its backward (`KeyedReplay` does both, keyed by micro-batch), and
+    `start_recording()` / `take_recording()` around each forward. Megatron's `REPLAY_BACKWARD`
+    queue (replay in call order) is never used.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -156,6 +159,8 @@ class RoutingReplay:
                 "build it with build_model(..., routing_replay=True)"
             )
         self.instances = [r.router_replay for r in routers]
+        self.layer_numbers: list[int] = [r.layer_number for r in routers]
+        """Global 1-based layer number of each local MoE layer (megatron's, pipeline offset included)."""
         self.num_experts: int = config.num_moe_experts
         self.topk: int = config.moe_router_topk
         self.recompute: bool = config.recompute_granularity is not None
@@ -239,6 +244,39 @@ class RoutingReplay:
                 instance.set_target_indices(indices.to(torch.long))
             self._set_action(RouterReplayAction.REPLAY_FORWARD)
             yield
+
+    def select(self, layers: Sequence[torch.Tensor]) -> None:
+        """Replay `layers` (per local layer `[local_tokens, k]`, checked) in the next forward or recompute."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if self._closed:
+            raise RoutingError("select: this RoutingReplay was closed")
+        for instance, indices in zip(self.instances, layers, strict=True):
+            instance.clear_indices()
+            instance.set_target_indices(indices.to(torch.long))
+        self._set_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def start_recording(self) -> None:
+        """Record the routing of the next forward (read it with `take_recording`)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if self._closed:
+            raise RoutingError("start_recording: this RoutingReplay was closed")
+        self._reset()
+        self._set_action(RouterReplayAction.RECORD)
+
+    def take_recording(self) -> LayerRouting:
+        """The routing recorded since `start_recording` (per local layer), and stop recording."""
+        indices = [instance.get_recorded_indices() for instance in self.instances]
+        self._reset()
+        if any(t is None for t in indices):
+            layers = [i for i, t in enumerate(indices) if t is None]
+            raise RoutingError(f"recording: no forward pass reached MoE layers {layers}")
+        return compact(indices, self.num_experts)
+
+    def reset(self) -> None:
+        """Stop recording or replaying (the router routes by itself again)."""
+        self._reset()
 
     def check(self, layers: Sequence[torch.Tensor]) -> None:
         """Validate per-layer routing against this model (layer count, k, expert range, repeats)."""

@@ -1,6 +1,11 @@
 """Routing in the RL step: Routing Replay (R2 / R3) and expert-activation drift metrics.
 
-`StepRouting` is created by the trainer with the model and lives as long as it does.
+`StepRouting` is created by the trainer with the model and lives as long as it does. Each
+pass over a mini-batch (pi_old, training) is one schedule run (`model/pipeline.py`);
+`old_pass` / `train_pass` give the hooks for it, which record, replay and capture routing
+keyed by micro-batch (`model/routing_hooks.py`), so the backward recompute of micro-batch i
+replays i's routing however many micro-batches a pipeline has in flight. Each stage handles
+its own MoE layers (R3 picks them out of the rollout's routing by global layer number).
 
 - R2 (`routing_replay: r2`): the pi_old pass - a no-grad forward of every micro-batch with the
   rollout weights, before the first update (the same pass as `old_logprobs: recompute` when
@@ -28,6 +33,7 @@ import torch.distributed as dist
 
 from megatron_gspo.algorithms.drift import DriftCounts, drift_counts
 from megatron_gspo.model.distributed import compute_device
+from megatron_gspo.model.pipeline import MicroBatchHooks
 from megatron_gspo.model.routing import (
     LayerRouting,
     RoutingCapture,
@@ -36,6 +42,7 @@ from megatron_gspo.model.routing import (
     routing_from_rollout,
     routing_token_mask,
 )
+from megatron_gspo.model.routing_hooks import KeyedCapture, KeyedRecording, KeyedReplay
 from megatron_gspo.rollout import RolloutBatch
 from megatron_gspo.training.batch_scatter import RankRows
 from megatron_gspo.training.forward import MicroBatch
@@ -89,8 +96,14 @@ class StepRouting:
         self.drift = drift  # this step measures drift (set per step by `set_step`)
         self._stride = 1  # every k-th routed token is compared (drift.sample_tokens)
         self.replay = RoutingReplay(model) if mode != "none" else None
-        router = moe_routers(model)[0]
-        self.num_experts, self.num_layers = router.config.num_moe_experts, len(moe_routers(model))
+        routers = moe_routers(model)
+        if drift and routers[0].config.pipeline_model_parallel_size > 1:
+            raise ValueError(
+                "drift metrics under pipeline parallelism are not supported: each stage holds only its "
+                "own layers, and a token's 'changed in any layer' spans stages"
+            )
+        self.num_experts, self.num_layers = routers[0].config.num_moe_experts, len(routers)
+        self.layers = [r.layer_number - 1 for r in routers]  # global MoE layers of this stage
         self.tp = {"tp_rank": tp_rank, "tp_size": tp_size, "sequence_parallel": sequence_parallel}
         self._batch: RolloutBatch | RankRows | None = None
         self._old: dict[int, LayerRouting] = {}
@@ -127,41 +140,61 @@ class StepRouting:
 
     def _rollout_routing(self, micro: MicroBatch) -> LayerRouting:
         routes = [self._batch.routed_experts[i] for i in micro.indices]
-        return routing_from_rollout(micro.packed, routes, num_experts=self.num_experts, **self.tp)
+        return routing_from_rollout(
+            micro.packed, routes, num_experts=self.num_experts, layers=self.layers, **self.tp
+        )
 
     def _mask(self, micro: MicroBatch) -> torch.Tensor:
         return every_kth(routing_token_mask(micro.packed, **self.tp), self._stride)
 
     @contextlib.contextmanager
-    def old_pass(self, micro: MicroBatch) -> Iterator[None]:
-        """Wrap the pi_old forward of `micro`: record (R2) and capture (drift) its routing."""
+    def old_pass(self, micro_batches: list[MicroBatch]) -> Iterator[list[MicroBatchHooks]]:
+        """Hooks for the pi_old schedule run over `micro_batches`: record (R2) and capture (drift).
+
+        Yields the hooks to hand to `run_micro_batches`; what they saw is filed per micro-batch
+        when the block ends.
+        """
         with contextlib.ExitStack() as stack:
-            recording = stack.enter_context(self.replay.recording()) if self.mode == "r2" else None
-            capture = stack.enter_context(RoutingCapture(self.model, source="router")) if self.drift else None
-            yield
-        if recording is not None:
-            self._targets[id(micro)] = recording.routing
-        if capture is not None:
-            old = capture.routing()
-            self._old[id(micro)] = old
-            if self._batch is not None and self._batch.routed_experts is not None:
-                counts = self._counts(self._rollout_routing(micro), old, micro)
-                self._infer = counts if self._infer is None else self._infer + counts
+            recording = KeyedRecording(self.replay) if self.mode == "r2" else None
+            capture = None
+            if self.drift:
+                capture = KeyedCapture(stack.enter_context(RoutingCapture(self.model, source="router")))
+            if self.replay is not None:
+                stack.callback(self.replay.reset)
+            yield [h for h in (recording, capture) if h is not None]
+        for i, micro in enumerate(micro_batches):
+            if recording is not None and i in recording.routing:
+                self._targets[id(micro)] = recording.routing[i]
+            if capture is not None and i in capture.routing:
+                old = capture.routing[i]
+                self._old[id(micro)] = old
+                if self._batch is not None and self._batch.routed_experts is not None:
+                    counts = self._counts(self._rollout_routing(micro), old, micro)
+                    self._infer = counts if self._infer is None else self._infer + counts
 
     @contextlib.contextmanager
-    def train_pass(self, mini_batch: int, micro: MicroBatch) -> Iterator[None]:
-        """Wrap the training forward and backward of `micro`: replay, and capture for drift."""
+    def train_pass(self, mini_batch: int, micro_batches: list[MicroBatch]) -> Iterator[list[MicroBatchHooks]]:
+        """Hooks for the training schedule run of one mini-batch: replay (keyed), capture for drift."""
         with contextlib.ExitStack() as stack:
+            hooks: list[MicroBatchHooks] = []
             if self.mode == "r2":
-                stack.enter_context(self.replay.replaying(self._targets[id(micro)]))
+                hooks.append(KeyedReplay(self.replay, lambda i: self._targets[id(micro_batches[i])]))
             elif self.mode == "r3":
-                stack.enter_context(self.replay.replaying(self._rollout_routing(micro)))
-            capture = stack.enter_context(RoutingCapture(self.model, source="router")) if self.drift else None
-            yield
-        if capture is not None and id(micro) in self._old:
-            counts = self._counts(self._old[id(micro)], capture.routing(), micro)
-            previous = self._old_new.get(mini_batch)
-            self._old_new[mini_batch] = counts if previous is None else previous + counts
+                hooks.append(KeyedReplay(self.replay, lambda i: self._rollout_routing(micro_batches[i])))
+            capture = None
+            if self.drift:
+                capture = KeyedCapture(stack.enter_context(RoutingCapture(self.model, source="router")))
+                hooks.append(capture)
+            if self.replay is not None:
+                stack.callback(self.replay.reset)
+            yield hooks
+        if capture is None:
+            return
+        for i, micro in enumerate(micro_batches):
+            if i in capture.routing and id(micro) in self._old:
+                counts = self._counts(self._old[id(micro)], capture.routing[i], micro)
+                previous = self._old_new.get(mini_batch)
+                self._old_new[mini_batch] = counts if previous is None else previous + counts
 
     def _counts(self, a: LayerRouting, b: LayerRouting, micro: MicroBatch) -> DriftCounts:
         """Drift sums of routing b against a, on the compute device (they are all-reduced later)."""

@@ -35,12 +35,14 @@ from megatron_gspo.algorithms import (
 )
 from megatron_gspo.algorithms.mismatch import SUM_COLUMNS
 from megatron_gspo.config import AlgorithmConfig
-from megatron_gspo.model.aux_loss import aux_loss_scale, set_aux_loss_scale
+from megatron_gspo.model.aux_loss import AuxLossWeights, aux_loss_scale
 from megatron_gspo.model.distributed import compute_device
+from megatron_gspo.model.logprobs import is_last_stage
 from megatron_gspo.model.optim import dp_loss_scale, optimizer_step, zero_grads
+from megatron_gspo.model.pipeline import run_micro_batches, share_from_last_stage
 from megatron_gspo.rollout import RolloutBatch
 from megatron_gspo.training.batch_scatter import RankRows
-from megatron_gspo.training.forward import MicroBatch, forward_microbatch, pack_uniform
+from megatron_gspo.training.forward import MicroBatch, pack_uniform
 from megatron_gspo.training.micro_batching import DataLayout, flatten, split_batch
 
 
@@ -174,6 +176,9 @@ def recompute_old_logprobs(
 ) -> None:
     """The pi_old pass (weights = rollout weights): the trainer's own `old_logprobs` and routing.
 
+    One forward-only schedule run per mini-batch (`model/pipeline.py`); `old_logprobs` are
+    set on the last pipeline stage, the only one that computes log-probs (and uses them).
+
     Args:
         model: the DDP-wrapped policy, still holding the rollout weights.
         plan: from `plan_mini_batches`.
@@ -182,11 +187,23 @@ def recompute_old_logprobs(
         set_logprobs: replace `old_logprobs` (False: the pass only serves `routing`).
     """
     for micro_batches in plan:
-        for micro in micro_batches:
-            with routing.old_pass(micro) if routing is not None else contextlib.nullcontext():
-                logprobs, _ = forward_microbatch(model, micro.packed, temperature=temperature)
+
+        def keep(i: int, logprobs: torch.Tensor, _entropy, micro_batches=micro_batches):
+            micro = micro_batches[i]
             if set_logprobs:
                 micro.old_logprobs = torch.where(micro.response_mask, logprobs.float(), 0.0)
+            return logprobs.new_zeros(()), {}
+
+        passing = routing.old_pass(micro_batches) if routing is not None else contextlib.nullcontext([])
+        with passing as hooks:
+            run_micro_batches(
+                model,
+                [micro.packed for micro in micro_batches],
+                keep,
+                forward_only=True,
+                temperature=temperature,
+                hooks=hooks,
+            )
 
 
 def _dp_group():
@@ -331,48 +348,61 @@ def train_on_batch(
         if dist.is_initialized():
             dist.all_reduce(normalizer, group=group)
         zero_grads(model, optimizer)
-        for j, (micro, share) in enumerate(zip(micro_batches, shares)):
-            set_aux_loss_scale(aux_loss_scale(share, normalizer, dp_loss_scale()))  # as the policy loss
-            passing = routing.train_pass(m, micro) if routing is not None else contextlib.nullcontext()
-            with passing:  # the backward inside: recompute replays the same experts
-                logprobs, entropy = forward_microbatch(
-                    model, micro.packed, temperature=temperature, with_entropy=True
-                )
-                if m == 0 and mismatch is not None:
-                    mismatch.add(logprobs, micro)
-                loss, metrics = compute_policy_loss(
-                    algo.loss_type,
-                    logprobs,
-                    micro.old_logprobs,
-                    micro.advantages,
-                    micro.response_mask,
-                    loss_agg_mode=mode,
-                    normalizer=normalizer,
-                    allow_token_sum_for_gspo=algo.allow_token_sum_for_gspo,
-                    token_weights=None if weights is None else weights[m][j],
-                    **algo.loss_options,
-                )
-                if nan_loss and m == 0:
-                    loss = loss * math.nan
-                metrics["actor/entropy"] = entropy[micro.response_mask].mean()
-                per_micro.append(metrics)
-                first_mb_count += m == 0
-                (loss * dp_loss_scale()).backward()
+
+        def loss_fn(j, logprobs, entropy, m=m, micro_batches=micro_batches, normalizer=normalizer):
+            nonlocal first_mb_count
+            micro = micro_batches[j]
+            if m == 0 and mismatch is not None:
+                mismatch.add(logprobs, micro)
+            loss, metrics = compute_policy_loss(
+                algo.loss_type,
+                logprobs,
+                micro.old_logprobs,
+                micro.advantages,
+                micro.response_mask,
+                loss_agg_mode=mode,
+                normalizer=normalizer,
+                allow_token_sum_for_gspo=algo.allow_token_sum_for_gspo,
+                token_weights=None if weights is None else weights[m][j],
+                **algo.loss_options,
+            )
+            if nan_loss and m == 0:
+                loss = loss * math.nan
+            metrics["actor/entropy"] = entropy[micro.response_mask].mean()
+            per_micro.append(metrics)
+            first_mb_count += m == 0
+            return loss * dp_loss_scale(), metrics
+
+        aux = AuxLossWeights([aux_loss_scale(share, normalizer, dp_loss_scale()) for share in shares])
+        passing = routing.train_pass(m, micro_batches) if routing is not None else contextlib.nullcontext([])
+        with passing as hooks:  # replay keyed by micro-batch, in its forward and its backward recompute
+            run_micro_batches(
+                model,
+                [micro.packed for micro in micro_batches],
+                loss_fn,
+                forward_only=False,
+                temperature=temperature,
+                with_entropy=True,
+                hooks=[aux, *hooks],
+            )
         stepped, grad_norm = optimizer_step(model, optimizer, scheduler)
         if stepped:
             grad_norms.append(grad_norm)
         else:
             skipped += 1
-    out = _reduce_metrics(per_micro, len(plan), group)
-    out.update(_clipfrac_by_phase(per_micro, first_mb_count, group))
-    out.update(_reduce_metrics(correction_metrics, 1, group))
+    out = {}
+    if is_last_stage(model):  # losses, log-probs and pi_old live on the last pipeline stage
+        out = _reduce_metrics(per_micro, len(plan), group)
+        out.update(_clipfrac_by_phase(per_micro, first_mb_count, group))
+        out.update(_reduce_metrics(correction_metrics, 1, group))
+        if mismatch is not None:
+            out.update(mismatch.reduce(group))
+    out = share_from_last_stage(out)
     out["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else math.nan
     out["train/grad_norm_max"] = max(grad_norms) if grad_norms else math.nan
     out["train/optimizer_steps"] = float(len(grad_norms))
     out["train/skipped_steps"] = float(skipped)
     out["train/lr"] = float(optimizer.param_groups[0]["lr"])
-    if mismatch is not None:
-        out.update(mismatch.reduce(group))
     if routing is not None:
         out.update(routing.step_metrics())
     return out
@@ -383,8 +413,11 @@ def recompute_and_measure(
 ) -> dict[str, float]:
     """`recompute_old_logprobs`, and the rollout/trainer mismatch it reveals (before any update)."""
     recompute_old_logprobs(model, plan, temperature, routing=routing)
-    mismatch = _Mismatch(compute_device())
-    for micro_batches in plan:
-        for micro in micro_batches:
-            mismatch.add(micro.old_logprobs, micro)
-    return mismatch.reduce(_dp_group())
+    out = {}
+    if is_last_stage(model):
+        mismatch = _Mismatch(compute_device())
+        for micro_batches in plan:
+            for micro in micro_batches:
+                mismatch.add(micro.old_logprobs, micro)
+        out = mismatch.reduce(_dp_group())
+    return share_from_last_stage(out)

@@ -1,0 +1,153 @@
+"""Run packed micro-batches through megatron's forward-backward schedule (any pipeline size).
+
+Every forward and backward of the policy goes through `megatron.core.pipeline_parallel.
+get_forward_backward_func()`: the no-pipelining schedule without pipeline parallelism, 1F1B
+with it. Each stage runs its own layers; megatron hands activations (and their shapes, which
+vary with packing: `variable_seq_lengths`) between stages, and the last stage turns its
+output into per-token log-probs and calls the caller's loss on them.
+
+Per-micro-batch state is keyed by the micro-batch's index in the call, never by call order.
+Under 1F1B several micro-batches are forwarded before the first backward, and activation
+recompute re-runs a layer's forward inside its backward; so the index travels with the data
+(the data iterator yields it) and `MicroBatchHooks` are told which micro-batch a forward or
+a backward belongs to: `before_backward(i)` fires from a gradient hook on micro-batch i's
+stage output, registered when that micro-batch was forwarded, i.e. right before autograd
+walks (and recomputes) micro-batch i's layers.
+
+The schedule divides the loss a micro-batch returns by the number of micro-batches (it
+assumes a per-micro-batch mean); the callers here normalise globally themselves, so the loss
+is handed over multiplied by that number and reaches backward unchanged. Megatron also sets
+the MoE aux-loss gradient scale to 1 / num_microbatches after every forward; callers that
+weight it per micro-batch set it in `before_backward`, which runs last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+
+from megatron_gspo.model.logprobs import stage_forward
+from megatron_gspo.model.packing import PackedBatch, unpack
+
+T = TypeVar("T")
+
+
+class MicroBatchHooks:
+    """Per-micro-batch callbacks of one schedule run (override what you need).
+
+    `i` is the micro-batch's index in the `batches` of `run_micro_batches`.
+    """
+
+    def before_forward(self, i: int) -> None:
+        """Right before this stage's forward of micro-batch i (not called for recompute)."""
+
+    def after_forward(self, i: int) -> None:
+        """Right after this stage's forward of micro-batch i."""
+
+    def before_backward(self, i: int) -> None:
+        """Right before this stage's backward (and activation recompute) of micro-batch i."""
+
+
+LossFn = Callable[[int, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict]]
+"""(i, logprobs [B, T], entropy [B, T] or None) -> (loss of micro-batch i, metrics); last stage only."""
+
+
+def run_micro_batches(
+    model: torch.nn.Module,
+    batches: Sequence[PackedBatch],
+    loss_fn: LossFn,
+    *,
+    forward_only: bool,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    hooks: Sequence[MicroBatchHooks] = (),
+) -> None:
+    """Forward (and unless `forward_only`, backward) every micro-batch of `batches` on this stage.
+
+    Collective over the pipeline group (and whatever the layers use). Gradients accumulate into
+    the DDP buffers; reducing them and stepping is the caller's. `loss_fn` runs on the last
+    stage only, once per micro-batch in order, on the unpacked log-probs; what it returns is
+    backpropagated as is (see the module doc). Results the caller needs (log-probs, metrics)
+    are the caller's to keep from inside `loss_fn`.
+
+    Args:
+        model: the (DDP-wrapped) policy stage of this rank.
+        batches: packed micro-batches, identical on every stage of a pipeline.
+        loss_fn: the loss of micro-batch i from its log-probs (and entropy).
+        forward_only: no backward (pi_old recompute, recording, evaluation); call under no_grad.
+        temperature: sampling temperature of the rollouts (logits are divided by it).
+        with_entropy: also hand `loss_fn` the per-token entropy.
+        hooks: per-micro-batch callbacks (routing replay, aux-loss weights).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not batches:
+        return
+    num = len(batches)
+
+    def forward_step(data_iterator, stage):
+        i = next(data_iterator)
+        packed = batches[i]
+        for hook in hooks:
+            hook.before_forward(i)
+        output, entropy = stage_forward(stage, packed, temperature=temperature, with_entropy=with_entropy)
+        for hook in hooks:
+            hook.after_forward(i)
+        if not forward_only and output.requires_grad:
+            output.register_hook(_backward_start(hooks, i))
+
+        def loss_func(neg_logprobs: torch.Tensor):
+            logprobs = unpack(-neg_logprobs, packed)
+            loss, metrics = loss_fn(i, logprobs, None if entropy is None else unpack(entropy, packed))
+            return loss * num, metrics  # the schedule divides by `num`
+
+        return output, loss_func
+
+    rows = max(b.tokens.shape[0] for b in batches)
+    length = max(b.tokens.shape[1] for b in batches)
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(range(num)),
+        model=[model],
+        num_microbatches=num,
+        seq_length=length,  # shapes travel with the activations (variable_seq_lengths)
+        micro_batch_size=rows,
+        forward_only=forward_only,
+    )
+
+
+def _backward_start(hooks: Sequence[MicroBatchHooks], i: int):
+    """A gradient hook on micro-batch i's stage output: the first thing its backward runs."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        for h in hooks:
+            h.before_backward(i)
+        return grad
+
+    return hook
+
+
+def share_from_last_stage(obj: T) -> T:
+    """The last pipeline stage's `obj` on every rank (control plane); `obj` itself without PP.
+
+    Log-probs, losses and their metrics exist on the last stage only, and global rank 0 (which
+    logs) is a first stage. The source is the last stage of rank 0's pipeline: megatron puts
+    pipeline parallelism outermost, so it is global rank (PP - 1) x world / PP.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_gspo.model.control_plane import broadcast_from
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp == 1:
+        return obj
+    stride = dist.get_world_size() // pp
+    ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+    if ranks != [ranks[0] + k * stride for k in range(pp)]:
+        raise RuntimeError(
+            f"pipeline group {ranks} is not strided by world / PP: megatron's rank order moved"
+        )
+    return broadcast_from(obj, (pp - 1) * stride)
