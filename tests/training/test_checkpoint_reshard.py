@@ -109,15 +109,23 @@ def _assert_resumed_like_saved(resumed: dict, saved: dict, name: str, *, moments
 
 
 @pytest.mark.multiprocess
-def test_tp2_checkpoint_resumes_at_pp2(tmp_path):
-    """Each stage loads its layers by their global keys, Adam moments included."""
-    saved, _ = _launch("save", tmp_path / "from_tp2", tmp_path / "tp2", tp=2)
+@pytest.mark.parametrize("distopt", [False, True], ids=["adam", "distributed_optimizer"])
+def test_tp2_checkpoint_resumes_at_pp2(tmp_path, distopt):
+    """Each stage loads its layers by their global keys, Adam state included."""
+    saved, _ = _launch("save", tmp_path / "from_tp2", tmp_path / "tp2", tp=2, distopt=distopt)
     torch.save(saved["weights"], tmp_path / "tp2_weights.pt")
     resumed, log = _launch(
-        "load", tmp_path / "from_tp2", tmp_path / "pp2", pp=2, reference=tmp_path / "tp2_weights.pt"
+        "load",
+        tmp_path / "from_tp2",
+        tmp_path / "pp2",
+        pp=2,
+        distopt=distopt,
+        reference=tmp_path / "tp2_weights.pt",
     )
     assert "random streams are not restored" in log and "PP=2" in log
-    _assert_resumed_like_saved(resumed, saved, "TP2 -> PP2")
+    _assert_resumed_like_saved(
+        resumed, saved, "TP2 -> PP2" + " (distributed optimizer)" * distopt, moments=not distopt
+    )
 
 
 @pytest.mark.multiprocess
