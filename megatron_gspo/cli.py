@@ -2,7 +2,7 @@
 
 megatron-gspo train  --config configs/tiny_moe_cpu.yaml [section.key=value ...] [--resume]
 megatron-gspo serve  --model DIR [--port P]          embedded SGLang-protocol rollout server (CPU)
-megatron-gspo parity --tp 2 --ep 2                   check a TP x EP layout against TP=EP=1
+megatron-gspo parity --tp 2 --ep 2 [--pp 2]          check a TP x EP x PP layout against TP=EP=PP=1
 megatron-gspo plan   --config C --world-size N       dry-run a GPU layout: validation + memory
 megatron-gspo export --checkpoint RUN/checkpoints/step_N --out HF_DIR   training checkpoint -> HF
 megatron-gspo drift  --a CKPT (--b CKPT | --dump F)  expert-activation drift tables, plots, summary

@@ -476,6 +476,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         cfg.parallel.check_num_layers(model_cfg.num_layers)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    _check_pipeline(cfg)
     if model_cfg.num_query_groups % cfg.parallel.tensor_parallel:
         raise ConfigError(
             f"parallel.tensor_parallel={cfg.parallel.tensor_parallel} does not divide the "
@@ -585,6 +586,22 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             f"({task.max_prompt_len}){' + BOS' * cfg.task.add_bos} + rollout.max_new_tokens "
             f"({rollout.max_new_tokens}) = {longest} "
             f"tokens, {packed} positions packed (rows pad to a multiple of the sequence-parallel TP {pad})"
+        )
+
+
+def _check_pipeline(cfg: RunConfig) -> None:
+    """What pipeline parallelism does not run: passes that need the whole model on one rank."""
+    if cfg.parallel.pipeline_parallel == 1:
+        return
+    pp = f"parallel.pipeline_parallel={cfg.parallel.pipeline_parallel}"
+    if cfg.sft.steps > 0 and cfg.sft.target_accuracy is not None:
+        raise ConfigError(
+            f"sft.target_accuracy with {pp}: the held-out check generates greedily with the trainer's "
+            "model, which needs every layer on one rank; set sft.target_accuracy=null (fixed sft.steps)"
+        )
+    if cfg.drift.enabled:
+        raise ConfigError(
+            f"drift.enabled with {pp}: drift metrics need every layer's routing of a token on one rank"
         )
 
 

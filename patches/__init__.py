@@ -24,6 +24,7 @@ from . import (
     distributed_optimizer_step,
     gloo_uneven_collectives,
     rng_tracker,
+    schedule_token_counter,
     te_general_gemm,
     torch_norm_sequence_parallel,
 )
@@ -44,6 +45,7 @@ PATCHES: tuple[Patch, ...] = tuple(
         alltoall_split_sizes,
         gloo_uneven_collectives,
         cuda_tensors_to_cpu,
+        schedule_token_counter,
         distributed_optimizer_step,
         distributed_optimizer_reshardable_load,
         dist_checkpoint_results_queue,

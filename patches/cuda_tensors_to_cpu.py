@@ -1,14 +1,23 @@
 """Hard-coded `device="cuda"` tensors and `.cuda()` calls are created on CPU instead.
 
-Megatron's optimizer (found-inf flags, loss scale, grad-norm buffers), DDP grad buffers,
-`get_default_causal_mask` and `tensor_parallel/data.py` allocate with `device="cuda"` or
-call `.cuda()`, and `clip_grads` / the fp32 optimizer assert
-`param.grad.type() == "torch.cuda.FloatTensor"`. A torch function mode, entered once per
-process on the main thread, rewrites those device arguments to CPU and reports CPU float
-tensors with their CUDA type names. It only touches calls that name a CUDA device.
+Megatron's optimizer (found-inf flags, grad-norm buffers) and `dist_checkpointing` (the fully
+parallel load's exchanges) allocate with `device="cuda"`, and `clip_grads` / the fp32
+optimizer assert `param.grad.type() == "torch.cuda.FloatTensor"`. A torch function mode
+rewrites those device arguments to CPU and reports CPU float tensors with their CUDA type
+names; it only touches calls that name a CUDA device.
+
+The mode is entered only where those calls live: the methods of megatron's optimizer classes
+(construction, grad checks, grad norm and clipping, state dicts), the `clip_grads` functions
+and `dist_checkpointing.save` / `load`. `step` / `step_with_ready_grads` run the torch
+optimizer's per-parameter math and call the others, so they run outside it: a mode intercepts
+every torch call made under it, and held for the whole process it cost about a fifth of a tiny
+model's RL step. Other CUDA-only spots on megatron-core's CPU paths have their own patches
+(`cuda_device`, `cuda_streams`, `rng_tracker`).
 """
 
+import functools
 import inspect
+import threading
 
 import torch
 from packaging.specifiers import SpecifierSet
@@ -39,7 +48,36 @@ class CudaToCpuMode(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-_MODE: CudaToCpuMode | None = None
+_ACTIVE = threading.local()
+_UNWRAPPED = ("step", "step_with_ready_grads")
+_CLIP_GRADS_FUNCTIONS = ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32")
+
+
+def _under_mode(method):
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        if getattr(_ACTIVE, "on", False):  # one mode at a time: nested modes would each intercept
+            return method(*args, **kwargs)
+        _ACTIVE.on = True
+        try:
+            with CudaToCpuMode():
+                return method(*args, **kwargs)
+        finally:
+            _ACTIVE.on = False
+
+    wrapper.__cuda_to_cpu__ = True
+    return wrapper
+
+
+def _optimizer_classes() -> list[type]:
+    """MegatronOptimizer and its subclasses in megatron's optimizer modules (distributed one included)."""
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    found = {optimizer.MegatronOptimizer}
+    for module in (optimizer, distrib_optimizer):
+        classes = (cls for cls in vars(module).values() if inspect.isclass(cls))
+        found.update(cls for cls in classes if issubclass(cls, optimizer.MegatronOptimizer))
+    return sorted(found, key=lambda cls: cls.__qualname__)
 
 
 def _check() -> None:
@@ -47,13 +85,41 @@ def _check() -> None:
 
     source = inspect.getsource(clip_grads)
     require("torch.cuda.FloatTensor" in source, "cuda_tensors_to_cpu", "clip_grads no longer checks types")
+    require(len(_optimizer_classes()) >= 4, "cuda_tensors_to_cpu", "megatron optimizer classes not found")
+    for name in _CLIP_GRADS_FUNCTIONS:
+        require(hasattr(clip_grads, name), "cuda_tensors_to_cpu", f"clip_grads.{name} missing")
+    from megatron.core import dist_checkpointing
+
+    for name in ("save", "load"):
+        require(hasattr(dist_checkpointing, name), "cuda_tensors_to_cpu", f"dist_checkpointing.{name}")
+
+
+def _functions_to_wrap() -> list[tuple[object, str]]:
+    """(module, name) of the module-level functions that run under the mode."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    # ChainedOptimizer.step calls the clip_grads functions directly (optimizer.py holds its own
+    # references); dist_checkpointing's exchanges and the fully parallel load allocate on CUDA.
+    found = [(module, name) for name in _CLIP_GRADS_FUNCTIONS for module in (clip_grads, optimizer)]
+    found += [(module, name) for name in ("save", "load") for module in (dist_checkpointing, serialization)]
+    return [(module, name) for module, name in found if hasattr(module, name)]
 
 
 def _apply() -> None:
-    global _MODE
-    if _MODE is None:
-        _MODE = CudaToCpuMode()
-        _MODE.__enter__()
+    wrapped: dict[int, object] = {}  # one wrapper per function, whichever module refers to it
+    for module, name in _functions_to_wrap():
+        function = getattr(module, name)
+        if getattr(function, "__cuda_to_cpu__", False):
+            continue
+        setattr(module, name, wrapped.setdefault(id(function), _under_mode(function)))
+    for cls in _optimizer_classes():
+        for name, member in list(vars(cls).items()):
+            if name in _UNWRAPPED or getattr(member, "__cuda_to_cpu__", False):
+                continue
+            if inspect.isfunction(member):
+                setattr(cls, name, _under_mode(member))
 
 
 PATCH = Patch(

@@ -62,6 +62,12 @@ RECOMPUTE = ["algorithm.old_logprobs=recompute", "rc.method=tis", "rc.level=sequ
         (["parallel.pipeline_parallel=2"], 3, "tensor_parallel x pipeline_parallel = 1 x 2"),
         (["parallel.pipeline_parallel=2", "parallel.expert_parallel=2"], 2, "pipeline_parallel = 1 x 2 x 2"),
         (["parallel.pipeline_parallel=3"], 3, "does not divide the 2 transformer layers"),
+        (["parallel.pipeline_parallel=2"], 2, "sft.target_accuracy with parallel.pipeline_parallel=2"),
+        (
+            ["parallel.pipeline_parallel=2", "sft.target_accuracy=null", "drift.enabled=true"],
+            2,
+            "drift.enabled with parallel.pipeline_parallel=2",
+        ),
         (["algorithm.loss_agg_mode=seq-mean-token-sum"], 1, "token-sum aggregation weights each response"),
         (
             ["algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.loss_type=gspo_token"],
@@ -141,8 +147,9 @@ def test_bf16_on_both_sides_validates_on_cpu():
 def test_valid_parallel_layout_for_two_ranks():
     check(["parallel.expert_parallel=2"], world_size=2)
     check(["parallel.tensor_parallel=2"], world_size=2)
-    check(["parallel.pipeline_parallel=2"], world_size=2)
-    check(["parallel.pipeline_parallel=2", "parallel.expert_parallel=2"], world_size=4)
+    fixed_sft = "sft.target_accuracy=null"  # the held-out check generates with the whole model
+    check(["parallel.pipeline_parallel=2", fixed_sft], world_size=2)
+    check(["parallel.pipeline_parallel=2", "parallel.expert_parallel=2", fixed_sft], world_size=4)
     gpu = ["parallel.tensor_parallel=2", "engine.use_te=true", "engine.fused_kernels=true"]
     check([*gpu, "parallel.expert_tensor_parallel=1"], world_size=2)  # grouped GEMM with expert TP 1
     check([*gpu[:2], "engine.fused_kernels=false"], world_size=2)  # expert TP 2 without grouped GEMM

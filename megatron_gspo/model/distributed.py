@@ -121,6 +121,17 @@ def compute_device() -> torch.device:
     return torch.device("cpu")
 
 
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """`dist.all_reduce` in place, skipped when there is nothing to reduce.
+
+    That is: no process group, or a group of one. Each call costs a backend round trip (a
+    gloo handoff, a NCCL launch) even then, and a tiny model's RL step makes dozens of them.
+    """
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
 def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> int:
     """Start torch.distributed and megatron's parallel groups for `parallel`; returns the DP size.
 

@@ -25,7 +25,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.model.distributed import compute_device
+from megatron_gspo.model.distributed import all_reduce, compute_device
 from megatron_gspo.model.packing import (
     PackedBatch,
     PackingError,
@@ -57,11 +57,11 @@ def _vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
     for start in range(0, flat.shape[0], ENTROPY_CHUNK_TOKENS):
         chunk = flat[start : start + ENTROPY_CHUNK_TOKENS].float()
         peak = chunk.max(dim=-1).values
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         shifted = chunk - peak.unsqueeze(-1)
         exp = shifted.exp()
         sums = torch.stack([exp.sum(-1), (exp * shifted).sum(-1)])
-        dist.all_reduce(sums, group=group)
+        all_reduce(sums, group=group)
         out[start : start + chunk.shape[0]] = sums[0].log() - sums[1] / sums[0]
     return out.view(logits.shape[:-1])
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.model.distributed import compute_device
+from megatron_gspo.model.distributed import all_reduce, compute_device
 
 
 @dataclass
@@ -123,18 +123,30 @@ def zero_grads(ddp_model: torch.nn.Module, optimizer) -> None:
 def grads_are_finite(ddp_model: torch.nn.Module) -> bool:
     """Whether every gradient on every rank is finite (collective over the world).
 
-    The flag lives on the compute device (NCCL reduces device tensors only) and is read once,
-    after the reduction: no host sync per parameter.
+    Checks megatron DDP's contiguous grad buffers (every `main_grad` is a view into one), a
+    few kernels instead of one per parameter; the flag lives on the compute device (NCCL
+    reduces device tensors only) and is read once, after the reduction.
     """
     bad = torch.zeros(1, device=compute_device())
+    for grad in _grad_tensors(ddp_model):
+        bad += (~torch.isfinite(grad)).any()
+    all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0.0
+
+
+def _grad_tensors(ddp_model: torch.nn.Module) -> list[torch.Tensor]:
+    buffers = getattr(ddp_model, "buffers", None)
+    if isinstance(buffers, list):
+        grads = [b.grad_data for b in buffers + ddp_model.expert_parallel_buffers]
+        if all(g is not None for g in grads):
+            return grads
+    grads = []
     for param in ddp_model.parameters():
         grad = getattr(param, "main_grad", None)
         grad = param.grad if grad is None else grad
         if grad is not None:
-            bad += (~torch.isfinite(grad)).any()
-    if dist.is_initialized():
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return bad.item() == 0.0
+            grads.append(grad)
+    return grads
 
 
 def optimizer_step(ddp_model: torch.nn.Module, optimizer, scheduler) -> tuple[bool, float]:

@@ -3,8 +3,10 @@
 In one world of N ranks, first every rank builds the tiny policy at TP=1, EP=1 (a pure
 data-parallel replica fed the whole batch), records per-token log-probs and the weights
 after one Adam step on a fixed batch; then megatron's groups are rebuilt for the requested
-TP x EP layout, the same global weights are loaded, the batch is split over data-parallel
-ranks with a globally normalised loss, and the same step is taken. Rank 0 prints the max
+TP x EP x PP layout, the same global weights are loaded, the batch is split over
+data-parallel ranks with a globally normalised loss, and the same step is taken. Both runs
+go through megatron's forward-backward schedule in micro-batches (1F1B under PP), as
+training does; `--recompute` turns on full activation recompute in both. Rank 0 prints the max
 absolute differences; the exit status is non-zero above the tolerance.
 
 With `--dtype bf16` both runs train in megatron's bf16 mixed precision. The layout then
@@ -36,6 +38,8 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_TOLERANCE = 1e-5
+MICRO_BATCH_SIZE = 2
+"""Samples per micro-batch: several micro-batches per rank, so a pipeline has some in flight."""
 LR = 1e-3
 BF16_INIT_STD = 0.05
 BF16_FACTOR = 2.0
@@ -50,6 +54,8 @@ def add_parity_args(parser: argparse.ArgumentParser) -> None:
     """Arguments of `megatron-gspo parity`."""
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size to check")
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel size to check")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to check")
+    parser.add_argument("--recompute", action="store_true", help="full activation recompute in both runs")
     parser.add_argument("--dispatcher", choices=["alltoall", "allgather"], default="alltoall")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument(
@@ -64,9 +70,9 @@ def add_parity_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed-optimizer", action="store_true", help="shard Adam states over DP")
 
 
-def required_world_size(tp: int, ep: int) -> int:
+def required_world_size(tp: int, ep: int, pp: int = 1) -> int:
     """Smallest world that holds the layout (expert-TP defaults to TP)."""
-    return math.lcm(tp, tp * ep)
+    return math.lcm(tp * pp, tp * ep * pp)
 
 
 def run_parity(args: argparse.Namespace) -> int:
@@ -76,7 +82,7 @@ def run_parity(args: argparse.Namespace) -> int:
             "--tolerance applies to --dtype fp32; bf16 is bounded relative to bf16 rounding", file=sys.stderr
         )
         return 2
-    world = required_world_size(args.tp, args.ep)
+    world = required_world_size(args.tp, args.ep, args.pp)
     if "RANK" not in os.environ and world > 1:
         if torch.cuda.is_available():
             print(f"run under torchrun with {world} (or a multiple of {world}) GPUs", file=sys.stderr)
@@ -109,13 +115,45 @@ def _batch(vocab_size: int, seed: int) -> tuple[list[torch.Tensor], list[torch.T
     return seqs, masks
 
 
+def _packed(seqs: list[torch.Tensor], indices: list[int], tp: int):
+    """`indices` of `seqs` as packed micro-batches of `MICRO_BATCH_SIZE` (shapes uniform over EP)."""
+    from megatron_gspo.model.packing import pack_sequences, pad_to_shape, uniform_shape
+
+    out = []
+    for start in range(0, len(indices), MICRO_BATCH_SIZE):
+        chunk = indices[start : start + MICRO_BATCH_SIZE]
+        packed = pack_sequences([seqs[i] for i in chunk], pad_multiple=tp)
+        out.append((chunk, pad_to_shape(packed, *uniform_shape(packed))))
+    return out
+
+
+def _schedule_logprobs(ddp, seqs: list[torch.Tensor], tp: int) -> torch.Tensor:
+    """[B, T] log-probs of every sample, forward-only through the schedule, on every rank."""
+    from megatron_gspo.model.pipeline import run_micro_batches, share_from_last_stage
+
+    micro_batches = _packed(seqs, list(range(len(seqs))), tp)
+    out = torch.zeros(len(seqs), max(len(s) for s in seqs))
+
+    def keep(i, logprobs, _entropy):
+        for row, sample in enumerate(micro_batches[i][0]):
+            out[sample, : logprobs.shape[1]] = logprobs[row].detach().float().cpu()
+        return logprobs.new_zeros(()), {}
+
+    with torch.no_grad():
+        run_micro_batches(ddp, [p for _, p in micro_batches], keep, forward_only=True)
+    return share_from_last_stage(out)
+
+
 def _one_step(model_cfg, parallel, seqs, masks, weights, args):
-    """Build, load weights, log-probs of every sample, one Adam step on this DP rank's share."""
+    """Build, load weights, log-probs of every sample, one Adam step on this DP rank's share.
+
+    Both go through megatron's schedule (`model/pipeline.py`) in micro-batches of
+    `MICRO_BATCH_SIZE`, so a pipeline has several micro-batches in flight.
+    """
     from megatron.core import parallel_state as ps
 
     from megatron_gspo.model.builder import EngineConfig, build_model
-    from megatron_gspo.model.distributed import init_distributed
-    from megatron_gspo.model.logprobs import sequence_logprobs
+    from megatron_gspo.model.distributed import compute_device, init_distributed
     from megatron_gspo.model.optim import (
         OptimConfig,
         build_optimizer,
@@ -124,10 +162,12 @@ def _one_step(model_cfg, parallel, seqs, masks, weights, args):
         wrap_ddp,
         zero_grads,
     )
+    from megatron_gspo.model.pipeline import run_micro_batches
     from megatron_gspo.model.sharding import gather_global_state_dict, load_global_state_dict
 
     init_distributed(parallel, seed=args.seed)
-    model = build_model(model_cfg, parallel, EngineConfig(dtype=args.dtype))
+    engine = EngineConfig(dtype=args.dtype, recompute_activations=args.recompute)
+    model = build_model(model_cfg, parallel, engine)
     if weights is not None:
         load_global_state_dict(model, weights)
     initial = gather_global_state_dict(model)
@@ -136,19 +176,20 @@ def _one_step(model_cfg, parallel, seqs, masks, weights, args):
         ddp, OptimConfig(lr=LR, clip_grad=1.0), distributed_optimizer=parallel.distributed_optimizer
     )
     tp = parallel.tensor_parallel
-    with torch.no_grad():
-        logprobs, _ = sequence_logprobs(ddp, seqs, pad_multiple=tp)
+    logprobs = _schedule_logprobs(ddp, seqs, tp)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    mine = list(range(dp_rank, len(seqs), dp))
+    micro_batches = _packed(seqs, list(range(dp_rank, len(seqs), dp)), tp)
     total_tokens = sum(int(m[1:].sum()) for m in masks)
+
+    def loss_fn(i, local_logprobs, _entropy):
+        local_mask = torch.zeros_like(local_logprobs)
+        for row, sample in enumerate(micro_batches[i][0]):
+            local_mask[row, : len(masks[sample])] = masks[sample].to(compute_device(), torch.float32)
+        local_mask[:, 0] = 0.0
+        return -(local_logprobs * local_mask).sum() / total_tokens * dp_loss_scale(), {}
+
     zero_grads(ddp, optimizer)
-    local_logprobs, _ = sequence_logprobs(ddp, [seqs[i] for i in mine], pad_multiple=tp)
-    local_mask = torch.zeros_like(local_logprobs)
-    for row, i in enumerate(mine):
-        local_mask[row, : len(masks[i])] = masks[i].float()
-    local_mask[:, 0] = 0.0
-    loss = -(local_logprobs * local_mask).sum() / total_tokens * dp_loss_scale()
-    loss.backward()
+    run_micro_batches(ddp, [p for _, p in micro_batches], loss_fn, forward_only=False)
     stepped, grad_norm = optimizer_step(ddp, optimizer, scheduler)
     if not stepped:
         raise RuntimeError("parity: the optimizer step was skipped (non-finite gradients)")
@@ -208,6 +249,7 @@ def _check(args: argparse.Namespace) -> int:
         rounding = _Diffs.of(_fp32_logprobs(model_cfg, reference, seqs, weights, args), ref_logprobs, seqs)
     layout = ParallelConfig(
         tensor_parallel=args.tp,
+        pipeline_parallel=args.pp,
         expert_parallel=args.ep,
         token_dispatcher=args.dispatcher,
         distributed_optimizer=args.distributed_optimizer,
@@ -215,7 +257,7 @@ def _check(args: argparse.Namespace) -> int:
     _, logprobs, updated, grad_norm = _one_step(model_cfg, layout, seqs, masks, weights, args)
     diffs = _Diffs.of(logprobs, ref_logprobs, seqs, updated, ref_updated)
     head = (
-        f"parity tp={args.tp} ep={args.ep} dispatcher={args.dispatcher} dtype={args.dtype} "
+        f"parity tp={args.tp} ep={args.ep} pp={args.pp} dispatcher={args.dispatcher} dtype={args.dtype} "
         f"world={dist.get_world_size()} vs tp=1 ep=1: max|dlogprob|={diffs.logprob_max:.3e} "
         f"max|dweight| after one Adam step={diffs.weight_max:.3e} grad_norm {grad_norm:.6f} vs {ref_norm:.6f}"
     )

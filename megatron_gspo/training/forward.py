@@ -1,8 +1,9 @@
-"""The one micro-batch forward every pass goes through (pi_old recompute, training, SFT).
+"""The micro-batch every pass runs (pi_old recompute, training), packed once per RL step.
 
 A `MicroBatch` is packed once per RL step and kept, so every pass over it (recompute, each
-training pass) runs on identical rows; a hook that records or replays per-token state (e.g.
-routing) can rely on that. Shapes: `B` samples of the micro-batch, `T` the longest of them.
+training pass, all through `model/pipeline.py`'s schedule) runs on identical rows; a hook
+that records or replays per-token state (e.g. routing) can rely on that. Shapes: `B` samples
+of the micro-batch, `T` the longest of them.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_gspo.model.logprobs import packed_forward
-from megatron_gspo.model.packing import PackedBatch, pack_sequences, pad_to_shape, uniform_shape, unpack
+from megatron_gspo.model.packing import PackedBatch, pack_sequences, pad_to_shape, uniform_shape
 
 
 @dataclass
@@ -50,26 +50,3 @@ def pack_uniform(
     """
     packed = pack_sequences(sequences, layout=layout, pad_multiple=pad_multiple)
     return pad_to_shape(packed, *uniform_shape(packed))
-
-
-def forward_microbatch(
-    model: torch.nn.Module,
-    packed: PackedBatch,
-    *,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (and entropy) of a packed micro-batch, aligned with its samples' tokens.
-
-    Args:
-        model: the (DDP-wrapped) Megatron policy.
-        packed: from `pack_uniform`.
-        temperature: the sampling temperature (SGLang's log-probs are log_softmax(logits / T)).
-        with_entropy: also return the per-token entropy (no gradient).
-
-    Returns:
-        (logprobs [B, T] with the autograd graph, entropy [B, T] or None); column 0 and
-        positions past a sample's end are 0.
-    """
-    logprobs, entropy = packed_forward(model, packed, temperature=temperature, with_entropy=with_entropy)
-    return unpack(logprobs, packed), None if entropy is None else unpack(entropy, packed)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.algorithms.drift import DriftCounts, drift_counts
-from megatron_gspo.model.distributed import compute_device
+from megatron_gspo.model.distributed import all_reduce, compute_device
 from megatron_gspo.model.pipeline import MicroBatchHooks
 from megatron_gspo.model.routing import (
     LayerRouting,
@@ -208,8 +208,7 @@ class StepRouting:
 
     def _reduce(self, counts: DriftCounts) -> DriftCounts:
         flat = counts.as_tensor().to(compute_device())
-        if dist.is_initialized():
-            dist.all_reduce(flat)  # every (token, layer) lives on exactly one rank
+        all_reduce(flat)  # every (token, layer) lives on exactly one rank
         return DriftCounts.from_tensor(flat, self.num_layers, self.num_experts)
 
     def step_metrics(self) -> dict[str, float]:
@@ -228,8 +227,7 @@ class StepRouting:
         if later is not None:
             out.update(later.summary().metrics("drift/old_new"))
         has_rollout = torch.tensor(float(self._infer is not None), device=compute_device())
-        if dist.is_initialized():
-            dist.all_reduce(has_rollout, op=dist.ReduceOp.MIN)
+        all_reduce(has_rollout, op=dist.ReduceOp.MIN)
         if has_rollout:
             out.update(self._reduce(self._infer).summary().metrics("drift/infer_train"))
         return out

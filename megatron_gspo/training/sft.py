@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import time
 from collections.abc import Sequence
 
@@ -28,9 +29,10 @@ from megatron_gspo.config import SFTConfig
 from megatron_gspo.model.distributed import compute_device
 from megatron_gspo.model.generate import greedy_generate
 from megatron_gspo.model.optim import OptimConfig, build_optimizer, dp_loss_scale, optimizer_step, zero_grads
+from megatron_gspo.model.pipeline import run_micro_batches, share_from_last_stage
 from megatron_gspo.tasks import Problem, PromptStream, Task, sft_batches
 from megatron_gspo.tasks.tokenizer import encode_prompt, encode_text
-from megatron_gspo.training.forward import forward_microbatch, pack_uniform
+from megatron_gspo.training.forward import pack_uniform
 from megatron_gspo.training.micro_batching import DataLayout
 
 logger = logging.getLogger(__name__)
@@ -177,14 +179,18 @@ def _sft_step(
         [tokens for tokens, _ in mine], pad_multiple=layout.pad_multiple, layout=layout.packing
     )
     zero_grads(model, optimizer)
-    logprobs, _ = forward_microbatch(model, packed)
-    mask = torch.zeros(logprobs.shape, dtype=torch.bool)  # built on the host, moved once
-    for row, (_, target_mask) in enumerate(mine):
-        mask[row, : len(target_mask)] = target_mask
-    mask = mask.to(logprobs.device)
-    nll = -(logprobs * mask).sum() / total_targets
-    (nll * dp_loss_scale()).backward()
+    nll = {}
+
+    def loss_fn(_i, logprobs, _entropy):
+        mask = torch.zeros(logprobs.shape, dtype=torch.bool)  # built on the host, moved once
+        for row, (_, target_mask) in enumerate(mine):
+            mask[row, : len(target_mask)] = target_mask
+        nll["value"] = -(logprobs * mask.to(logprobs.device)).sum() / total_targets
+        return nll["value"] * dp_loss_scale(), {}
+
+    run_micro_batches(model, [packed], loss_fn, forward_only=False)  # the loss lives on the last stage
     stepped, _ = optimizer_step(model, optimizer, scheduler)
     if not stepped:
         logger.warning("SFT step skipped: non-finite gradients")
-    return float(nll.detach()) * layout.dp_size  # this rank's share, rescaled (logged only)
+    local = float(nll["value"].detach()) * layout.dp_size if "value" in nll else math.nan
+    return share_from_last_stage(local)  # this rank's share, rescaled (logged only)

@@ -36,7 +36,7 @@ from megatron_gspo.algorithms import (
 from megatron_gspo.algorithms.mismatch import SUM_COLUMNS
 from megatron_gspo.config import AlgorithmConfig
 from megatron_gspo.model.aux_loss import AuxLossWeights, aux_loss_scale
-from megatron_gspo.model.distributed import compute_device
+from megatron_gspo.model.distributed import all_reduce, compute_device
 from megatron_gspo.model.logprobs import is_last_stage
 from megatron_gspo.model.optim import dp_loss_scale, optimizer_step, zero_grads
 from megatron_gspo.model.pipeline import run_micro_batches, share_from_last_stage
@@ -123,9 +123,8 @@ def plan_metrics(plan: list[list[MicroBatch]]) -> dict[str, float]:
     positions = sum(micro.packed.tokens.numel() for micro in micro_batches)
     sums = torch.tensor([tokens, positions], dtype=torch.float64, device=compute_device())
     extremes = torch.tensor([tokens, -tokens], dtype=torch.float64, device=compute_device())
-    if dist.is_initialized():
-        dist.all_reduce(sums, group=_dp_group())
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=_dp_group())
+    all_reduce(sums, group=_dp_group())
+    all_reduce(extremes, op=dist.ReduceOp.MAX, group=_dp_group())
     return {
         "perf/padding_frac": float(1 - sums[0] / sums[1]),
         "perf/dp_token_imbalance": float(extremes[0] / -extremes[1]),
@@ -152,9 +151,8 @@ class _Mismatch:
         self.max = torch.maximum(self.max, diff.max())
 
     def reduce(self, group) -> dict[str, float]:
-        if dist.is_initialized():
-            dist.all_reduce(self.sums, group=group)
-            dist.all_reduce(self.max, op=dist.ReduceOp.MAX, group=group)
+        all_reduce(self.sums, group=group)
+        all_reduce(self.max, op=dist.ReduceOp.MAX, group=group)
         _, tokens, abs_diff, k3, _ = self.sums.sum(dim=0).tolist()
         out = {
             "rollout/logprob_mismatch_mean": abs_diff / max(tokens, 1.0),
@@ -253,10 +251,9 @@ def _reduce_metrics(
         if not names:
             continue
         values = torch.stack([reducers[kind](stacked[k]) for k in names])
-        if dist.is_initialized():
-            dist.all_reduce(values, op=ops[kind], group=group)
-            if kind == "mean":
-                values /= dist.get_world_size(group)
+        all_reduce(values, op=ops[kind], group=group)
+        if kind == "mean" and dist.is_initialized():
+            values /= dist.get_world_size(group)
         out.update({k: float(v) for k, v in zip(names, values)})
     return out
 
@@ -345,8 +342,7 @@ def train_on_batch(
             compute_loss_normalizer(mb.response_mask, mode, **norm_kwargs).to(device) for mb in micro_batches
         ]
         normalizer = torch.stack(shares).double().sum()
-        if dist.is_initialized():
-            dist.all_reduce(normalizer, group=group)
+        all_reduce(normalizer, group=group)
         zero_grads(model, optimizer)
 
         def loss_fn(j, logprobs, entropy, m=m, micro_batches=micro_batches, normalizer=normalizer):

@@ -1,5 +1,11 @@
 """The load-balancing aux loss: off in RL by default, weighted per micro-batch like the policy loss."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -67,3 +73,19 @@ def test_megatron_backward_applies_the_per_micro_batch_weight(aux_model):
             want = dp * (5 / 27 * alone[0][name] + 22 / 27 * alone[1][name])
             torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-8)
     set_aux_loss_scale(torch.tensor(1.0))  # megatron's default, for later tests in this process
+
+
+@pytest.mark.multiprocess
+def test_pipeline_backward_applies_each_micro_batch_its_own_weight(tmp_path):
+    """PP2, 1F1B, recompute: megatron resets the class-level scale after every forward, and stage 0
+    runs the next forward before each backward; the weight set at backward start still wins."""
+    worker = Path(__file__).with_name("pp_aux_loss_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*cmd, "--out", str(tmp_path / "aux")], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for rank in range(2):
+        result = json.loads((tmp_path / f"aux.rank{rank}.json").read_text())
+        assert result["grad_abs"] > 0.1  # the aux loss reaches this stage's routers
+        assert result["weighted"] <= 1e-6
+        assert result["megatron_scale"] > 0.1  # what the schedule alone would give: caught

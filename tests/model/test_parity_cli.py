@@ -1,4 +1,7 @@
-"""`megatron-gspo parity`: TP/EP layouts equal TP=EP=1 (log-probs and one optimizer step).
+"""`megatron-gspo parity`: TP/EP/PP layouts equal TP=EP=PP=1 (log-probs and one optimizer step).
+
+Pipeline layouts run megatron's 1F1B schedule with several micro-batches in flight (and, in
+one case, full activation recompute); the reference runs the no-pipelining schedule.
 
 fp32: differences are reduction-order noise, ~1e-6. bf16 (megatron's mixed precision): the
 layout rounds its partial sums to bf16 in another order than TP=1, so it differs from TP=1 by
@@ -58,8 +61,10 @@ def bf16_figures(stdout: str) -> dict[str, float]:
         ("--tp", "2", "--ep", "2"),
         ("--tp", "2", "--ep", "1"),
         ("--tp", "1", "--ep", "2", "--dispatcher", "allgather", "--distributed-optimizer"),
+        ("--tp", "1", "--ep", "1", "--pp", "2"),
+        ("--tp", "1", "--ep", "2", "--pp", "2", "--recompute"),
     ],
-    ids=["tp2xep2", "tp2", "ep2-allgather-distopt"],
+    ids=["tp2xep2", "tp2", "ep2-allgather-distopt", "pp2", "pp2xep2-recompute"],
 )
 def test_layout_matches_world_one(args):
     result = parity(*args)

@@ -20,8 +20,9 @@ def scenario(skip: str, tp: int, ep: int) -> None:
     from megatron_gspo.model.builder import build_model
     from megatron_gspo.model.config import tiny
     from megatron_gspo.model.distributed import ParallelConfig, init_distributed
-    from megatron_gspo.model.logprobs import sequence_logprobs
     from megatron_gspo.model.optim import OptimConfig, build_optimizer, optimizer_step, wrap_ddp
+    from megatron_gspo.model.packing import pack_sequences, pad_to_shape, uniform_shape
+    from megatron_gspo.model.pipeline import run_micro_batches
     from megatron_gspo.patches import apply_patches
     from megatron_gspo.training.checkpoint_dist import save_sharded
 
@@ -32,8 +33,10 @@ def scenario(skip: str, tp: int, ep: int) -> None:
     ddp = wrap_ddp(model, distributed_optimizer=True)
     optimizer, scheduler = build_optimizer(ddp, OptimConfig(lr=1e-3), distributed_optimizer=True)
     seqs = [torch.arange(3, 3 + n) for n in (5, 9, 12, 7)]
-    logprobs, _ = sequence_logprobs(ddp, seqs, pad_multiple=tp)
-    (-logprobs.sum()).backward()
+    packed = pack_sequences(seqs, pad_multiple=tp)
+    packed = pad_to_shape(packed, *uniform_shape(packed))
+    # Through megatron's schedule, as every training pass runs.
+    run_micro_batches(ddp, [packed], lambda i, logprobs, _: (-logprobs.sum(), {}), forward_only=False)
     optimizer_step(ddp, optimizer, scheduler)
     leaf = optimizer.chained_optimizers[0]
     param = next(iter(leaf.model_param_group_index_map))

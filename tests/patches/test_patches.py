@@ -156,6 +156,14 @@ STILL_NEEDED = [
         r"moe/moe_utils\.py\", line \d+, in forward",
     ),
     ("cuda_tensors_to_cpu", 1, 1, 1, NO_CUDA, r"optimizer/optimizer\.py\", line \d+, in __init__"),
+    (
+        "schedule_token_counter",
+        1,
+        1,
+        1,
+        NO_CUDA,
+        r"pipeline_parallel/schedules\.py\", line \d+, in forward_backward_no_pipelining",
+    ),
     ("distributed_optimizer_step", 1, 1, 1, r"Adam step counters are shared between parameters", "scenario"),
     ("dist_checkpoint_results_queue", 1, 1, 1, r"left a Manager process running", "scenario"),
     (

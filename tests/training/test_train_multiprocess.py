@@ -67,3 +67,27 @@ def test_ep2_run_matches_world_of_one(tmp_path):
                 assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), key
     for a, b in zip(ep2[1:], budget[1:]):
         assert b["perf/dp_token_imbalance"] <= a["perf/dp_token_imbalance"]
+
+
+@pytest.mark.multiprocess
+def test_pp2_run_matches_world_of_one(tmp_path):
+    """Two pipeline stages (1F1B over the micro-batches, SFT and weight sync included) follow the
+    world of one: the same rollouts at step 2 say the synced weights are the trained ones."""
+    hf = make_tiny_hf_checkpoint(tmp_path / "init", tiny(vocab_size=80), seed=5)
+    config = tmp_path / "run.yaml"
+    config.write_text(CONFIG.format(hf=hf))
+    short = ["eval.num_problems=8", "trainer.micro_batch_size=2"]
+    single = run(config, tmp_path / "world1", *short)
+    pp2 = run(config, tmp_path / "pp2", *short, "parallel.pipeline_parallel=2", "--nproc", "2")
+    assert [r["step"] for r in pp2] == [r["step"] for r in single] == [0, 1, 2]
+    for a, b in zip(single, pp2):
+        assert b.get("eval/accuracy") == a.get("eval/accuracy")
+        if "sft/loss" in a:
+            assert b["sft/loss"] == pytest.approx(a["sft/loss"], rel=1e-5)
+        if a["step"] == 0:
+            continue
+        assert b["rollout/reward_mean"] == a["rollout/reward_mean"]
+        assert a["train/all_zero_adv_batch"] == 0.0  # a step that trains
+        for key in ("actor/pg_loss", "train/grad_norm", "actor/ratio_mean", "actor/entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+        assert b["rollout/logprob_mismatch_mean"] < 1e-5

@@ -1,0 +1,356 @@
+"""GSPO without Routing Replay vs GRPO with and without it, on a tiny MoE whose routing drifts.
+
+    OMP_NUM_THREADS=1 python benchmarks/reproduce.py --seeds 1 2 3 --jobs 2 \\
+        [--variants gspo grpo ...] [--set optim.lr=5e-4 --set trainer.steps=30] [--target-gain 0.1]
+    python benchmarks/reproduce.py --quick --out /tmp/q --work-dir /tmp/q/runs    # smoke test
+
+The GSPO paper's claim (arXiv 2507.18071): on MoE models GRPO needs Routing Replay to stay stable
+when the experts a token is routed to change between pi_old and pi_theta, and GSPO does not.
+Every variant is the base config `configs/drift_moe_cpu.yaml` (8 layers, 32 experts top-4, digit
+sorting, bf16 rollouts, drift metrics on) with the overrides of `VARIANTS`, then `--set`:
+
+- gspo (no replay), grpo (no replay), grpo_r2, grpo_r3 (GRPO's clip 0.2 / 0.27), sapo (its
+  default soft gate, tau 1.0 / 1.05), gspo_r3 (control: GSPO with replay).
+
+Same cold start per seed: one `megatron-gspo train` of the base config with `trainer.steps=0`
+runs the config's SFT (sft.seed = trainer.seed = seed) and evaluates it; the trainer exports
+those weights as an HF checkpoint to start its rollout server (`trainer.weight_sync_dir`), and
+that checkpoint is where every variant of the seed starts RL (`model.hf_path`, `sft.steps=0`,
+the same seed, hence the same prompts and rollout budget). The report checks that all of them
+logged the cold start's held-out accuracy at step 0.
+
+`--jobs N` runs N trainings at once, each one process (world 1) plus its embedded rollout
+server, with OMP_NUM_THREADS=1. Run directories (metrics, logs, the trainer's final checkpoint)
+go under `--work-dir`, named by seed and a hash of their config, so a finished run (`done.json`,
+written after a successful exit) is reused by any later invocation with the same config, and
+an unfinished one is deleted and restarted. A failed run is reported with its log and does not
+stop the others (exit status 1 at the end). `--out` gets only summary.md, summary.json and
+reproduce.png (see reproduce_report.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))  # reproduce_report and run (machine description) sit next to this file
+
+from reproduce_report import ColdStart, Run, assemble, markdown, plot, read_metrics  # noqa: E402
+
+BASE_CONFIG = REPO / "configs" / "drift_moe_cpu.yaml"
+GRPO_CLIP = {"algorithm.loss_type": "grpo", "algorithm.loss_options": {"clip_low": 0.2, "clip_high": 0.27}}
+# name -> overrides of the base config; a value replaces the key whole (loss_options included).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "gspo": {},  # the base config: sequence ratio, clip 3e-4 / 4e-4, no replay
+    "grpo": GRPO_CLIP,
+    "grpo_r2": {**GRPO_CLIP, "algorithm.routing_replay": "r2"},
+    "grpo_r3": {**GRPO_CLIP, "algorithm.routing_replay": "r3"},
+    "sapo": {"algorithm.loss_type": "sapo", "algorithm.loss_options": {}},
+    "gspo_r3": {"algorithm.routing_replay": "r3"},
+}
+# Every run: drift metrics (the point of the comparison), no TensorBoard or progress bar, only
+# the trainer's final checkpoint.
+HARNESS = {
+    "drift.enabled": True,
+    "logging.tensorboard": False,
+    "logging.progress_bar": False,
+    "trainer.save_every": 0,
+    "trainer.keep_last": 1,
+}
+# Set per run here: a --set of these would break the shared cold start or make parallel runs collide.
+RESERVED = (
+    "trainer.seed",
+    "sft.seed",
+    "trainer.run_dir",
+    "trainer.weight_sync_dir",
+    "model.hf_path",
+    "trainer.resume",
+    "trainer.resume_or_start",
+)
+# What the cold start depends on: its directory is keyed by these, so an RL-only --set reuses it.
+COLD_START_KEYS = ("model", "task", "sft", "engine", "parallel", "rollout.dtype", "rollout.max_new_tokens",
+                   "eval.num_problems", "trainer.seed")  # fmt: skip
+# --quick: a 2-layer model sorting 1-3 digits, 60 SFT steps, 3 RL steps of 4 prompts x 4 responses.
+QUICK = {
+    "task.options": {"min_length": 1, "max_length": 3},
+    "rollout.max_new_tokens": 4,
+    "model.overrides.num_layers": 2,
+    "model.overrides.num_experts": 8,
+    "model.overrides.moe_topk": 2,
+    "sft.steps": 60,
+    "trainer.steps": 3,
+    "rollout.rollout_batch_size": 4,
+    "rollout.group_size": 4,
+    "eval.every": 1,
+    "eval.num_problems": 20,
+}
+QUICK_VARIANTS, QUICK_SEEDS = ["gspo", "grpo_r3"], [1]
+DONE = "done.json"
+
+
+@dataclass(eq=False)
+class Job:
+    """One `megatron-gspo train`: a cold start (variant None) or a variant's RL run."""
+
+    variant: str | None
+    seed: int
+    run_dir: Path
+    config: DictConfig
+    needs: Job | None = None
+    product: Path | None = None
+    """A file the run must leave behind to count as finished (the cold start's HF export)."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.variant or 'cold start'} seed {self.seed}"
+
+
+@dataclass
+class Outcome:
+    """How a job ended: finished now, reused (finished earlier) or failed."""
+
+    status: str
+    seconds: float = 0.0
+    message: str = ""
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """`key=value` strings -> {key: value} (values parsed as YAML); refuses reserved keys."""
+    out = {}
+    for item in items:
+        key, sep, _ = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected section.key=value, e.g. optim.lr=5e-4")
+        if key in RESERVED:
+            raise ValueError(f"--set {key}: set by the harness for every run; choose runs with --seeds")
+        flat = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
+        for part in key.split("."):
+            flat = flat[part]
+        out[key] = flat
+    return out
+
+
+def compose(*layers: dict[str, Any]) -> DictConfig:
+    """The base config with each layer's `key: value` set in order (a value replaces the key whole)."""
+    cfg = OmegaConf.load(BASE_CONFIG)
+    for layer in layers:
+        for key, value in layer.items():
+            OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+    return cfg
+
+
+def config_hash(cfg: DictConfig, keys: tuple[str, ...] | None = None) -> str:
+    """A short hash of the config (or of `keys` of it), independent of key order."""
+    if keys is None:
+        data = OmegaConf.to_container(cfg)
+    else:
+        picked = {key: OmegaConf.select(cfg, key) for key in keys}
+        data = {k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for k, v in picked.items()}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def check_config(name: str, cfg: DictConfig) -> None:
+    """Load and validate a variant's config as the trainer will, so bad input fails before any run."""
+    from megatron_gspo.config import ConfigError, load_config, validate
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write(OmegaConf.to_yaml(cfg))
+        f.flush()
+        try:
+            validate(load_config(f.name), world_size=1)
+        except ConfigError as err:
+            raise ValueError(f"variant {name}: config error: {err}") from None
+
+
+def plan(variants: list[str], seeds: list[int], sets: dict[str, Any], work: Path) -> list[Job]:
+    """Cold starts first, then each seed's variants (each needing its seed's cold start).
+
+    A run's config: the base config, `HARNESS`, the variant's overrides, `sets` (--set wins),
+    then what the harness sets per run (seeds, directories, the cold start's checkpoint).
+    """
+    for name in variants:
+        check_config(name, compose(HARNESS, VARIANTS[name], sets))
+    # RL starts from the cold start's weights: no SFT (nor its early-stop target, which needs SFT steps).
+    no_sft = {"sft.steps": 0, "sft.target_accuracy": None}
+    jobs, runs = [], []
+    for seed in seeds:
+        seeded = {"trainer.seed": seed, "sft.seed": seed}
+        cold_key = config_hash(compose(HARNESS, sets, seeded), COLD_START_KEYS)
+        cold_dir = work / "cold_start" / f"seed{seed}-{cold_key}"
+        where = {"trainer.run_dir": str(cold_dir), "trainer.weight_sync_dir": str(cold_dir / "hf")}
+        cold_cfg = compose(HARNESS, sets, seeded, {"trainer.steps": 0, **where})
+        cold = Job(None, seed, cold_dir, cold_cfg, product=cold_dir / "hf" / "config.json")
+        jobs.append(cold)
+        for name in variants:
+            rl = compose(HARNESS, VARIANTS[name], sets, seeded, no_sft)
+            rl.model.pop("overrides", None)  # the architecture comes from the cold start's checkpoint
+            run_dir = work / name / f"seed{seed}-{config_hash(rl)}-{cold_key}"
+            OmegaConf.update(rl, "model.hf_path", str(cold_dir / "hf"), force_add=True)
+            OmegaConf.update(rl, "trainer.run_dir", str(run_dir), force_add=True)
+            runs.append(Job(name, seed, run_dir, rl, needs=cold))
+    return jobs + runs
+
+
+def execute(job: Job, env: dict[str, str]) -> Outcome:
+    """Run one job unless it finished before; an unfinished run dir is removed first."""
+    if (job.run_dir / DONE).is_file():
+        return Outcome("reused")
+    if job.run_dir.exists():
+        shutil.rmtree(job.run_dir)
+    job.run_dir.mkdir(parents=True)
+    config = job.run_dir / "input.yaml"
+    config.write_text(OmegaConf.to_yaml(job.config))
+    cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", str(config)]
+    start = time.perf_counter()
+    with open(job.run_dir / "train.log", "w") as log:
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
+    seconds = time.perf_counter() - start
+    if code != 0:
+        return Outcome("failed", seconds, f"exit status {code}")
+    if job.product is not None and not job.product.is_file():
+        return Outcome("failed", seconds, f"exited 0 but left no {job.product}")
+    marker = {"seconds": seconds, "finished": datetime.datetime.now(datetime.UTC).isoformat(), "command": cmd}
+    tmp = job.run_dir / (DONE + ".tmp")
+    tmp.write_text(json.dumps(marker, indent=1))
+    os.replace(tmp, job.run_dir / DONE)  # the marker appears whole or not at all
+    return Outcome("finished", seconds)
+
+
+def run_jobs(jobs: list[Job], workers: int) -> dict[Job, Outcome]:
+    """Run up to `workers` jobs at once, each as soon as the job it needs has finished."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    outcomes: dict[Job, Outcome] = {}
+    pending, running = list(jobs), {}
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        while pending or running:
+            for job in list(pending):
+                if len(running) >= workers:
+                    break
+                if job.needs is not None and job.needs not in outcomes:
+                    continue
+                pending.remove(job)
+                if job.needs is not None and outcomes[job.needs].status == "failed":
+                    outcomes[job] = Outcome(
+                        "failed", message=f"cold start failed ({job.needs.run_dir}/train.log)"
+                    )
+                    report_progress(job, outcomes[job], len(outcomes), len(jobs))
+                    continue
+                running[pool.submit(execute, job, env)] = job
+            if not running:
+                continue
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                job = running.pop(future)
+                outcomes[job] = _result(future)
+                report_progress(job, outcomes[job], len(outcomes), len(jobs))
+    return outcomes
+
+
+def _result(future: Future) -> Outcome:
+    try:
+        return future.result()
+    except OSError as err:  # e.g. an unwritable work dir: this job fails, the others go on
+        return Outcome("failed", message=f"{type(err).__name__}: {err}")
+
+
+def report_progress(job: Job, outcome: Outcome, done: int, total: int) -> None:
+    where = job.run_dir / "train.log"
+    detail = {"finished": f"in {outcome.seconds:.0f} s", "reused": "(finished earlier)"}.get(
+        outcome.status, f"FAILED: {outcome.message}, log {where}"
+    )
+    print(f"[{done}/{total}] {job.label}: {outcome.status} {detail}", flush=True)
+
+
+def collect(jobs: list[Job], outcomes: dict[Job, Outcome]) -> tuple[list[Run], list[ColdStart]]:
+    """The report's view of every job: metrics of the finished ones, status and log of all."""
+    runs, colds = [], []
+    for job in jobs:
+        outcome = outcomes[job]
+        ok = outcome.status != "failed"
+        records = read_metrics(job.run_dir / "metrics.jsonl") if ok else []
+        log = str(job.run_dir / "train.log")
+        if job.variant is None:
+            colds.append(ColdStart(job.seed, outcome.status, log, records))
+        else:
+            loss = OmegaConf.select(job.config, "algorithm.loss_type")
+            runs.append(Run(job.variant, job.seed, loss, outcome.status, log, records, outcome.message))
+    return runs, colds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=None, help="default: all")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 1 2 3")
+    parser.add_argument(
+        "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+        help="override of every run, e.g. optim.lr=5e-4 (repeatable; a value replaces the key whole)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--jobs", type=int, default=2, help="trainings at once (each one process + its server)"
+    )
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "reproduce")
+    parser.add_argument("--work-dir", type=Path, default=REPO / "runs" / "reproduce")
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--target", type=float, default=None, help="absolute held-out accuracy target")
+    target.add_argument("--target-gain", type=float, default=0.1, help="target = cold start + this (default)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 2 variants x 1 seed, tiny settings")
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    variants = args.variants or (QUICK_VARIANTS if args.quick else list(VARIANTS))
+    seeds = args.seeds or (QUICK_SEEDS if args.quick else [1, 2, 3])
+    try:
+        sets = {**(QUICK if args.quick else {}), **parse_set(args.sets)}
+        jobs = plan(variants, seeds, sets, args.work_dir.resolve())
+    except ValueError as err:
+        parser.error(str(err))
+    from run import machine  # benchmarks/run.py: what the figures were measured on
+
+    where = machine()  # before the runs: its load average says what else shared the cores
+    start = time.perf_counter()
+    outcomes = run_jobs(jobs, args.jobs)
+    runs, colds = collect(jobs, outcomes)
+    provenance = {
+        "command": shlex.join(
+            ["python", "benchmarks/reproduce.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "base_config": str(BASE_CONFIG.relative_to(REPO)),
+        "overrides": [f"{k}={json.dumps(v)}" for k, v in {**HARNESS, **sets}.items()],
+        "variant_overrides": {n: [f"{k}={json.dumps(v)}" for k, v in VARIANTS[n].items()] for n in variants},
+        "seeds": seeds,
+        "jobs": args.jobs,
+        "wall_seconds": time.perf_counter() - start,
+        "machine": where,
+    }
+    report = assemble(runs, colds, variants, target=args.target, gain=args.target_gain, provenance=provenance)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.json").write_text(json.dumps(report, indent=1))
+    (args.out / "summary.md").write_text(markdown(report))
+    plot(report, args.out / "reproduce.png")
+    failed = [job.label for job in jobs if outcomes[job].status == "failed"]
+    print(
+        f"wrote {args.out}/summary.md, summary.json, reproduce.png"
+        + (f"; FAILED: {failed}" if failed else "")
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
