@@ -7,12 +7,14 @@ rewrites those device arguments to CPU and reports CPU float tensors with their 
 names; it only touches calls that name a CUDA device.
 
 The mode is entered only where those calls live: the methods of megatron's optimizer classes
-(construction, grad checks, grad norm and clipping, state dicts), the `clip_grads` functions
-and `dist_checkpointing.save` / `load`. `step` / `step_with_ready_grads` run the torch
-optimizer's per-parameter math and call the others, so they run outside it: a mode intercepts
-every torch call made under it, and held for the whole process it cost about a fifth of a tiny
-model's RL step. Other CUDA-only spots on megatron-core's CPU paths have their own patches
-(`cuda_device`, `cuda_streams`, `rng_tracker`).
+(construction, grad checks, grad norm and clipping, state dicts), the `clip_grads` functions,
+`dist_checkpointing.save` / `load`, and `LanguageModule.setup_embeddings_and_output_layer`
+(with tied embeddings under pipeline parallelism it moves the last stage's copy of the
+embedding to `.cuda()` before syncing it with the first stage's). `step` /
+`step_with_ready_grads` run the torch optimizer's per-parameter math and call the others, so
+they run outside it: a mode intercepts every torch call made under it, and held for the whole
+process it cost about a fifth of a tiny model's RL step. Other CUDA-only spots on
+megatron-core's CPU paths have their own patches (`cuda_device`, `cuda_streams`, `rng_tracker`).
 """
 
 import functools
@@ -92,18 +94,27 @@ def _check() -> None:
 
     for name in ("save", "load"):
         require(hasattr(dist_checkpointing, name), "cuda_tensors_to_cpu", f"dist_checkpointing.{name}")
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    require(
+        hasattr(LanguageModule, "setup_embeddings_and_output_layer"),
+        "cuda_tensors_to_cpu",
+        "LanguageModule.setup_embeddings_and_output_layer missing",
+    )
 
 
 def _functions_to_wrap() -> list[tuple[object, str]]:
-    """(module, name) of the module-level functions that run under the mode."""
+    """(module or class, name) of the functions that run under the mode."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import serialization
+    from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.optimizer import clip_grads, optimizer
 
     # ChainedOptimizer.step calls the clip_grads functions directly (optimizer.py holds its own
     # references); dist_checkpointing's exchanges and the fully parallel load allocate on CUDA.
     found = [(module, name) for name in _CLIP_GRADS_FUNCTIONS for module in (clip_grads, optimizer)]
     found += [(module, name) for name in ("save", "load") for module in (dist_checkpointing, serialization)]
+    found.append((LanguageModule, "setup_embeddings_and_output_layer"))  # tied embeddings under PP
     return [(module, name) for module, name in found if hasattr(module, name)]
 
 
