@@ -8,12 +8,14 @@ with their CUDA type names; it only touches calls that name a CUDA device.
 
 The mode is entered only where those calls live: the methods of megatron's optimizer classes
 (construction, grad checks, grad norm and clipping, state dicts), the `clip_grads` functions,
-`dist_checkpointing.save` / `load` and the default attention masks. `step` /
-`step_with_ready_grads` run the torch optimizer's per-parameter math and call the others, so
-they run outside it: a mode intercepts every torch call made under it, and held for the whole
-process it cost about a fifth of a tiny model's RL step. Other CUDA-only spots on
-megatron-core's CPU paths have their own patches (`cuda_device`, `cuda_streams`,
-`rng_tracker`, `schedule_token_counter`).
+`dist_checkpointing.save` / `load`, the default attention masks and
+`LanguageModule.setup_embeddings_and_output_layer` (with tied embeddings under pipeline
+parallelism it moves the last stage's copy of the embedding to `.cuda()` before syncing it with
+the first stage's). `step` / `step_with_ready_grads` run the torch optimizer's per-parameter
+math and call the others, so they run outside it: a mode intercepts every torch call made under
+it, and held for the whole process it cost about a fifth of a tiny model's RL step. Other
+CUDA-only spots on megatron-core's CPU paths have their own patches (`cuda_device`,
+`cuda_streams`, `rng_tracker`, `schedule_token_counter`).
 """
 
 import functools
@@ -98,13 +100,21 @@ def _check() -> None:
 
     for name in _MASK_FUNCTIONS:
         require(hasattr(utils, name), "cuda_tensors_to_cpu", f"transformer.utils.{name}")
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    require(
+        hasattr(LanguageModule, "setup_embeddings_and_output_layer"),
+        "cuda_tensors_to_cpu",
+        "LanguageModule.setup_embeddings_and_output_layer missing",
+    )
 
 
 def _functions_to_wrap() -> list[tuple[object, str]]:
-    """(module, name) of the module-level functions that run under the mode."""
+    """(module or class, name) of the functions that run under the mode."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import serialization
     from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.transformer import utils
 
@@ -114,6 +124,7 @@ def _functions_to_wrap() -> list[tuple[object, str]]:
     found += [(module, name) for name in ("save", "load") for module in (dist_checkpointing, serialization)]
     # The local attention's softmax builds its default masks (no attention_mask given) on CUDA.
     found += [(module, name) for name in _MASK_FUNCTIONS for module in (utils, fused_softmax)]
+    found.append((LanguageModule, "setup_embeddings_and_output_layer"))  # tied embeddings under PP
     return [(module, name) for module, name in found if hasattr(module, name)]
 
 

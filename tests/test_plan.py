@@ -10,7 +10,7 @@ import pytest
 from megatron_gspo.model import config as presets
 from megatron_gspo.model.builder import EngineConfig
 from megatron_gspo.model.distributed import ParallelConfig
-from megatron_gspo.plan import GIB, activation_plan, shard_plan
+from megatron_gspo.plan import GIB, activation_plan, pipeline_stages, shard_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def test_shard_plan_counts_by_hand():
 
 @pytest.mark.parametrize(
     "config,world,max_gib",
-    [("qwen3_30b_a3b_gspo", 16, 50), ("qwen3_30b_a3b_grpo_r2", 16, 50), ("qwen3_235b_a22b_gspo", 128, 60)],
+    [("qwen3_30b_a3b_gspo", 16, 50), ("qwen3_30b_a3b_grpo_r2", 16, 50), ("qwen3_235b_a22b_gspo", 64, 70)],
 )
 def test_large_configs_validate_and_fit_on_h100(config, world, max_gib, math_data):
     result = plan(
@@ -57,6 +57,52 @@ def test_large_configs_validate_and_fit_on_h100(config, world, max_gib, math_dat
     assert "tokens; logits" in activation and "with recompute on" in activation
     per_gpu = next(line for line in result.stdout.splitlines() if line.startswith("per GPU: "))
     assert per_gpu.endswith("GiB of 80 GiB") and " activation + 6 reserve" in per_gpu
+
+
+def test_pipeline_stages_split_layers_and_model_ends_by_hand():
+    """4 layers over PP2: each stage half the layers and experts; embedding first, output + norm last."""
+    h, vocab = 64, 80
+    parallel = ParallelConfig(
+        tensor_parallel=2, pipeline_parallel=2, expert_parallel=2, distributed_optimizer=True
+    )
+    engine = EngineConfig(dtype="bf16")
+    for tied in (False, True):
+        model = presets.tiny(vocab_size=vocab, num_layers=4, tie_word_embeddings=tied)
+        expert_layer = 8 * 3 * h * 32
+        dense_layer = (model.num_parameters - vocab * h * (1 if tied else 2) - h) // 4 - expert_layer
+        first, last = pipeline_stages(4, 2)
+        assert (first.first_layer, first.layers, first.embedding, first.output) == (0, 2, True, False)
+        assert (last.first_layer, last.layers, last.embedding, last.output) == (2, 2, False, True)
+        plans = [shard_plan(model, parallel, engine, world_size=8, stage=s) for s in (first, last)]
+        assert [p.expert_params for p in plans] == [
+            2 * expert_layer // 4
+        ] * 2  # 2 layers over EP2 x expert TP2
+        # A tied output layer is still a full copy of the embedding on the last stage.
+        assert plans[0].dense_params == (2 * dense_layer + vocab * h) // 2
+        assert plans[1].dense_params == (2 * dense_layer + vocab * h + h) // 2
+        # Dense optimizer states shard over 8 / (TP2 x PP2) = 2 replicas, experts over 8 / (2 x 2 x 2) = 1.
+        assert plans[0].optimizer_bytes == int(plans[0].dense_params * 12 / 2 + plans[0].expert_params * 12)
+        whole = shard_plan(model, ParallelConfig(tensor_parallel=2, expert_parallel=2), engine, world_size=4)
+        assert whole.expert_params == 2 * plans[0].expert_params
+    with pytest.raises(ValueError, match="does not divide the 94 layers"):
+        pipeline_stages(94, 4)
+
+
+def test_pipeline_activations_follow_the_1f1b_schedule():
+    """Stage s of PP holds PP - s micro-batches of its layers' activations; only the last has logits."""
+    model = presets.tiny(vocab_size=80, num_layers=4)
+    pp2 = ParallelConfig(tensor_parallel=2, pipeline_parallel=2, expert_parallel=1, expert_tensor_parallel=1)
+    pp1 = ParallelConfig(tensor_parallel=2, expert_parallel=1, expert_tensor_parallel=1)
+    kwargs = dict(tokens=100, seq_len=50, flash_attention=True)
+    for engine in (EngineConfig(dtype="bf16"), EngineConfig(dtype="bf16", recompute_activations=True)):
+        whole = activation_plan(model, pp1, engine, **kwargs)
+        first, last = (activation_plan(model, pp2, engine, stage=s, **kwargs) for s in pipeline_stages(4, 2))
+        assert (first.in_flight, last.in_flight) == (2, 1)
+        assert first.logits_bytes == 0 and last.logits_bytes == whole.logits_bytes == 100 * 40 * 6
+        rebuilt = whole.layer_bytes if engine.recompute_activations else 0  # one layer recomputed
+        per_layer = (whole.stored_bytes - rebuilt) // 4  # what one layer keeps for one micro-batch
+        assert first.stored_bytes == 2 * 2 * per_layer + rebuilt  # 2 layers x 2 micro-batches
+        assert last.stored_bytes == 1 * 2 * per_layer + rebuilt
 
 
 def test_activation_plan_counts_by_hand():
@@ -126,6 +172,28 @@ def test_plan_refuses_a_layout_that_does_not_fit(math_data):
         "parallel.distributed_optimizer=false",
     )
     assert result.returncode == 1 and "DOES NOT FIT" in result.stdout, result.stdout + result.stderr
+
+
+def test_235b_fits_64_gpus_with_two_pipeline_stages_and_not_without(math_data):
+    def plan_235b(world, *overrides):
+        config = "configs/qwen3_235b_a22b_gspo.yaml"
+        return plan("--config", config, "--world-size", world, f"task.options.path={math_data}", *overrides)
+
+    result = plan_235b("64")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "on 64 ranks: TP=4 PP=2 EP=32 ETP=1 DP=8" in out
+    assert "stage 0: layers 0-46 + embedding: " in out and "(2 micro-batch(es) in flight)" in out
+    assert "stage 1: layers 47-93 + output layer: " in out and "(1 micro-batch(es) in flight)" in out
+    assert "per rank: stage 1 (the largest)" in out  # the logits outweigh the first stage's 2 in flight
+    flat = plan_235b("64", "parallel.pipeline_parallel=1", "parallel.expert_parallel=64")
+    assert flat.returncode == 1 and "DOES NOT FIT" in flat.stdout, flat.stdout + flat.stderr
+    uneven = plan_235b("64", "parallel.pipeline_parallel=4", "parallel.expert_parallel=16")
+    assert uneven.returncode == 2
+    assert "parallel.pipeline_parallel=4 does not divide the 94 transformer layers" in uneven.stderr
+    too_few = plan_235b("48")
+    assert too_few.returncode == 2
+    assert "impossible layout for 48 process(es)" in too_few.stderr and "pipeline_parallel" in too_few.stderr
 
 
 def test_plan_names_an_impossible_world_size(math_data):

@@ -1,4 +1,4 @@
-"""HF Qwen3-MoE checkpoints <-> the Megatron policy, at any TP x EP layout.
+"""HF Qwen3-MoE checkpoints <-> the Megatron policy, at any TP x EP x PP layout.
 
 The conversion is a name table plus two reshapes (everything else is a plain copy):
 
@@ -8,7 +8,8 @@ The conversion is a name table plus two reshapes (everything else is a plain cop
 
 `hf_to_megatron` / `megatron_to_hf` convert whole *global* state dicts (TP=EP=1 names, see
 `model/sharding.py`). `load_hf_checkpoint` imports a checkpoint directory into a sharded
-model lazily: each rank opens the safetensors files and reads only its own experts and,
+model lazily: each rank opens the safetensors files and reads only its own pipeline stage's
+layers (HF numbers layers globally, as `sharding` names them), its own experts and,
 under tensor parallelism, only its slices (both reshapes commute with Megatron's TP split:
 a TP shard of `linear_qkv` is a contiguous block of query groups, a shard of `linear_fc1`
 is [gate_r; up_r]). `export_hf_checkpoint` gathers one global tensor at a time and writes
@@ -323,10 +324,12 @@ class _SafetensorsReader:
 def load_hf_checkpoint(
     model: torch.nn.Module, hf_dir: str | os.PathLike, model_cfg: MoEModelConfig | None = None
 ) -> LoadStats:
-    """Load an HF Qwen3-MoE checkpoint directory into this rank's shard of `model` (any TP x EP).
+    """Load an HF Qwen3-MoE checkpoint directory into this rank's shard of `model` (any TP x EP x PP).
 
     Every rank calls it (no communication). Each rank opens the safetensors files lazily and
-    reads only the tensors its shard holds: its own experts, and under TP only its slice of
+    reads only the tensors its shard holds: its pipeline stage's layers (the embedding on the
+    first stage, the final norm and output layer on the last; a tied last stage reads the
+    embedding into its output layer), its own experts, and under TP only its slice of
     each split tensor (`safe_open(...).get_slice`), so memory and I/O per rank scale with the
     shard, not the checkpoint.
 

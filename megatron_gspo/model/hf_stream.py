@@ -3,7 +3,9 @@
 The one iterator behind weight sync to the rollout servers and `megatron-gspo export`.
 
 `iter_hf_tensors` walks the model's global tensors one at a time (`sharding.iter_global_tensors`
-gathers each over TP and EP), converts each to its HF tensors (`convert.name_table`: QKV split
+gathers each over TP and EP; under pipeline parallelism the stages take turns and the owning
+stage broadcasts each tensor over the pipeline group, so rank 0 receives the other stages'
+layers one tensor at a time), converts each to its HF tensors (`convert.name_table`: QKV split
 per query group, fc1 split into gate/up) and yields them on the sending rank. `iter_buckets`
 groups that stream into `Bucket`s of about `bucket_bytes`, flattened into one byte tensor in
 SGLang's `flattened_bucket` layout (each tensor's bytes, concatenated in order).

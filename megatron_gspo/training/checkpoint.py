@@ -118,12 +118,14 @@ def current_layout(optimizer=None) -> dict[str, Any]:
     if ps.model_parallel_is_initialized():
         tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
         etp, dp = ps.get_expert_tensor_parallel_world_size(), ps.get_data_parallel_world_size()
+        pp = ps.get_pipeline_model_parallel_world_size()
     else:
-        tp = ep = etp = dp = 1
+        tp = ep = etp = dp = pp = 1
     leaves = leaf_optimizers(optimizer) if optimizer is not None else []
     return {
         "world_size": world,
         "tensor_parallel": tp,
+        "pipeline_parallel": pp,
         "expert_parallel": ep,
         "expert_tensor_parallel": etp,
         "data_parallel": dp,
@@ -133,7 +135,8 @@ def current_layout(optimizer=None) -> dict[str, Any]:
 
 def _layout_text(layout: dict[str, Any]) -> str:
     return (
-        f"world={layout['world_size']} TP={layout['tensor_parallel']} EP={layout['expert_parallel']} "
+        f"world={layout['world_size']} TP={layout['tensor_parallel']} "
+        f"PP={layout.get('pipeline_parallel', 1)} EP={layout['expert_parallel']} "
         f"ETP={layout['expert_tensor_parallel']} DP={layout['data_parallel']} "
         f"distributed_optimizer={layout['distributed_optimizer']}"
     )
@@ -141,7 +144,8 @@ def _layout_text(layout: dict[str, Any]) -> str:
 
 def _same_layout(meta: dict[str, Any], optimizer) -> bool:
     here = current_layout(optimizer)
-    return {key: meta["layout"].get(key) for key in here} == here
+    recorded = {"pipeline_parallel": 1, **meta["layout"]}  # checkpoints from before pipeline parallelism
+    return {key: recorded.get(key) for key in here} == here
 
 
 # --------------------------------------------------------------------------- files
@@ -386,7 +390,7 @@ def _inspect(directory: Path, step: int, optimizer) -> tuple[str, str] | None:
             )
         here = current_layout(optimizer)
         if meta["layout"].get("distributed_optimizer") != here["distributed_optimizer"]:
-            saved = {key: meta["layout"].get(key) for key in here}
+            saved = {key: {"pipeline_parallel": 1, **meta["layout"]}.get(key) for key in here}
             raise CheckpointError(
                 f"{directory} was written with layout {_layout_text(saved)}; this run has "
                 f"{_layout_text(here)}. TP, EP, DP and the world size may change on resume, "

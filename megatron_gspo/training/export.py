@@ -2,13 +2,15 @@
 
     megatron-gspo export --checkpoint runs/x/checkpoints/step_00000040 --out hf/step40
     megatron-gspo export --checkpoint C --out D --tp 2 --ep 2 --nproc 4       (CPU: self-launches)
+    megatron-gspo export --checkpoint C --out D --pp 2 --nproc 2             (pipeline stages)
     torchrun --nproc-per-node 8 -m megatron_gspo.cli export --checkpoint C --out D --ep 8   (GPU)
 
 The checkpoint's `model/` holds the architecture (and the run's tokenizer); every rank builds
 its shard of that model at the requested layout, verifies and loads the weights from `dist/`
 (resharded by megatron's `dist_checkpointing`), then `export_hf_checkpoint` streams the
 global tensors to rank 0, which writes each safetensors shard as it fills: no rank holds the
-whole model unless the layout is a world of one.
+whole model unless the layout is a world of one. Under pipeline parallelism each stage loads its
+own layers and the stages take turns sending theirs, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ def add_export_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", required=True, help="HF checkpoint directory to (re)create")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load with")
-    parser.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: world / TP)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to load with")
+    parser.add_argument(
+        "--ep", type=int, default=None, help="expert-parallel size (default: world / (TP x PP))"
+    )
     parser.add_argument("--max-shard-bytes", type=int, default=None, help="safetensors shard size limit")
     parser.add_argument("--nproc", type=int, default=1, help="re-launch under torchrun with N CPU workers")
 
@@ -70,17 +75,20 @@ def _model_description(checkpoint: Path):
     return meta, model_cfg, tokenizer
 
 
-def _layout(args: argparse.Namespace, world: int, num_experts: int):
+def _layout(args: argparse.Namespace, world: int, model_cfg):
     from megatron_gspo.model.distributed import ParallelConfig
 
-    tp = args.tp
-    ep = args.ep if args.ep is not None else max(world // tp, 1)
-    if tp < 1 or ep < 1 or world % (tp * ep) or num_experts % ep:
+    tp, pp = args.tp, args.pp
+    ep = args.ep if args.ep is not None else max(world // (tp * pp), 1)
+    if min(tp, pp, ep) < 1 or world % (tp * pp * ep) or model_cfg.num_experts % ep:
         raise ConfigError(
-            f"export layout TP={tp} EP={ep} does not fit {world} process(es) and {num_experts} experts: "
-            "TP x EP must divide the world size and EP the number of experts"
+            f"export layout TP={tp} PP={pp} EP={ep} does not fit {world} process(es) and "
+            f"{model_cfg.num_experts} experts: TP x PP x EP must divide the world size and EP the number "
+            "of experts"
         )
-    return ParallelConfig(tensor_parallel=tp, expert_parallel=ep)
+    if model_cfg.num_layers % pp:
+        raise ConfigError(f"export layout PP={pp} does not divide the model's {model_cfg.num_layers} layers")
+    return ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep)
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -95,7 +103,7 @@ def run_export(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     meta, model_cfg, tokenizer = _model_description(checkpoint)
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
-    parallel = _layout(args, world, model_cfg.num_experts)
+    parallel = _layout(args, world, model_cfg)
     if args.nproc > 1 and "RANK" not in os.environ:
         from megatron_gspo.training.launch import relaunch
 

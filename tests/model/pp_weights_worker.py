@@ -6,8 +6,8 @@
 For each case of `CASES` (HF checkpoints `DIR/<case>` written beforehand by the test) every
 rank builds its stage of the 4-layer tiny model at the layout and checks, against references
 that do not go through the sharding code:
-- import: `load_hf_checkpoint` (each stage reads its own layers), then every global tensor
-  gathered back equals `hf_to_megatron` of the checkpoint read whole;
+- import: `load_hf_checkpoint` (each stage reads its own layers: bytes read are reported),
+  then every global tensor gathered back equals `hf_to_megatron` of the checkpoint read whole;
 - export: `export_hf_checkpoint` writes exactly the checkpoint's tensors, bit for bit;
 - global state: a perturbed global state dict loaded with `load_global_state_dict` gathers
   back unchanged, and an unknown tensor is refused on every stage.
@@ -53,7 +53,9 @@ def check_case(case: str, parallel, work: Path) -> dict:
 
     cfg, src = CASES[case], work / case
     model = build_model(cfg, parallel).eval()
-    load_hf_checkpoint(model, src, cfg)
+    stats = load_hf_checkpoint(model, src, cfg)
+    bytes_read = [0] * dist.get_world_size()
+    dist.all_gather_object(bytes_read, stats.bytes_read)
     original = load_hf_state_dict(src)
     reference = hf_to_megatron(original, cfg)
     imported = gather_global_state_dict(model)
@@ -73,6 +75,8 @@ def check_case(case: str, parallel, work: Path) -> dict:
         "export_unequal": _unequal(exported, original),
         "round_trip_unequal": _unequal(round_trip, target),
         "num_tensors": len(reference),
+        "bytes_read": bytes_read,
+        "checkpoint_bytes": sum(t.numel() * t.element_size() for t in original.values()),
         "refusals": refusals,
     }
 

@@ -2,8 +2,9 @@
 
 Each step draws the next prompt batch from a `PromptStream` (its position is trainer state),
 shuffles it with the torch CPU generator and drops one sample (so the losses depend on the RNG
-state), computes a masked negative log-likelihood of the answers split over data-parallel ranks,
-and takes one optimizer step. Loss values also feed a `RunningMeanStd` (more trainer state).
+state), computes a masked negative log-likelihood of the answers split over data-parallel ranks
+(through megatron's schedule, so pipeline layouts run it too), and takes one optimizer step.
+Loss values also feed a `RunningMeanStd` (more trainer state).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from megatron_gspo.algorithms.running_stats import RunningMeanStd
 from megatron_gspo.model.builder import EngineConfig, build_model
 from megatron_gspo.model.config import MoEModelConfig, tiny
 from megatron_gspo.model.distributed import ParallelConfig, init_distributed
-from megatron_gspo.model.logprobs import sequence_logprobs
 from megatron_gspo.model.optim import (
     OptimConfig,
     build_optimizer,
@@ -28,6 +28,8 @@ from megatron_gspo.model.optim import (
     wrap_ddp,
     zero_grads,
 )
+from megatron_gspo.model.packing import pack_sequences, packing_layout, pad_to_shape, uniform_shape
+from megatron_gspo.model.pipeline import run_micro_batches, share_from_last_stage
 from megatron_gspo.tasks.arithmetic import AdditionTask
 from megatron_gspo.tasks.data import PromptStream
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
@@ -107,20 +109,35 @@ def train_step(run: Run) -> dict:
     mine = list(range(dp_rank, len(seqs), dp))
     total_tokens = sum(int(m.sum()) for m in masks)
     zero_grads(run.ddp, run.optimizer)
-    tp = ps.get_tensor_model_parallel_world_size()  # sequence parallel: rows padded to a multiple
-    logprobs, _ = sequence_logprobs(run.ddp, [seqs[i] for i in mine], pad_multiple=tp)
-    mask = torch.zeros_like(logprobs)
-    for row, i in enumerate(mine):
-        mask[row, : len(masks[i])] = masks[i].float()
-    local = -(logprobs * mask).sum() / total_tokens
-    (local * dp_loss_scale()).backward()
+    kept = {}
+
+    def loss_fn(i, logprobs, entropy):  # on the last pipeline stage
+        mask = torch.zeros_like(logprobs)
+        for row, j in enumerate(mine):
+            mask[row, : len(masks[j])] = masks[j].float()
+        local = -(logprobs * mask).sum() / total_tokens
+        kept["loss"] = local.detach().clone()
+        return local * dp_loss_scale(), {}
+
+    run_micro_batches(run.ddp, [packed_batch(run.ddp, [seqs[i] for i in mine])], loss_fn, forward_only=False)
     stepped, grad_norm = optimizer_step(run.ddp, run.optimizer, run.scheduler)
     assert stepped
-    loss = local.detach().clone()
-    dist.all_reduce(loss, group=ps.get_data_parallel_group())
+    loss = kept.get("loss")
+    if loss is not None:
+        dist.all_reduce(loss, group=ps.get_data_parallel_group())
+    loss = share_from_last_stage(loss)
     run.stats.update(loss.reshape(1))
     run.step += 1
     return {"loss": loss.item(), "grad_norm": grad_norm, "lr": run.optimizer.param_groups[0]["lr"]}
+
+
+def packed_batch(model: torch.nn.Module, seqs: list[torch.Tensor]):
+    """`seqs` packed for `model` (rows a multiple of TP long), as `sequence_logprobs` packs them."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    packed = pack_sequences(seqs, layout=packing_layout(model), pad_multiple=tp)
+    return pad_to_shape(packed, *uniform_shape(packed))
 
 
 def draw_probes() -> dict:

@@ -1,6 +1,6 @@
 """Save a checkpoint at one parallel layout, or load it at another; dump what must agree.
 
-    python reshard_worker.py save --root R --out O --tp 2 [--ep 1] [--distopt]
+    python reshard_worker.py save --root R --out O --tp 2 [--ep 1] [--pp 1] [--distopt]
     python reshard_worker.py load --root R --out O --tp 1 --ep 2 [--distopt]   (or under torchrun)
 
 `save` trains two steps and checkpoints; `load` resumes from it. Both then write on rank 0
@@ -8,7 +8,8 @@
 `dist_checkpointing`; plain optimizer only), Adam's step count, per-token log-probs of a fixed
 batch, the same log-probs from the checkpointed weights loaded through
 `sharding.load_global_state_dict` into a fresh model of this layout (`--reference W`), and the
-weights after one more optimizer step on a fixed batch.
+weights after one more optimizer step on a fixed batch. Log-probs and that step go through
+megatron's schedule (`model.pipeline.run_micro_batches`), so any pipeline layout runs them.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ckpt_common import build_run, load_run, save_run, train_step  # noqa: E402
+from ckpt_common import build_run, load_run, packed_batch, save_run, train_step  # noqa: E402
 
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed  # noqa: E402
-from megatron_gspo.model.logprobs import sequence_logprobs  # noqa: E402
 from megatron_gspo.model.optim import dp_loss_scale, optimizer_step, zero_grads  # noqa: E402
+from megatron_gspo.model.pipeline import run_micro_batches, share_from_last_stage  # noqa: E402
 from megatron_gspo.model.sharding import gather_global_state_dict, load_global_state_dict  # noqa: E402
 from megatron_gspo.training.checkpoint_dist import leaf_optimizers, optimizer_step_count  # noqa: E402
 
@@ -39,13 +40,16 @@ def fixed_batch() -> list[torch.Tensor]:
 
 
 def logprobs(run) -> torch.Tensor:
-    from megatron.core import parallel_state as ps
+    """Per-token log-probs [B, T] of `fixed_batch`, on every rank (the last stage computes them)."""
+    kept = {}
+
+    def keep(i, logprobs, entropy):
+        kept["logprobs"] = logprobs.detach().cpu()
+        return logprobs.sum() * 0, {}
 
     with torch.no_grad():
-        out, _ = sequence_logprobs(
-            run.ddp, fixed_batch(), pad_multiple=ps.get_tensor_model_parallel_world_size()
-        )
-    return out
+        run_micro_batches(run.ddp, [packed_batch(run.ddp, fixed_batch())], keep, forward_only=True)
+    return share_from_last_stage(kept.get("logprobs"))
 
 
 def global_moments(run) -> dict[str, dict[str, torch.Tensor]]:
@@ -75,11 +79,12 @@ def fixed_step(run) -> None:
     seqs = fixed_batch()
     mine = list(range(ps.get_data_parallel_rank(), len(seqs), ps.get_data_parallel_world_size()))
     zero_grads(run.ddp, run.optimizer)
-    local, _ = sequence_logprobs(
-        run.ddp, [seqs[i] for i in mine], pad_multiple=ps.get_tensor_model_parallel_world_size()
-    )
     total = sum(len(s) - 1 for s in seqs)
-    (-local.sum() / total * dp_loss_scale()).backward()
+
+    def loss(i, local, entropy):
+        return -local.sum() / total * dp_loss_scale(), {}
+
+    run_micro_batches(run.ddp, [packed_batch(run.ddp, [seqs[i] for i in mine])], loss, forward_only=False)
     stepped, _ = optimizer_step(run.ddp, run.optimizer, run.scheduler)
     assert stepped
 
@@ -91,11 +96,15 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--distopt", action="store_true")
     parser.add_argument("--reference", help="global weights to load through the sharding code")
     args = parser.parse_args()
     parallel = ParallelConfig(
-        tensor_parallel=args.tp, expert_parallel=args.ep, distributed_optimizer=args.distopt
+        tensor_parallel=args.tp,
+        pipeline_parallel=args.pp,
+        expert_parallel=args.ep,
+        distributed_optimizer=args.distopt,
     )
     run = build_run(parallel, vocab_size=VOCAB)
     if args.mode == "save":

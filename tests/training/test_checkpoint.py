@@ -97,6 +97,7 @@ def test_layout_meta_and_latest(saved):
     assert meta["layout"] == {
         "world_size": 1,
         "tensor_parallel": 1,
+        "pipeline_parallel": 1,
         "expert_parallel": 1,
         "expert_tensor_parallel": 1,
         "data_parallel": 1,

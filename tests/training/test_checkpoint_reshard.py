@@ -1,4 +1,5 @@
-"""A checkpoint written at TP2 resumes at EP2 and at TP1 x EP1: same weights, Adam state, log-probs.
+"""A checkpoint written at TP2 resumes at EP2, at TP1 x EP1 and at PP2 (and one written at PP2
+resumes at EP2): same weights, Adam state, log-probs.
 
 Each layout runs in its own process (torchrun, gloo, 2 workers; world 1 without torchrun).
 References are independent of `dist_checkpointing`: global weights and Adam moments are
@@ -19,8 +20,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 CROSS_LAYOUT_TOLERANCE = 1e-5  # TP splits reductions differently: rounding, not state
 
 
-def _launch(mode, root, out, *, tp=1, ep=1, distopt=False, reference=None):
-    world = tp * ep
+def _launch(mode, root, out, *, tp=1, ep=1, pp=1, distopt=False, reference=None):
+    world = tp * ep * pp
     prefix = [sys.executable]
     if world > 1:
         prefix += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
@@ -36,6 +37,8 @@ def _launch(mode, root, out, *, tp=1, ep=1, distopt=False, reference=None):
         str(tp),
         "--ep",
         str(ep),
+        "--pp",
+        str(pp),
     ]
     cmd += ["--distopt"] * distopt + (["--reference", str(reference)] if reference else [])
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
@@ -79,3 +82,58 @@ def test_tp2_checkpoint_resumes_at_ep2_and_at_world_one(tmp_path, distopt):
         after, before = resumed["weights_after_step"], saved["weights_after_step"]
         assert _max_diff(after, before) <= CROSS_LAYOUT_TOLERANCE, name
         assert _max_diff(after, weights) > 1e-4
+
+
+def _assert_resumed_like_saved(resumed: dict, saved: dict, name: str, *, moments: bool = True) -> None:
+    weights = resumed["weights"]
+    assert weights.keys() == saved["weights"].keys()
+    assert all(torch.equal(weights[k], saved["weights"][k]) for k in weights), name
+    assert resumed["adam_step"] == saved["adam_step"] == 2 and resumed["trainer_step"] == 2
+    assert resumed["scheduler_steps"] == saved["scheduler_steps"] == 2
+    if moments:
+        for key in ("exp_avg", "exp_avg_sq"):
+            got, want = resumed["moments"][key], saved["moments"][key]
+            assert got.keys() == want.keys()
+            assert all(torch.equal(got[k], want[k]) for k in got), (name, key)
+            assert any(want[k].abs().max() > 0 for k in want)
+    assert torch.equal(resumed["logprobs"], resumed["reference_logprobs"]), name
+    diff = (resumed["logprobs"] - saved["logprobs"]).abs().max().item()
+    assert diff <= CROSS_LAYOUT_TOLERANCE, (name, diff)
+    after, before = resumed["weights_after_step"], saved["weights_after_step"]
+    assert _max_diff(after, before) <= CROSS_LAYOUT_TOLERANCE, name
+    assert _max_diff(after, weights) > 1e-4
+    print(
+        f"{name}: max |d logprob| vs the saving layout {diff:.2e}, "
+        f"after one more step {_max_diff(after, before):.2e}"
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("distopt", [False, True], ids=["adam", "distributed_optimizer"])
+def test_tp2_checkpoint_resumes_at_pp2(tmp_path, distopt):
+    """Each stage loads its layers by their global keys, Adam state included."""
+    saved, _ = _launch("save", tmp_path / "from_tp2", tmp_path / "tp2", tp=2, distopt=distopt)
+    torch.save(saved["weights"], tmp_path / "tp2_weights.pt")
+    resumed, log = _launch(
+        "load",
+        tmp_path / "from_tp2",
+        tmp_path / "pp2",
+        pp=2,
+        distopt=distopt,
+        reference=tmp_path / "tp2_weights.pt",
+    )
+    assert "random streams are not restored" in log and "PP=2" in log
+    _assert_resumed_like_saved(
+        resumed, saved, "TP2 -> PP2" + " (distributed optimizer)" * distopt, moments=not distopt
+    )
+
+
+@pytest.mark.multiprocess
+def test_pp2_checkpoint_resumes_at_ep2(tmp_path):
+    """The stages' layers merge back into one model whose experts split over EP instead."""
+    saved, _ = _launch("save", tmp_path / "from_pp2", tmp_path / "pp2_saved", pp=2)
+    torch.save(saved["weights"], tmp_path / "pp2_weights.pt")
+    resumed, _ = _launch(
+        "load", tmp_path / "from_pp2", tmp_path / "ep2", ep=2, reference=tmp_path / "pp2_weights.pt"
+    )
+    _assert_resumed_like_saved(resumed, saved, "PP2 -> EP2")

@@ -80,8 +80,8 @@ def test_expert_parallel_distributed_optimizer_resume_is_exact(tmp_path):
         timeout=300,
     )
     assert done.returncode != 0
-    assert "written with layout world=2 TP=1 EP=2 ETP=1 DP=2 distributed_optimizer=True" in done.stderr
-    assert "this run has world=1 TP=1 EP=1 ETP=1 DP=1 distributed_optimizer=False" in done.stderr
+    assert "written with layout world=2 TP=1 PP=1 EP=2 ETP=1 DP=2 distributed_optimizer=True" in done.stderr
+    assert "this run has world=1 TP=1 PP=1 EP=1 ETP=1 DP=1 distributed_optimizer=False" in done.stderr
 
 
 @pytest.mark.multiprocess

@@ -68,10 +68,12 @@ def _logprobs(model) -> torch.Tensor:
 
 
 @pytest.mark.multiprocess
-def test_export_round_trip_from_tp2_ep2(checkpoint, world_of_one, tmp_path):
+@pytest.mark.parametrize("layout", [("--ep", "2"), ("--pp", "2")], ids=["ep2", "pp2"])
+def test_export_round_trip_from_tp2_ep2(checkpoint, world_of_one, tmp_path, layout):
+    """Loaded at EP2, or as two pipeline stages, the export holds exactly the saved weights."""
     ckpt, weights = checkpoint
     out = tmp_path / "hf"
-    done = run_cli("export", "--checkpoint", str(ckpt), "--out", str(out), "--ep", "2", "--nproc", "2")
+    done = run_cli("export", "--checkpoint", str(ckpt), "--out", str(out), *layout, "--nproc", "2")
     assert done.returncode == 0, done.stderr[-4000:]
     assert f"exported step 2 of {ckpt} to {out}" in done.stdout
     names = sorted(p.name for p in out.iterdir())
@@ -112,6 +114,15 @@ def test_bad_checkpoint_path_is_one_named_line(tmp_path):
     missing = tmp_path / "nope"
     done = run_cli("export", "--checkpoint", str(missing), "--out", str(tmp_path / "hf"))
     _assert_user_error(done, f"--checkpoint {missing} is not a training checkpoint")
+
+
+def test_pipeline_layout_that_does_not_split_the_layers_is_one_named_line(checkpoint, tmp_path):
+    ckpt, _ = checkpoint
+    done = run_cli(
+        "export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"), "--pp", "3", "--nproc", "3"
+    )
+    _assert_user_error(done, "export layout PP=3 does not divide the model's 2 layers")
+    assert not (tmp_path / "hf").exists()
 
 
 def test_damaged_checkpoint_is_named_not_exported(checkpoint, tmp_path):
