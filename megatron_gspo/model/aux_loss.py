@@ -36,8 +36,9 @@ def set_aux_loss_scale(scale: torch.Tensor) -> None:
     """Make megatron scale the aux-loss gradient of the next backward by `scale` ([] float32)."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    # set_loss_scale keeps the first tensor it gets and copies into it afterwards: hand it its own.
-    MoEAuxLossAutoScaler.set_loss_scale(scale.detach().to(torch.float32).clone())
+    # set_loss_scale keeps the first tensor it gets and copies into it afterwards: hand it its own,
+    # shaped [1] like the one megatron's schedules set (a [] one would refuse their later copies).
+    MoEAuxLossAutoScaler.set_loss_scale(scale.detach().to(torch.float32).reshape(1).clone())
 
 
 class AuxLossWeights(MicroBatchHooks):
