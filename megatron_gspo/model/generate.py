@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.model.distributed import compute_device
+from megatron_gspo.model.distributed import all_reduce, compute_device
 from megatron_gspo.model.logprobs import attention_inputs
 from megatron_gspo.model.packing import pack_sequences, packing_layout, pad_to_shape, uniform_shape
 
@@ -33,8 +33,7 @@ def _full_vocab(logits: torch.Tensor) -> torch.Tensor:
 def _any_rank(flag: bool) -> bool:
     """Whether `flag` is true on any rank of the default group (collective)."""
     value = torch.tensor([int(flag)], device=compute_device())
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
 
 
