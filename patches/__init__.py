@@ -22,6 +22,7 @@ from . import (
     dist_checkpoint_results_queue,
     distributed_optimizer_reshardable_load,
     distributed_optimizer_step,
+    foreach_multi_tensor,
     gloo_uneven_collectives,
     rng_tracker,
     schedule_token_counter,
@@ -49,6 +50,7 @@ PATCHES: tuple[Patch, ...] = tuple(
         distributed_optimizer_step,
         distributed_optimizer_reshardable_load,
         dist_checkpoint_results_queue,
+        foreach_multi_tensor,
     )
 )
 

@@ -32,6 +32,8 @@ class Patch:
             "always".
         check: raises PatchError when the upstream code the patch targets is not as expected.
         apply: performs the patch (called once per process).
+        speed_only: nothing fails without it; it replaces a slow upstream path with an
+            equivalent one (tested for equal results instead of for a failure).
     """
 
     name: str
@@ -41,6 +43,7 @@ class Patch:
     check: Callable[[], None]
     apply: Callable[[], None]
     fixed_in: Version | None = None
+    speed_only: bool = False
 
     def decide(self, version: Version, *, cpu: bool, have_te: bool) -> str:
         """'apply', or the reason it is skipped; raises PatchError when it must but cannot apply."""

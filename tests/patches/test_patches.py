@@ -217,4 +217,45 @@ def test_patch_is_still_needed(name, nproc, tp, ep, failure, site, single_proces
 
 
 def test_every_patch_has_a_still_needed_test():
-    assert {row[0] for row in STILL_NEEDED} == set(BY_NAME)
+    assert {row[0] for row in STILL_NEEDED} == {name for name, patch in BY_NAME.items() if not patch.speed_only}
+
+
+def test_foreach_multi_tensor_ops_equal_megatrons_fallbacks():
+    from megatron.core.utils import local_multi_tensor_l2_norm, local_multi_tensor_scale
+
+    from megatron_gspo.patches.cuda_tensors_to_cpu import CudaToCpuMode
+    from megatron_gspo.patches.foreach_multi_tensor import foreach_l2_norm, foreach_scale
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(7, 3), (5,), (2, 4, 6), (1,)]
+    grads = [torch.randn(shape, generator=generator) * 10.0 ** (i - 2) for i, shape in enumerate(shapes)]
+    flag = torch.zeros(1, dtype=torch.int)
+    ours, _ = foreach_l2_norm(0, flag, [grads], False)
+    norms = torch.tensor([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads])
+    assert ours.shape == (1,) and ours.dtype == torch.float32
+    assert torch.allclose(ours.double(), torch.linalg.vector_norm(norms).reshape(1), rtol=1e-6)
+    with CudaToCpuMode():  # megatron's own puts its result on device="cuda"
+        upstream, _ = local_multi_tensor_l2_norm(0, flag, [grads], False)
+    assert torch.allclose(ours, upstream, rtol=1e-6)
+
+    for in_place in (True, False):  # clipping scales in place; param copies go list -> list
+        expected = [g.clone() for g in grads]
+        local_multi_tensor_scale(0, flag, [expected, expected] if in_place else [grads, expected], 0.37)
+        got = [g.clone() for g in grads]
+        foreach_scale(0, flag, [got, got] if in_place else [grads, got], 0.37)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    bf16 = [torch.empty(shape, dtype=torch.bfloat16) for shape in shapes]
+    foreach_scale(0, flag, [grads, bf16], 1.0)  # fp32 main params -> bf16 model params
+    assert all(torch.equal(b, g.bfloat16()) for b, g in zip(bf16, grads))
+
+
+@needs_cpu
+def test_foreach_multi_tensor_is_what_megatron_calls_without_apex_or_te():
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    from megatron_gspo.patches.foreach_multi_tensor import foreach_l2_norm, foreach_scale
+
+    apply_patches()
+    assert clip_grads.l2_norm_impl is foreach_l2_norm
+    assert clip_grads.multi_tensor_scale_impl is foreach_scale
+    assert optimizer.multi_tensor_scale_impl is foreach_scale
