@@ -110,7 +110,7 @@ class RolloutService:
             return HTTPStatus.BAD_REQUEST, {"error": str(exc)}  # SGLang's own wording and layout
         except ValueError as exc:  # RequestError, or the engine's refusal
             return HTTPStatus.BAD_REQUEST, {"error": {"message": str(exc)}}
-        futures = [self.scheduler.submit(rid, row) for rid, row in zip(parsed.rids, parsed.rows)]
+        futures = self.scheduler.submit_many(parsed.rids, parsed.rows)
         outputs = [f.result() for f in futures]
         latency = time.perf_counter() - start
         responses = [

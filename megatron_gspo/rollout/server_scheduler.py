@@ -2,7 +2,9 @@
 
 HTTP handler threads `submit` rows; one background thread takes every row that arrives
 within `batch_window_s` of the first (up to `max_batch_size`) and runs them as one
-left-padded batch on the `GenerationEngine`. Pausing holds the queue (SGLang's
+left-padded batch on the `GenerationEngine`. The window exists to gather concurrent
+single-row requests: a batch request's rows arrive together (`submit_many`), so once one
+is queued the batch starts without waiting out the window. Pausing holds the queue (SGLang's
 `/pause_generation`); aborting marks rows so the engine stops them at the next token.
 """
 
@@ -39,18 +41,24 @@ class BatchScheduler:
         self._cond = threading.Condition()
         self._paused = False
         self._closed = False
+        self._whole_request_queued = False  # a multi-row request is queued: no reason to wait
         self._thread = threading.Thread(target=self._loop, name="rollout-batcher", daemon=True)
         self._thread.start()
 
     def submit(self, rid: str, item: GenerationInput) -> Future:
         """Queue one row; the future resolves to its `GenerationOutput` (or the engine's exception)."""
-        pending = _Pending(rid, item, Future())
+        return self.submit_many([rid], [item])[0]
+
+    def submit_many(self, rids: list[str], items: list[GenerationInput]) -> list[Future]:
+        """Queue a request's rows together, one future per row (in order)."""
+        pending = [_Pending(rid, item, Future()) for rid, item in zip(rids, items, strict=True)]
         with self._cond:
             if self._closed:
                 raise RuntimeError("scheduler is closed")
-            self._queue.append(pending)
+            self._queue.extend(pending)
+            self._whole_request_queued |= len(pending) > 1
             self._cond.notify_all()
-        return pending.future
+        return [p.future for p in pending]
 
     @property
     def num_pending(self) -> int:
@@ -122,7 +130,7 @@ class BatchScheduler:
             if self._closed:
                 return None
             deadline = time.monotonic() + self.batch_window_s
-            while len(self._queue) < self.max_batch_size and not self._closed:
+            while len(self._queue) < self.max_batch_size and not self._closed and not self._whole_request_queued:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -130,6 +138,7 @@ class BatchScheduler:
             if self._paused or not self._queue:
                 return []
             batch, self._queue = self._queue[: self.max_batch_size], self._queue[self.max_batch_size :]
+            self._whole_request_queued &= bool(self._queue)  # the rest of a request beyond max_batch_size
             self._running = batch
             return batch
 
