@@ -260,18 +260,16 @@ class RolloutBatch:
         prompt_lengths = torch.tensor([s.prompt_length for s in samples], dtype=torch.int64)
         response_lengths = torch.tensor([s.response_length for s in samples], dtype=torch.int64)
         seq_len = int((prompt_lengths + response_lengths).max())
-        batch = len(samples)
-        tokens = torch.full((batch, seq_len), pad, dtype=torch.int64)
-        response_mask = torch.zeros((batch, seq_len), dtype=torch.float32)
-        attention_mask = torch.zeros((batch, seq_len), dtype=torch.bool)
-        rollout_logprobs = torch.zeros((batch, seq_len), dtype=torch.float32)
-        for b, s in enumerate(samples):
-            p, r = s.prompt_length, s.response_length
-            tokens[b, :p] = s.prompt_ids
-            tokens[b, p : p + r] = s.response_ids
-            response_mask[b, p : p + r] = 1.0
-            attention_mask[b, : p + r] = True
-            rollout_logprobs[b, p : p + r] = s.rollout_logprobs.to(torch.float32)
+        ends = prompt_lengths + response_lengths
+        positions = torch.arange(seq_len)
+        attention_mask = positions < ends[:, None]
+        response_mask = (attention_mask & (positions >= prompt_lengths[:, None])).to(torch.float32)
+        # One scatter per field instead of one slice per sample: rows and columns of every token.
+        flat_tokens = torch.cat([t for s in samples for t in (s.prompt_ids, s.response_ids)])
+        tokens = torch.full((len(samples), seq_len), pad, dtype=torch.int64)
+        tokens[attention_mask] = flat_tokens
+        rollout_logprobs = torch.zeros((len(samples), seq_len), dtype=torch.float32)
+        rollout_logprobs[response_mask.bool()] = torch.cat([s.rollout_logprobs for s in samples]).to(torch.float32)
         rewards = torch.tensor(
             [math.nan if s.reward is None else float(s.reward) for s in samples], dtype=torch.float32
         )
