@@ -158,9 +158,12 @@ def _split(mapping: TensorMapping, tensor: torch.Tensor, cfg: MoEModelConfig) ->
     return (tensor,)
 
 
-def _megatron_shape(mapping: TensorMapping, cfg: MoEModelConfig) -> tuple[int, ...]:
-    parts = [torch.empty(s, device="meta") for s in mapping.hf_shapes]
-    return tuple(_merge(mapping, parts, cfg).shape)
+def _megatron_shape(mapping: TensorMapping) -> tuple[int, ...]:
+    """The shape `_merge` gives: fused QKV and fc1 stack their parts' rows, the rest are 1:1."""
+    first = tuple(mapping.hf_shapes[0])
+    if mapping.kind in (_QKV, _FC1):
+        return (sum(shape[0] for shape in mapping.hf_shapes), *first[1:])
+    return first
 
 
 def _check_names(found: Iterable[str], expected: Iterable[str], what: str, cfg: MoEModelConfig) -> None:
@@ -218,7 +221,7 @@ def megatron_tensor_to_hf(
     mapping: TensorMapping, tensor: torch.Tensor, cfg: MoEModelConfig
 ) -> dict[str, torch.Tensor]:
     """One global Megatron tensor -> its HF tensors by on-disk name (shape checked)."""
-    _check_shape(mapping.megatron, tensor.shape, _megatron_shape(mapping, cfg))
+    _check_shape(mapping.megatron, tensor.shape, _megatron_shape(mapping))
     return {name: part.contiguous() for name, part in zip(mapping.hf, _split(mapping, tensor, cfg))}
 
 

@@ -256,3 +256,13 @@ def test_check_command(world_of_one, tmp_path, capsys):
     assert main(["--hf", str(path), "--check", "--length", "24"]) == 0
     out = capsys.readouterr().out
     assert "max=" in out and "OK" in out
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_megatron_shapes_are_what_merging_the_hf_parts_gives(variant):
+    from megatron_gspo.model.convert import _megatron_shape, _merge
+
+    cfg = VARIANTS[variant]
+    for mapping in name_table(cfg):
+        parts = [torch.empty(shape, device="meta") for shape in mapping.hf_shapes]
+        assert _megatron_shape(mapping) == tuple(_merge(mapping, parts, cfg).shape), mapping.megatron
