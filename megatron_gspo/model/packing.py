@@ -320,13 +320,13 @@ def unpack(values: torch.Tensor, packed: PackedBatch, *, shift: bool = True) -> 
     """
     R, L = packed.tokens.shape
     T = packed.max_len
-    src, dst = [], []
-    for b, (row, start, n) in enumerate(packed.segments):
-        count = n - 1 if shift else n
-        src.append(torch.arange(count) + row * L + start)
-        dst.append(torch.arange(count) + b * T + int(shift))
-    src_index = torch.cat(src).to(values.device)
-    dst_index = torch.cat(dst).to(values.device)
+    rows, starts, lengths = torch.tensor(packed.segments, dtype=torch.int64).unbind(1)
+    counts = lengths - 1 if shift else lengths
+    first = torch.cumsum(counts, 0) - counts  # where each sample's values begin in the flat list
+    within = torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)
+    src_index = (torch.repeat_interleave(rows * L + starts, counts) + within).to(values.device)
+    samples = torch.arange(len(packed.segments))
+    dst_index = (torch.repeat_interleave(samples * T + int(shift), counts) + within).to(values.device)
     out = values.new_zeros(packed.num_samples * T)
     out = out.index_copy(0, dst_index, values.reshape(-1).index_select(0, src_index))
     return out.view(packed.num_samples, T)
