@@ -7,15 +7,15 @@ torch function mode rewrites those device arguments to CPU and reports CPU float
 with their CUDA type names; it only touches calls that name a CUDA device.
 
 The mode is entered only where those calls live: the methods of megatron's optimizer classes
-(construction, grad checks, grad norm and clipping, state dicts), the `clip_grads` functions,
-`dist_checkpointing.save` / `load`, the default attention masks and
-`LanguageModule.setup_embeddings_and_output_layer` (with tied embeddings under pipeline
-parallelism it moves the last stage's copy of the embedding to `.cuda()` before syncing it with
-the first stage's). `step` / `step_with_ready_grads` run the torch optimizer's per-parameter
-math and call the others, so they run outside it: a mode intercepts every torch call made under
-it, and held for the whole process it cost about a fifth of a tiny model's RL step. Other
-CUDA-only spots on megatron-core's CPU paths have their own patches (`cuda_device`,
-`cuda_streams`, `rng_tracker`, `schedule_token_counter`).
+(construction, state dicts), the `clip_grads` functions, `dist_checkpointing.save` / `load`,
+the default attention masks and `LanguageModule.setup_embeddings_and_output_layer` (with tied
+embeddings under pipeline parallelism it moves the last stage's copy of the embedding to
+`.cuda()` before syncing it with the first stage's). The optimizer methods every step runs
+(`step`, grad preparation and zeroing, grad norm, clipping) stay outside it and reach CUDA only
+through the clip_grads functions, which enter it: a mode intercepts every torch call made under
+it (about 1 us each), and held for the whole process it cost about a fifth of a tiny model's
+RL step. Other CUDA-only spots on megatron-core's CPU paths have their own patches
+(`cuda_device`, `cuda_streams`, `rng_tracker`, `schedule_token_counter`).
 """
 
 import functools
@@ -52,7 +52,19 @@ class CudaToCpuMode(torch.overrides.TorchFunctionMode):
 
 
 _ACTIVE = threading.local()
-_UNWRAPPED = ("step", "step_with_ready_grads")
+# Methods that run every optimizer step and allocate nothing on CUDA themselves: `step` and
+# `step_with_ready_grads` run Adam's per-parameter math; the grad-norm, clipping and zero-count
+# methods reach CUDA only through the clip_grads functions, which enter the mode on their own.
+_UNWRAPPED = (
+    "step",
+    "step_with_ready_grads",
+    "prepare_grads",
+    "zero_grad",
+    "get_main_grads_for_grad_norm",
+    "get_grad_norm",
+    "clip_grad_norm",
+    "count_zeros",
+)
 _CLIP_GRADS_FUNCTIONS = ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32")
 _MASK_FUNCTIONS = ("get_default_causal_mask", "get_sliding_window_causal_mask")
 
