@@ -442,9 +442,12 @@ class SGLangClient:
             body["load_format"] = load_format
         return self._maybe_background(blocking, "/update_weights_from_distributed", [body] * len(self.urls))
 
-    def begin_weight_update(self) -> list[dict[str, Any]]:
-        """Open a weight-update session on every server (updates are loaded within it)."""
-        return self._broadcast("/begin_weight_update", {}, retry=False)
+    def begin_weight_update(self, *, blocking: bool = True) -> list[dict[str, Any]] | cf.Future:
+        """Open a weight-update session on every server (updates are loaded within it).
+
+        ``blocking=False`` returns a future: the sender packs its first bucket meanwhile.
+        """
+        return self._maybe_background(blocking, "/begin_weight_update", [{}] * len(self.urls))
 
     def end_weight_update(self, *, abort: bool = False) -> list[dict[str, Any]]:
         """Close every server's session (the embedded server applies its staged tensors here).

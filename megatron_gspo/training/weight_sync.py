@@ -22,6 +22,7 @@ as `WeightSyncFailed`, naming the server and the bucket.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import socket
 import time
@@ -133,11 +134,14 @@ class WeightSync:
         send = self._send_distributed if self.cfg.method == "distributed" else self._send_tensors
 
         def in_session(stream) -> SyncStats:
-            _step("begin_weight_update", client.begin_weight_update)
+            opening = client.begin_weight_update(blocking=False)  # answered while bucket 0 is packed
+            opened = functools.cache(lambda: _step("begin_weight_update", opening.result))
             try:
-                stats = send(client, stream, version)
+                stats = send(client, _after_first(self._buckets(stream), opened), version)
+                opened()  # an empty stream never asked
             except BaseException:
                 with contextlib.suppress(Exception):  # the embedded server discards what it staged
+                    opening.result()  # a session ends only after its begin was answered
                     client.end_weight_update(abort=True)
                 raise
             _step("end_weight_update", client.end_weight_update)
@@ -162,9 +166,9 @@ class WeightSync:
     def _buckets(self, stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[Bucket]:
         return iter_buckets(stream, int(self.cfg.bucket_mb * 2**20))
 
-    def _send_tensors(self, client: SGLangClient, stream, version: int) -> SyncStats:
+    def _send_tensors(self, client: SGLangClient, buckets: Iterator[Bucket], version: int) -> SyncStats:
         stats = SyncStats()
-        for bucket in self._buckets(stream):
+        for bucket in buckets:
             payload = serialize_named_tensors(list(zip(bucket.names, bucket.tensors)))
             _at_bucket(
                 bucket,
@@ -178,7 +182,7 @@ class WeightSync:
             stats.add(bucket)
         return stats
 
-    def _send_distributed(self, client: SGLangClient, stream, version: int) -> SyncStats:
+    def _send_distributed(self, client: SGLangClient, buckets: Iterator[Bucket], version: int) -> SyncStats:
         """Send bucket by bucket; each is answered before the next request goes out.
 
         So a refused bucket is known before any server enters another receive: no server is
@@ -188,7 +192,7 @@ class WeightSync:
         stats = SyncStats()
         device = torch.device("cpu") if self._backend() == "gloo" else compute_device()
         in_flight = None
-        for bucket in self._buckets(stream):
+        for bucket in buckets:
             flat = bucket.flatten(device)
             if in_flight is not None:
                 stats.add(self._finish(*in_flight))
@@ -299,6 +303,14 @@ def _wait_both(work, answers, timeout_s: float) -> None:
         time.sleep(0.001)
     work.wait()
     answers.result(timeout=timeout_s)
+
+
+def _after_first(buckets: Iterator[Bucket], wait) -> Iterator[Bucket]:
+    """`buckets`, calling `wait()` once the first is packed and before it is handed on."""
+    for i, bucket in enumerate(buckets):
+        if i == 0:
+            wait()
+        yield bucket
 
 
 def _step(what: str, call) -> None:
