@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 import math
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -158,7 +158,7 @@ def parse_generate(body: Any, tokenizer) -> ParsedGenerate:
     rids = row_field("rid", lambda v, name: None if v is None else check_str(v, name))
     routed_start = body.get("routed_experts_start_len")
     routed_start = 0 if routed_start is None else check_int(routed_start, "routed_experts_start_len")
-    sampling = row_field("sampling_params", lambda v, name: _sampling_options({} if v is None else v, name))
+    sampling = row_field("sampling_params", _sampling_parser())
     api = contract.load()
     if api is not None:
         api.GenerateRequest.from_json_value(body)  # SGLang's own 400 for anything not checked above
@@ -225,6 +225,44 @@ def _check_token_ids(row: Any, name: str) -> None:
         return  # the common case, without a Python-level check per token
     for j, token in enumerate(row):
         check_int(token, f"{name}[{j}]")
+
+
+def _sampling_parser():
+    """`_sampling_options` for the rows of one request, each distinct object checked once.
+
+    A batch's rows usually differ only in `sampling_seed`: a row equal to an earlier one in
+    every other key (same values of the same types) reuses its checked options with its own
+    seed, which is checked as `_sampling_options` checks it.
+    """
+    seen: dict[tuple, tuple[SamplingOptions, dict[str, Any]]] = {}
+
+    def parse(value: Any, name: str) -> tuple[SamplingOptions, dict[str, Any]]:
+        sp = {} if value is None else value
+        key = _reuse_key(sp)
+        if key not in seen:
+            parsed = _sampling_options(sp, name)
+            if key is not None:
+                seen[key] = parsed
+            return parsed
+        options, values = seen[key]
+        seed = sp.get("sampling_seed")
+        low, _ = _SAMPLING_INTS["sampling_seed"]
+        seed = None if seed is None else check_int(seed, f"{name}.sampling_seed", low)
+        return replace(options, sampling_seed=seed), {**values, "sampling_seed": seed}
+
+    return parse
+
+
+def _reuse_key(sp: Any) -> tuple | None:
+    """`sp` without its seed, as a hashable key with each value's type; None when not hashable."""
+    if not isinstance(sp, dict):
+        return None
+    key = tuple(sorted((k, type(v), v) for k, v in sp.items() if k != "sampling_seed"))
+    try:
+        hash(key)
+    except TypeError:  # a list or object value: checked row by row
+        return None
+    return key
 
 
 def _sampling_options(sp: Any, name: str) -> tuple[SamplingOptions, dict[str, bool]]:

@@ -130,7 +130,9 @@ class BatchScheduler:
             if self._closed:
                 return None
             deadline = time.monotonic() + self.batch_window_s
-            while len(self._queue) < self.max_batch_size and not self._closed and not self._whole_request_queued:
+            while (
+                len(self._queue) < self.max_batch_size and not self._closed and not self._whole_request_queued
+            ):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break

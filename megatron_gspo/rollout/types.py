@@ -269,7 +269,9 @@ class RolloutBatch:
         tokens = torch.full((len(samples), seq_len), pad, dtype=torch.int64)
         tokens[attention_mask] = flat_tokens
         rollout_logprobs = torch.zeros((len(samples), seq_len), dtype=torch.float32)
-        rollout_logprobs[response_mask.bool()] = torch.cat([s.rollout_logprobs for s in samples]).to(torch.float32)
+        rollout_logprobs[response_mask.bool()] = torch.cat([s.rollout_logprobs for s in samples]).to(
+            torch.float32
+        )
         rewards = torch.tensor(
             [math.nan if s.reward is None else float(s.reward) for s in samples], dtype=torch.float32
         )

@@ -217,7 +217,9 @@ def test_patch_is_still_needed(name, nproc, tp, ep, failure, site, single_proces
 
 
 def test_every_patch_has_a_still_needed_test():
-    assert {row[0] for row in STILL_NEEDED} == {name for name, patch in BY_NAME.items() if not patch.speed_only}
+    assert {row[0] for row in STILL_NEEDED} == {
+        name for name, patch in BY_NAME.items() if not patch.speed_only
+    }
 
 
 def test_foreach_multi_tensor_ops_equal_megatrons_fallbacks():

@@ -1,6 +1,7 @@
 """The embedded rollout server over HTTP, checked against an independent teacher-forced HF forward."""
 
 import base64
+import re
 import threading
 
 import httpx
@@ -338,6 +339,25 @@ def test_unknown_sampling_key_refused_with_and_without_the_wheel(monkeypatch):
         server_protocol.parse_generate(body, None)
     ok = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "temperature": 0.5}}
     assert server_protocol.parse_generate(ok, None).rows[0].sampling.temperature == 0.5
+
+
+def test_batch_rows_sharing_sampling_params_are_each_checked_with_their_own_seed():
+    """Rows equal but for the seed share one check; one differing only in a value's type is checked alone."""
+    from megatron_gspo.rollout import server_protocol
+
+    params = [{"max_new_tokens": 3, "temperature": 1, "sampling_seed": seed} for seed in (7, None, 9)]
+    body = {"input_ids": [[1, 2]] * 3, "sampling_params": params}
+    rows = server_protocol.parse_generate(body, None).rows
+    assert [row.sampling.sampling_seed for row in rows] == [7, None, 9]
+    assert {(row.sampling.temperature, row.sampling.max_new_tokens) for row in rows} == {(1.0, 3)}
+    for row, value, field in [
+        (1, {"max_new_tokens": 3, "temperature": 1, "sampling_seed": -1}, "sampling_params[1].sampling_seed"),
+        (2, {"max_new_tokens": 3, "temperature": True, "sampling_seed": 1}, "sampling_params[2].temperature"),
+    ]:
+        bad = [dict(params[0]), dict(params[0]), dict(params[0])]
+        bad[row] = value
+        with pytest.raises(server_protocol.RequestError, match=re.escape(field)):
+            server_protocol.parse_generate({"input_ids": [[1, 2]] * 3, "sampling_params": bad}, None)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

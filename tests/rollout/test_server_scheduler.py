@@ -49,7 +49,10 @@ def test_single_row_requests_are_gathered_within_the_window():
     scheduler = BatchScheduler(engine, batch_window_s=0.5)
     try:
         futures = []
-        threads = [threading.Thread(target=lambda i=i: futures.append(scheduler.submit(f"r{i}", i))) for i in range(4)]
+        threads = [
+            threading.Thread(target=lambda i=i: futures.append(scheduler.submit(f"r{i}", i)))
+            for i in range(4)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
