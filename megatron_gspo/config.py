@@ -99,9 +99,8 @@ class RolloutConfig:
     batch_timeout_s. Keep it above a healthy batch's time (the 30B/235B configs raise it)."""
     server_start_timeout_s: float = 180.0
     """How long to wait for the embedded server (or the given URLs) to become healthy."""
-    server_threads: int | None = None
-    """torch threads of the embedded server; None: as many as the trainer's (the two take turns,
-    the trainer waits while the server generates and the server idles while the trainer trains)."""
+    server_threads: int = 1
+    """torch threads of the embedded server."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """The embedded server's model dtype (its --dtype; log-probs then come from bf16 logits, as
     SGLang's). SGLang servers in `server_urls` run with their own --dtype."""

@@ -71,7 +71,7 @@ def check_rollout(rollout: Any) -> None:
     for name in ("request_timeout_s", "batch_timeout_s", "server_start_timeout_s"):
         if getattr(rollout, name) <= 0:
             raise ValueCheckError(f"rollout.{name} must be > 0 seconds, got {getattr(rollout, name)}")
-    if rollout.server_threads is not None and rollout.server_threads < 1:
+    if rollout.server_threads < 1:
         raise ValueCheckError(f"rollout.server_threads must be >= 1, got {rollout.server_threads}")
     if rollout.server_urls and rollout.dtype != "fp32":
         raise ValueCheckError(

@@ -15,7 +15,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from megatron_gspo.config import RolloutConfig
 from megatron_gspo.rollout import (
@@ -171,7 +170,7 @@ def rollout_servers(
                 launch_embedded_server(
                     model_dir,
                     extra_args=(*args, "--dtype", SERVER_DTYPES[cfg.dtype]),
-                    num_threads=cfg.server_threads or torch.get_num_threads(),
+                    num_threads=cfg.server_threads,
                     timeout=cfg.server_start_timeout_s,
                 )
             )
