@@ -179,7 +179,16 @@ def non_finite(name: str, tensor: torch.Tensor) -> str | None:
 
 
 def check_finite(named_tensors: Mapping[str, torch.Tensor], where: str) -> None:
-    """Raise ValueError naming the first tensor of `named_tensors` that holds NaN or inf."""
+    """Raise ValueError naming the first tensor of `named_tensors` that holds NaN or inf.
+
+    One flag per tensor, read back once per device (a read per tensor cost more than the
+    reductions on a weight sync's ~70 small tensors); tensors are named only when one is bad.
+    """
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in named_tensors.values():
+        flags.setdefault(tensor.device, []).append(finite_flag(tensor))
+    if all(bool(torch.stack(device_flags).all()) for device_flags in flags.values()):
+        return
     for name, tensor in named_tensors.items():
         problem = non_finite(name, tensor)
         if problem is not None:
