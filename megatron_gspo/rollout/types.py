@@ -263,15 +263,15 @@ class RolloutBatch:
         ends = prompt_lengths + response_lengths
         positions = torch.arange(seq_len)
         attention_mask = positions < ends[:, None]
-        response_mask = (attention_mask & (positions >= prompt_lengths[:, None])).to(torch.float32)
+        in_response = attention_mask & (positions >= prompt_lengths[:, None])
         # One scatter per field instead of one slice per sample: rows and columns of every token.
         flat_tokens = torch.cat([t for s in samples for t in (s.prompt_ids, s.response_ids)])
         tokens = torch.full((len(samples), seq_len), pad, dtype=torch.int64)
-        tokens[attention_mask] = flat_tokens
+        tokens[attention_mask] = flat_tokens.to(torch.int64)
+        flat_logprobs = torch.cat([s.rollout_logprobs for s in samples])
         rollout_logprobs = torch.zeros((len(samples), seq_len), dtype=torch.float32)
-        rollout_logprobs[response_mask.bool()] = torch.cat([s.rollout_logprobs for s in samples]).to(
-            torch.float32
-        )
+        rollout_logprobs[in_response] = flat_logprobs.to(torch.float32)
+        response_mask = in_response.to(torch.float32)
         rewards = torch.tensor(
             [math.nan if s.reward is None else float(s.reward) for s in samples], dtype=torch.float32
         )

@@ -43,6 +43,16 @@ def two_groups():
     ]
 
 
+def test_samples_with_int32_ids_pad_like_int64_ones():
+    as_int32 = [
+        RolloutSample(**{**vars(s), "prompt_ids": s.prompt_ids.int(), "response_ids": s.response_ids.int()})
+        for s in two_groups()
+    ]
+    expected = RolloutBatch.from_samples(two_groups(), group_size=2, pad_token_id=0)
+    batch = RolloutBatch.from_samples(as_int32, group_size=2, pad_token_id=0)
+    assert batch.tokens.dtype == torch.int64 and torch.equal(batch.tokens, expected.tokens)
+
+
 def test_padding_masks_and_alignment_match_hand_written_tensors():
     batch = RolloutBatch.from_samples(two_groups(), group_size=2, pad_token_id=0)
     assert batch.batch_size == 4 and batch.num_groups == 2 and batch.group_size == 2
