@@ -178,21 +178,27 @@ def non_finite(name: str, tensor: torch.Tensor) -> str | None:
     return f"tensor {name} has {count} non-finite value(s) (NaN/inf) among {tensor.numel()}"
 
 
-def check_finite(named_tensors: Mapping[str, torch.Tensor], where: str) -> None:
-    """Raise ValueError naming the first tensor of `named_tensors` that holds NaN or inf.
+def first_non_finite(named_tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """The name of the first tensor of `named_tensors` that holds NaN or inf, else None.
 
-    One flag per tensor, read back once per device (a read per tensor cost more than the
-    reductions on a weight sync's ~70 small tensors); tensors are named only when one is bad.
+    One flag per tensor, computed where it lives and read back once per device (a read per
+    tensor cost more than the reductions on a weight sync's ~70 small tensors).
     """
-    flags: dict[torch.device, list[torch.Tensor]] = {}
-    for tensor in named_tensors.values():
-        flags.setdefault(tensor.device, []).append(finite_flag(tensor))
-    if all(bool(torch.stack(device_flags).all()) for device_flags in flags.values()):
-        return
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in named_tensors.items():
-        problem = non_finite(name, tensor)
-        if problem is not None:
-            raise ValueError(f"{where}: {problem}")
+        by_device.setdefault(tensor.device, []).append((name, finite_flag(tensor)))
+    bad = set()
+    for entries in by_device.values():
+        finite = torch.stack([flag for _, flag in entries]).cpu().tolist()
+        bad.update(name for (name, _), ok in zip(entries, finite) if not ok)
+    return next((name for name in named_tensors if name in bad), None)
+
+
+def check_finite(named_tensors: Mapping[str, torch.Tensor], where: str) -> None:
+    """Raise ValueError naming the first tensor of `named_tensors` that holds NaN or inf."""
+    name = first_non_finite(named_tensors)
+    if name is not None:
+        raise ValueError(f"{where}: {non_finite(name, named_tensors[name])}")
 
 
 def _shard_files(ckpt_dir: Path) -> list[Path]:
