@@ -135,7 +135,7 @@ class WeightSync:
 
         def in_session(stream) -> SyncStats:
             opening = client.begin_weight_update(blocking=False)  # answered while bucket 0 is packed
-            opened = functools.cache(lambda: _step("begin_weight_update", opening.result))
+            opened = functools.partial(_step, "begin_weight_update", opening.result)  # repeatable
             try:
                 stats = send(client, _after_first(self._buckets(stream), opened), version)
                 opened()  # an empty stream never asked
