@@ -24,6 +24,7 @@ from . import (
     distributed_optimizer_step,
     foreach_multi_tensor,
     gloo_uneven_collectives,
+    grouped_local_experts,
     rng_tracker,
     schedule_token_counter,
     te_general_gemm,
@@ -51,6 +52,7 @@ PATCHES: tuple[Patch, ...] = tuple(
         distributed_optimizer_reshardable_load,
         dist_checkpoint_results_queue,
         foreach_multi_tensor,
+        grouped_local_experts,
     )
 )
 

@@ -261,3 +261,60 @@ def test_foreach_multi_tensor_is_what_megatron_calls_without_apex_or_te():
     assert clip_grads.l2_norm_impl is foreach_l2_norm
     assert clip_grads.multi_tensor_scale_impl is foreach_scale
     assert optimizer.multi_tensor_scale_impl is foreach_scale
+
+
+@pytest.fixture
+def tiny_experts():
+    """Layer 0's SequentialMLP (8 experts, H=64, F=32) of a freshly built tiny model."""
+    from megatron_gspo.model.builder import build_model
+    from megatron_gspo.model.config import tiny
+    from megatron_gspo.model.distributed import ParallelConfig, init_distributed
+
+    init_distributed(ParallelConfig(), seed=3)
+    model = build_model(tiny(vocab_size=32, init_std=0.2), ParallelConfig())
+    return model.decoder.layers[0].mlp.experts
+
+
+def _expert_pass(experts, forward, hidden, tokens_per_expert, probs):
+    """Output and the gradients of the input, the probabilities and every expert weight."""
+    hidden, probs = hidden.clone().requires_grad_(), probs.clone().requires_grad_()
+    for param in experts.parameters():
+        param.grad = None
+    output, bias = forward(experts, hidden, tokens_per_expert, probs)
+    output.backward(torch.linspace(-1.0, 1.0, output.numel()).reshape(output.shape).to(output.dtype))
+    return [output, hidden.grad, probs.grad, *(p.grad for p in experts.parameters())], bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_local_experts_equal_megatrons_loop_bit_for_bit(tiny_experts, dtype):
+    from megatron_gspo.patches import grouped_local_experts as grouped
+
+    apply_patches()
+    experts = tiny_experts.to(dtype)
+    assert grouped.groupable(experts)
+    generator = torch.Generator().manual_seed(1)
+    counts = torch.tensor([5, 0, 17, 3, 0, 9, 1, 12])  # empty experts included
+    hidden = torch.randn(int(counts.sum()), 64, generator=generator).to(dtype)
+    probs = torch.rand(int(counts.sum()), generator=generator)
+    ours, bias = _expert_pass(experts, grouped.grouped_forward, hidden, counts, probs)
+    loop, loop_bias = _expert_pass(experts, grouped._ORIGINAL["forward"], hidden, counts, probs)
+    assert bias is None and loop_bias is None
+    assert len(ours) == 3 + 2 * 8
+    for a, b in zip(ours, loop):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@needs_cpu
+def test_grouped_local_experts_replace_the_loop_only_where_they_match_it(tiny_experts):
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_gspo.patches import grouped_local_experts as grouped
+
+    apply_patches()
+    assert SequentialMLP.forward is grouped.patched_forward
+    hidden = torch.randn(6, 64)
+    assert grouped._aligned(tiny_experts, hidden)
+    assert not grouped._aligned(tiny_experts, hidden[:, :60].contiguous().T.contiguous().T)  # strided rows
+    assert grouped.groupable(tiny_experts)
+    tiny_experts.config.add_bias_linear = True  # a fresh model's config
+    assert not grouped.groupable(tiny_experts)
