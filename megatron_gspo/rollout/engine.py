@@ -283,15 +283,16 @@ class GenerationEngine:
         decode_routing: list[torch.Tensor] = []  # per step [B, L, k]
         while True:
             tokens, lps = self._sample(next_logits, items, generators)
+            step_tokens, step_lps = tokens.tolist(), lps.tolist()  # one read per step, not two per row
             for b, it in enumerate(items):
                 if finish[b] is not None:
                     continue
                 if it.abort.is_set():
                     finish[b] = {"type": "abort", "message": "Abort before decoding this token."}
                     continue
-                tok = int(tokens[b])
+                tok = step_tokens[b]
                 outputs[b].append(tok)
-                out_lps[b].append(float(lps[b]))
+                out_lps[b].append(step_lps[b])
                 finish[b] = self._finish_reason(it.sampling, tok, len(outputs[b]))
             if all(f is not None for f in finish):
                 break
