@@ -30,6 +30,7 @@ sys.path.insert(0, str(HERE))  # the bench_* modules sit next to this file
 # Each benchmark module exposes `measure(quick: bool) -> dict`.
 BENCHES = {
     "train_step": "bench_train_step",
+    "moe_experts": "bench_moe_experts",
     "logprobs": "bench_logprobs",
     "micro_batching": "bench_micro_batching",
     "server_throughput": "bench_server_throughput",
@@ -76,6 +77,12 @@ ROWS = [
         "{grpo_r2_ms:.1f} ms vs {grpo_ms:.1f} ms; " + MINIS + STEP),
     Row("GRPO+R2 step / GRPO step, with the recording pass", "train_step", "r2_record_vs_grpo", None, None,
         "{grpo_r2_record_ms:.1f} ms vs {grpo_again_ms:.1f} ms; " + MINIS + STEP),
+    Row("local experts forward+backward: grouped_local_experts / megatron's loop, demo layer",
+        "moe_experts", "demo_grouped_vs_loop", None, None,
+        "{demo_grouped_ms:.2f} ms vs {demo_loop_ms:.2f} ms; 8 experts top-2, {tokens:.0f} tokens"),
+    Row("local experts forward+backward: grouped_local_experts / megatron's loop, drift layer",
+        "moe_experts", "drift_grouped_vs_loop", None, None,
+        "{drift_grouped_ms:.2f} ms vs {drift_loop_ms:.2f} ms; 32 experts top-4"),
     Row("log-prob peak extra memory / logits size, fp32 (forward)", "logprobs", "ours_fp32_forward",
         "<=", 0.25, "naive: {naive_fp32_forward:.2f}; logits [{seq:.0f}, {batch:.0f}, {vocab:.0f}]"),
     Row("log-prob peak extra memory / logits size, bf16 (forward)", "logprobs", "ours_bf16_forward",

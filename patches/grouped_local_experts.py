@@ -70,7 +70,10 @@ def grouped_forward(experts, hidden: torch.Tensor, tokens_per_expert: torch.Tens
     else:
         intermediate = experts.local_experts[0].activation_func(intermediate)
     intermediate = (intermediate * probs.unsqueeze(-1)).to(intermediate.dtype)
-    return torch._grouped_mm(intermediate, fc2.transpose(1, 2), offs=offsets), None
+    output = torch._grouped_mm(intermediate, fc2.transpose(1, 2), offs=offsets)
+    if output.requires_grad:  # _grouped_mm's backward refuses an expanded (stride-0) gradient
+        output.register_hook(torch.Tensor.contiguous)
+    return output, None
 
 
 def _aligned(experts, hidden: torch.Tensor) -> bool:

@@ -275,18 +275,22 @@ def tiny_experts():
     return model.decoder.layers[0].mlp.experts
 
 
-def _expert_pass(experts, forward, hidden, tokens_per_expert, probs):
+def _expert_pass(experts, forward, hidden, tokens_per_expert, probs, *, expanded_grad=False):
     """Output and the gradients of the input, the probabilities and every expert weight."""
     hidden, probs = hidden.clone().requires_grad_(), probs.clone().requires_grad_()
     for param in experts.parameters():
         param.grad = None
     output, bias = forward(experts, hidden, tokens_per_expert, probs)
-    output.backward(torch.linspace(-1.0, 1.0, output.numel()).reshape(output.shape).to(output.dtype))
+    if expanded_grad:  # sum's backward hands over a stride-0 gradient
+        output.sum().backward()
+    else:
+        output.backward(torch.linspace(-1.0, 1.0, output.numel()).reshape(output.shape).to(output.dtype))
     return [output, hidden.grad, probs.grad, *(p.grad for p in experts.parameters())], bias
 
 
+@pytest.mark.parametrize("expanded_grad", [False, True], ids=["grad", "expanded-grad"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_local_experts_equal_megatrons_loop_bit_for_bit(tiny_experts, dtype):
+def test_grouped_local_experts_equal_megatrons_loop_bit_for_bit(tiny_experts, dtype, expanded_grad):
     from megatron_gspo.patches import grouped_local_experts as grouped
 
     apply_patches()
@@ -296,8 +300,12 @@ def test_grouped_local_experts_equal_megatrons_loop_bit_for_bit(tiny_experts, dt
     counts = torch.tensor([5, 0, 17, 3, 0, 9, 1, 12])  # empty experts included
     hidden = torch.randn(int(counts.sum()), 64, generator=generator).to(dtype)
     probs = torch.rand(int(counts.sum()), generator=generator)
-    ours, bias = _expert_pass(experts, grouped.grouped_forward, hidden, counts, probs)
-    loop, loop_bias = _expert_pass(experts, grouped._ORIGINAL["forward"], hidden, counts, probs)
+    ours, bias = _expert_pass(
+        experts, grouped.grouped_forward, hidden, counts, probs, expanded_grad=expanded_grad
+    )
+    loop, loop_bias = _expert_pass(
+        experts, grouped._ORIGINAL["forward"], hidden, counts, probs, expanded_grad=expanded_grad
+    )
     assert bias is None and loop_bias is None
     assert len(ours) == 3 + 2 * 8
     for a, b in zip(ours, loop):
