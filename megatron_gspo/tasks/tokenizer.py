@@ -62,11 +62,10 @@ def encode_strict(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
 def is_char_tokenizer(tokenizer) -> bool:
     """Whether `tokenizer` is (a saved copy of) the one `build_char_tokenizer` makes."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    return (
-        backend is not None
-        and type(backend.model).__name__ == "WordLevel"
-        and all(token in tokenizer.get_vocab() for token in SPECIAL_TOKENS)
-    )
+    if backend is None or type(backend.model).__name__ != "WordLevel":
+        return False
+    vocab = tokenizer.get_vocab()  # a new dict per call: read it once, not once per special token
+    return all(token in vocab for token in SPECIAL_TOKENS)
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
