@@ -39,7 +39,9 @@ def measure(quick: bool = False) -> dict[str, float]:
     from megatron_gspo.patches import grouped_local_experts as grouped
 
     repeats, calls = (3, 5) if quick else (15, 50)
-    init_distributed(ParallelConfig(), seed=0)
+    init_distributed(ParallelConfig(), seed=0)  # applies the patches
+    if "forward" not in grouped._ORIGINAL:
+        raise RuntimeError("grouped_local_experts is not applied in this process (it applies on CPU only)")
     out: dict[str, float] = {"tokens": float(TOKENS)}
     try:
         for name, shape in SHAPES.items():
