@@ -27,6 +27,7 @@ from . import (
     grouped_local_experts,
     rng_tracker,
     schedule_token_counter,
+    single_rank_all_reduce,
     te_general_gemm,
     torch_norm_sequence_parallel,
 )
@@ -53,6 +54,7 @@ PATCHES: tuple[Patch, ...] = tuple(
         dist_checkpoint_results_queue,
         foreach_multi_tensor,
         grouped_local_experts,
+        single_rank_all_reduce,
     )
 )
 

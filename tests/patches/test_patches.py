@@ -326,3 +326,42 @@ def test_grouped_local_experts_replace_the_loop_only_where_they_match_it(tiny_ex
     assert grouped.groupable(tiny_experts)
     tiny_experts.config.add_bias_linear = True  # a fresh model's config
     assert not grouped.groupable(tiny_experts)
+
+
+@needs_cpu
+def test_single_rank_all_reduce_skips_gloo_only_for_blocking_calls_outside_coalescing(monkeypatch):
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from megatron_gspo.model.distributed import ParallelConfig, init_distributed
+    from megatron_gspo.patches import single_rank_all_reduce as single_rank
+
+    init_distributed(ParallelConfig(), seed=0)  # a world of one, every patch applied
+    assert dist.all_reduce.__single_rank__
+    reached_gloo, upstream = [], dist.all_reduce.__wrapped__
+
+    def gloo_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        reached_gloo.append(op)
+        return upstream(tensor, op=op, group=group, async_op=async_op)
+
+    monkeypatch.setattr(dist, "all_reduce", single_rank._wrap(gloo_all_reduce))
+    values = torch.tensor([1.5, -2.0, 7.25])
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN):
+        tensor = values.clone()
+        assert dist.all_reduce(tensor, op=op) is None
+        assert torch.equal(tensor, values)
+    logits = torch.randn(3, 2, 11, generator=torch.Generator().manual_seed(0))
+    target = torch.randint(0, 11, (3, 2))
+    expected = torch.nn.functional.cross_entropy(logits.view(-1, 11), target.view(-1), reduction="none")
+    loss = vocab_parallel_cross_entropy(logits.clone(), target)  # megatron's three TP all-reduces
+    assert torch.allclose(loss.view(-1), expected, atol=1e-6)
+    assert reached_gloo == []
+
+    tensor = values.clone()
+    dist.all_reduce(tensor, async_op=True).wait()  # the caller waits on gloo's work
+    assert len(reached_gloo) == 1
+    for async_ops in (False, True):  # megatron DDP's grad reduction: a manager left with nothing to issue
+        with dist.distributed_c10d._coalescing_manager(dist.group.WORLD, async_ops=async_ops) as manager:
+            dist.all_reduce(tensor)
+        manager.wait()
+    assert torch.equal(tensor, values) and len(reached_gloo) == 1
