@@ -258,11 +258,9 @@ class GenerationEngine:
         bsz = len(items)
         lens = [len(it.input_ids) for it in items]
         width = max(lens)
-        ids = torch.full((bsz, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((bsz, width), dtype=torch.long)
-        for b, it in enumerate(items):
-            ids[b, width - lens[b] :] = torch.tensor(it.input_ids)
-            mask[b, width - lens[b] :] = 1
+        pad = [width - n for n in lens]  # left padding
+        ids = torch.tensor([[self.pad_token_id] * p + it.input_ids for p, it in zip(pad, items)])
+        mask = torch.tensor([[0] * p + [1] * n for p, n in zip(pad, lens)])
         generators = [self._generator(it.sampling) for it in items]
         cache = DynamicCache(config=self.model.config)
 
@@ -270,7 +268,8 @@ class GenerationEngine:
         logits, routing = self._forward(ids, mask, cache)
         prefill_routing = routing  # [B, L, width, k]
         input_logprobs = [
-            self._input_logprobs(it, logits[b, width - lens[b] :]) for b, it in enumerate(items)
+            self._input_logprobs(it, logits[b, pad[b] :]) if it.logprob_start_len >= 0 else None
+            for b, it in enumerate(items)
         ]
         next_logits = logits[:, -1]
 
@@ -305,7 +304,7 @@ class GenerationEngine:
         for b, it in enumerate(items):
             routed = None
             if it.return_routed_experts:
-                prompt_rows = prefill_routing[b, :, width - lens[b] :].permute(1, 0, 2)  # [P, L, k]
+                prompt_rows = prefill_routing[b, :, pad[b] :].permute(1, 0, 2)  # [P, L, k]
                 steps = max(len(outputs[b]) - 1, 0)
                 rows = [prompt_rows] + [decode_routing[s][b].unsqueeze(0) for s in range(steps)]
                 seq_rows = torch.cat(rows, dim=0)[: lens[b] + len(outputs[b]) - 1]
@@ -367,8 +366,9 @@ class GenerationEngine:
         """Next token and its reported log-prob for each row; `logits` [B, V] fp32."""
         temps = torch.tensor([1.0 if it.sampling.greedy else it.sampling.temperature for it in items])
         scaled_lp = torch.log_softmax(logits / temps.unsqueeze(1), dim=-1)
-        raw_lp = scaled_lp if bool((temps == 1.0).all()) else torch.log_softmax(logits, dim=-1)
-        report_lp = raw_lp if self.return_original_logprob else scaled_lp
+        report_lp = scaled_lp
+        if self.return_original_logprob and not bool((temps == 1.0).all()):
+            report_lp = torch.log_softmax(logits, dim=-1)
         options = [it.sampling for it in items]
         greedy = torch.tensor([sp.greedy or sp.top_k == 1 for sp in options])
         tokens = torch.argmax(logits, dim=-1)
@@ -380,9 +380,9 @@ class GenerationEngine:
                 top_p=torch.tensor([options[b].top_p for b in sampled], dtype=logits.dtype),
                 min_p=torch.tensor([options[b].min_p for b in sampled], dtype=logits.dtype),
             )
-            noise = torch.stack(
-                [torch.empty_like(probs[0]).exponential_(generator=generators[b]) for b in sampled]
-            )
+            noise = torch.empty_like(probs)
+            for row, b in zip(noise, sampled):
+                row.exponential_(generator=generators[b])
             tokens[sampled] = torch.argmax(probs / noise, dim=-1)
         return tokens, report_lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
