@@ -79,8 +79,14 @@ class RolloutSample:
         return int(self.response_ids.numel())
 
 
-def sample_problem(sample: RolloutSample, name: str | int) -> RolloutValidationError | None:
-    """The first structural inconsistency of a sample, or None (cheap re-check at the batch boundary)."""
+def sample_problem(
+    sample: RolloutSample, name: str | int, *, check_logprobs: bool = True
+) -> RolloutValidationError | None:
+    """The first structural inconsistency of a sample, or None (cheap re-check at the batch boundary).
+
+    `check_logprobs=False` skips the value checks of `rollout_logprobs` (finite, <= 0), for
+    samples whose log-probs were checked together (`_logprobs_valid`).
+    """
     if sample.prompt_ids.ndim != 1 or sample.prompt_ids.numel() == 0:
         return EmptyResponseError(
             "prompt_ids",
@@ -100,9 +106,9 @@ def sample_problem(sample: RolloutSample, name: str | int) -> RolloutValidationE
             f"shape {tuple(logprobs.shape)} != {tuple(sample.response_ids.shape)} of response_ids",
             sample=name,
         )
-    if not torch.isfinite(logprobs).all():
+    if check_logprobs and not torch.isfinite(logprobs).all():
         return InvalidLogprobError("rollout_logprobs", "contains NaN or inf", sample=name)
-    if (logprobs > 0).any():
+    if check_logprobs and (logprobs > 0).any():
         return InvalidLogprobError(
             "rollout_logprobs", f"contains positive values (max {logprobs.max().item()})", sample=name
         )
@@ -226,8 +232,9 @@ class RolloutBatch:
         )  # fmt: skip
         stats["groups_in"] = len(groups)
         kept: list[RolloutSample] = []
+        check_logprobs = not _logprobs_valid(samples)  # one check for all; per sample only to name one
         for key, members in groups:
-            problem, reason = _group_problem(key, members, group_size, expected)
+            problem, reason = _group_problem(key, members, group_size, expected, check_logprobs)
             if problem is None:
                 kept.extend(members)
                 stats["groups_kept"] += 1
@@ -309,8 +316,21 @@ def _group(samples: Sequence[RolloutSample], group_size: int) -> list[tuple[int,
     return list(groups.items())
 
 
+def _logprobs_valid(samples: list[RolloutSample]) -> bool:
+    """Whether every sample's `rollout_logprobs` is a 1-D float tensor of finite values <= 0."""
+    logprobs = [s.rollout_logprobs for s in samples]
+    if not logprobs or not all(isinstance(lp, torch.Tensor) and lp.ndim == 1 for lp in logprobs):
+        return False
+    flat = torch.cat(logprobs)
+    return bool(flat.is_floating_point() and torch.isfinite(flat).all() and not (flat > 0).any())
+
+
 def _group_problem(
-    key: int, members: list[RolloutSample], group_size: int, expected: str | None
+    key: int,
+    members: list[RolloutSample],
+    group_size: int,
+    expected: str | None,
+    check_logprobs: bool = True,
 ) -> tuple[RolloutValidationError | None, str]:
     """The first reason a group must not be trained on, and its stats name."""
     if len(members) != group_size:
@@ -320,7 +340,8 @@ def _group_problem(
             sample=f"group {key}",
         ), "incomplete"
     for i, s in enumerate(members):
-        problem = sample_problem(s, s.rid if s.rid is not None else f"group {key}[{i}]")
+        name = s.rid if s.rid is not None else f"group {key}[{i}]"
+        problem = sample_problem(s, name, check_logprobs=check_logprobs)
         if problem is not None:
             return problem, "invalid"
     prompt = members[0].prompt_ids
