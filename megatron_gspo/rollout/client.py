@@ -514,6 +514,8 @@ class SGLangClient:
     ) -> list[dict[str, Any]]:
         """POST to every server at once (one body for all, or one per server); all answers or an error."""
         bodies = [body] * len(self.urls) if isinstance(body, Mapping) else list(body)
+        if len(self.urls) == 1:  # no thread to start for one server
+            return [self._control_call(self.urls[0], path, bodies[0], retry, expect_success)]
         with cf.ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="sglang-broadcast") as pool:
             futures = [
                 pool.submit(self._control_call, url, path, b, retry, expect_success)

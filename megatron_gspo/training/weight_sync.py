@@ -21,6 +21,7 @@ as `WeightSyncFailed`, naming the server and the bucket.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import functools
 import logging
@@ -293,16 +294,25 @@ def _at_bucket(bucket: Bucket, send) -> None:
 
 
 def _wait_both(work, answers, timeout_s: float) -> None:
-    """Wait for the broadcast and the servers' answers; a server that refused early ends the wait."""
+    """Wait for the servers' answers and the broadcast; a refusal or a failed broadcast ends the wait.
+
+    The servers answer once they have received and checked the bucket (or at once when they
+    refuse it), so the wait is on their answers, woken as soon as they come; the broadcast is
+    looked at between wake-ups, so a failed one is raised without waiting for the timeout.
+    """
     deadline = time.monotonic() + timeout_s
-    while not work.is_completed():
-        if answers.done() and answers.exception() is not None:
-            raise answers.exception()  # it will not receive: the group is unusable now
+    while not answers.done():
+        if work.is_completed():
+            work.wait()  # raises when the broadcast failed
         if time.monotonic() > deadline:
             raise TimeoutError(f"broadcast not received within weight_sync.timeout_s={timeout_s}")
-        time.sleep(0.001)
+        cf.wait([answers], timeout=0.01)
+    answers.result()  # a refusal: the group is unusable now
+    while not work.is_completed():  # answered, so received: the sender's side is finishing
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"broadcast not completed within weight_sync.timeout_s={timeout_s}")
+        time.sleep(0.0002)
     work.wait()
-    answers.result(timeout=timeout_s)
 
 
 def _after_first(buckets: Iterator[Bucket], wait) -> Iterator[Bucket]:
