@@ -1,9 +1,11 @@
 """Batched generation with an HF Qwen3-MoE: tokens, SGLang-style log-probs and routed experts.
 
 The model half of the embedded SGLang-protocol server (`rollout/server.py`). One call of
-`GenerationEngine.generate` runs a left-padded batch: one prefill forward over the prompts,
-then one single-token forward per decode step with a `DynamicCache` (KV cache), until every
-row has finished.
+`GenerationEngine.generate` runs a left-padded batch: one prefill forward over the distinct
+prompts (the rows of a group share their prompt's, as SGLang's prefix cache shares it; in
+fp32 a shared row's values equal a solo prefill's to ~1e-7, not bit for bit, since matmul
+kernels block by batch size), then one single-token forward per decode step with a
+`DynamicCache` (KV cache) expanded to every row, until every row has finished.
 
 Definitions follow SGLang 0.5.23 (`srt/layers/sampler.py`, `logprob_processor.py`):
 - output log-probs: `log_softmax(logits / temperature)` of the full vocabulary, before
@@ -264,8 +266,20 @@ class GenerationEngine:
         generators = [self._generator(it.sampling) for it in items]
         cache = DynamicCache(config=self.model.config)
 
-        # Prefill: all prompt positions at once.
-        logits, routing = self._forward(ids, mask, cache)
+        # Prefill: all prompt positions at once, once per distinct prompt (a group's rows share
+        # theirs, as SGLang reuses a cached prefix); the cache is then expanded to every row.
+        distinct: dict[tuple[int, ...], int] = {}
+        row_of = torch.tensor([distinct.setdefault(tuple(it.input_ids), b) for b, it in enumerate(items)])
+        if len(distinct) < bsz:
+            firsts = torch.tensor(list(distinct.values()))
+            logits, routing = self._forward(ids[firsts], mask[firsts], cache)
+            shared = torch.full((bsz,), -1, dtype=torch.long)
+            shared[firsts] = torch.arange(len(firsts))
+            index = shared[row_of]
+            cache.reorder_cache(index)
+            logits, routing = logits[index], routing[index]
+        else:
+            logits, routing = self._forward(ids, mask, cache)
         prefill_routing = routing  # [B, L, width, k]
         input_logprobs = [
             self._input_logprobs(it, logits[b, pad[b] :]) if it.logprob_start_len >= 0 else None

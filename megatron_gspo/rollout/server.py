@@ -8,7 +8,8 @@ What it implements, and how it differs from SGLang:
   a list of lists) requests, log-probs, routed experts; see `engine.py` for the exact
   log-prob and routing definitions. Concurrent requests are batched (`server_scheduler.py`).
   Not implemented (400 naming the field): streaming, stop strings, penalties, n > 1, top
-  log-probs, constrained decoding. No prefix cache (`cached_tokens` is always 0).
+  log-probs, constrained decoding. No prefix cache between requests (`cached_tokens` is always 0);
+  within one batch, rows with the same prompt share its prefill.
 - POST /update_weights_from_disk: really reloads safetensors from `model_path` (same
   architecture), all-or-nothing; /update_weights_from_tensor: base64 safetensors payload
   (`server_protocol.serialize_named_tensors`) instead of SGLang's CUDA-IPC pickle.

@@ -90,6 +90,39 @@ def test_seeded_rows_sample_the_same_alone_and_in_a_mixed_batch(ckpt):
         assert alone.output_logprobs == pytest.approx(out.output_logprobs, abs=1e-5)
 
 
+def test_rows_with_one_prompt_share_its_prefill_and_get_what_they_get_alone(ckpt):
+    engine = GenerationEngine(ckpt)
+    other = TOKENIZER.encode("12+9=")
+    prompts = [PROMPT, other, PROMPT, PROMPT, other, TOKENIZER.encode("5+5=")]
+    rows = [
+        GenerationInput(
+            prompt,
+            SamplingOptions(max_new_tokens=3, temperature=0.8, sampling_seed=100 + i, ignore_eos=True),
+            logprob_start_len=0,
+            return_routed_experts=True,
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+    prefills = []
+    forward = engine._forward
+
+    def recording(ids, mask, cache):
+        if ids.shape[1] > 1:
+            prefills.append(tuple(ids.shape))
+        return forward(ids, mask, cache)
+
+    engine._forward = recording
+    together = engine.generate(rows)
+    assert prefills == [(3, len(other))]  # three distinct prompts, left-padded to the longest
+    for row, out in zip(rows, together):
+        (alone,) = engine.generate([row])
+        assert out.output_ids == alone.output_ids
+        assert out.output_logprobs == pytest.approx(alone.output_logprobs, abs=1e-5)
+        assert out.input_logprobs[0] is None and alone.input_logprobs[0] is None
+        assert out.input_logprobs[1:] == pytest.approx(alone.input_logprobs[1:], abs=1e-5)
+        assert (out.routed_experts == alone.routed_experts).all()
+
+
 def test_sampling_follows_the_filtered_distribution(ckpt):
     engine = GenerationEngine(ckpt)
     rows = [
