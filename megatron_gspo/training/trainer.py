@@ -19,6 +19,7 @@ data flow):
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import logging
 import math
@@ -426,6 +427,8 @@ class Trainer:
                 logger.info("cold-start held-out accuracy %.3f", record["eval/accuracy"])
             elif start_metrics:  # what the cold start did is part of the run's record either way
                 log.log(0, {**start_metrics, "weight_version": 0.0})
+            gc.collect()  # what start-up left behind; the rest (torch, megatron, the model) lives on:
+            gc.freeze()  # frozen, it is not rescanned by each full collection (0.2-0.3 s apiece)
             while self.step < cfg.trainer.steps:
                 t0 = time.perf_counter()
                 metrics = self.train_step(engine)
