@@ -5,7 +5,8 @@ The model half of the embedded SGLang-protocol server (`rollout/server.py`). One
 prompts (the rows of a group share their prompt's, as SGLang's prefix cache shares it; in
 fp32 a shared row's values equal a solo prefill's to ~1e-7, not bit for bit, since matmul
 kernels block by batch size), then one single-token forward per decode step with a
-`DynamicCache` (KV cache) expanded to every row, until every row has finished.
+`DynamicCache` (KV cache) expanded to every row; a row that finished leaves the batch and
+the cache (as in SGLang), until none is left.
 
 Definitions follow SGLang 0.5.23 (`srt/layers/sampler.py`, `logprob_processor.py`):
 - output log-probs: `log_softmax(logits / temperature)` of the full vocabulary, before
@@ -285,7 +286,6 @@ class GenerationEngine:
             self._input_logprobs(it, logits[b, pad[b] :]) if it.logprob_start_len >= 0 else None
             for b, it in enumerate(items)
         ]
-        next_logits = logits[:, -1]
 
         outputs: list[list[int]] = [[] for _ in items]
         out_lps: list[list[float]] = [[] for _ in items]
@@ -293,25 +293,38 @@ class GenerationEngine:
         for b, it in enumerate(items):
             if it.sampling.max_new_tokens == 0:
                 finish[b] = {"type": "length", "length": 0}
-        decode_routing: list[torch.Tensor] = []  # per step [B, L, k]
-        while True:
-            tokens, lps = self._sample(next_logits, items, generators)
+        # Rows still generating; a finished row leaves the batch (and the cache), as in SGLang.
+        rows = [b for b in range(bsz) if finish[b] is None]
+        if len(rows) < bsz:
+            cache.reorder_cache(torch.tensor(rows, dtype=torch.long))
+            mask = mask[rows]
+        next_logits = logits[rows, -1]
+        decode_routing: list[list[torch.Tensor]] = [[] for _ in items]  # per row, per step [L, k]
+        want_routing = any(it.return_routed_experts for it in items)
+        while rows:
+            tokens, lps = self._sample(next_logits, [items[b] for b in rows], [generators[b] for b in rows])
             step_tokens, step_lps = tokens.tolist(), lps.tolist()  # one read per step, not two per row
-            for b, it in enumerate(items):
-                if finish[b] is not None:
-                    continue
+            for i, b in enumerate(rows):
+                it = items[b]
                 if it.abort.is_set():
                     finish[b] = {"type": "abort", "message": "Abort before decoding this token."}
                     continue
-                tok = step_tokens[b]
-                outputs[b].append(tok)
-                out_lps[b].append(step_lps[b])
-                finish[b] = self._finish_reason(it.sampling, tok, len(outputs[b]))
-            if all(f is not None for f in finish):
+                outputs[b].append(step_tokens[i])
+                out_lps[b].append(step_lps[i])
+                finish[b] = self._finish_reason(it.sampling, step_tokens[i], len(outputs[b]))
+            going = [i for i, b in enumerate(rows) if finish[b] is None]
+            if not going:
                 break
-            mask = torch.cat([mask, torch.ones((bsz, 1), dtype=torch.long)], dim=1)
-            logits, routing = self._forward(tokens.view(bsz, 1), mask, cache)
-            decode_routing.append(routing[:, :, 0])
+            if len(going) < len(rows):
+                keep = torch.tensor(going)
+                cache.reorder_cache(keep)
+                mask, tokens = mask[keep], tokens[keep]
+                rows = [rows[i] for i in going]
+            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
+            logits, routing = self._forward(tokens.view(len(rows), 1), mask, cache)
+            if want_routing:
+                for i, b in enumerate(rows):
+                    decode_routing[b].append(routing[i, :, 0])
             next_logits = logits[:, -1]
 
         results = []
@@ -320,8 +333,8 @@ class GenerationEngine:
             if it.return_routed_experts:
                 prompt_rows = prefill_routing[b, :, pad[b] :].permute(1, 0, 2)  # [P, L, k]
                 steps = max(len(outputs[b]) - 1, 0)
-                rows = [prompt_rows] + [decode_routing[s][b].unsqueeze(0) for s in range(steps)]
-                seq_rows = torch.cat(rows, dim=0)[: lens[b] + len(outputs[b]) - 1]
+                per_token = [prompt_rows] + [r.unsqueeze(0) for r in decode_routing[b][:steps]]
+                seq_rows = torch.cat(per_token, dim=0)[: lens[b] + len(outputs[b]) - 1]
                 routed = seq_rows[it.routed_experts_start_len :].to(torch.int32).contiguous().numpy()
             results.append(
                 GenerationOutput(
