@@ -35,10 +35,15 @@ SERVER_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 """`rollout.dtype` -> the embedded server's --dtype (SGLang's names)."""
 
 
-def sampling_seed(seed: int, step: int, row: int) -> int:
-    """A 62-bit sampling seed that depends only on (run seed, step, row)."""
-    state = np.random.SeedSequence([seed, step, row]).generate_state(2, dtype=np.uint32)
-    return (int(state[0]) << 30) ^ int(state[1])
+def sampling_seeds(seed: int, step: int, rows: int) -> list[int]:
+    """62-bit sampling seeds of a step's rows; row r's depends only on (run seed, step, r).
+
+    One `SeedSequence` per step: word i of `generate_state` does not depend on how many
+    words are drawn, so row r always gets words 2r and 2r + 1.
+    """
+    words = np.random.SeedSequence([seed, step]).generate_state(2 * rows, dtype=np.uint32)
+    pairs = words.reshape(rows, 2).astype(np.int64)
+    return ((pairs[:, 0] << 30) ^ pairs[:, 1]).tolist()
 
 
 class RolloutEngine:
@@ -89,6 +94,7 @@ class RolloutEngine:
             RolloutValidationError: a bad response with `on_invalid=raise`, or no group left.
         """
         g = self.cfg.group_size
+        seeds = sampling_seeds(seed, step, len(problems) * g)
         bodies, prompts = [], []
         for p, problem in enumerate(problems):
             ids = self.prompt_ids(problem)
@@ -99,7 +105,7 @@ class RolloutEngine:
                     "temperature": self.cfg.temperature,
                     "top_p": self.cfg.top_p,
                     "top_k": self.cfg.top_k,
-                    "sampling_seed": sampling_seed(seed, step, row),
+                    "sampling_seed": seeds[row],
                 }
                 bodies.append(
                     build_generate_request(
