@@ -181,15 +181,20 @@ def non_finite(name: str, tensor: torch.Tensor) -> str | None:
 def first_non_finite(named_tensors: Mapping[str, torch.Tensor]) -> str | None:
     """The name of the first tensor of `named_tensors` that holds NaN or inf, else None.
 
-    One flag per tensor, computed where it lives and read back once per device (a read per
-    tensor cost more than the reductions on a weight sync's ~70 small tensors).
+    One foreach norm per device first: a NaN/inf makes a tensor's norm NaN/inf, and a finite
+    norm clears it (0.1 ms for a weight sync's ~70 small tensors). Only a device whose norms
+    are not all finite, which a huge finite tensor's overflowing norm can also cause, gets the
+    exact pass: one flag per tensor, read back once per device.
     """
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in named_tensors.items():
-        by_device.setdefault(tensor.device, []).append((name, finite_flag(tensor)))
+        if tensor.is_floating_point() and tensor.numel():
+            by_device.setdefault(tensor.device, []).append((name, tensor.detach()))
     bad = set()
     for entries in by_device.values():
-        finite = torch.stack([flag for _, flag in entries]).cpu().tolist()
+        if bool(torch.isfinite(torch.stack(torch._foreach_norm([t for _, t in entries]))).all()):
+            continue
+        finite = torch.stack([finite_flag(t) for _, t in entries]).cpu().tolist()
         bad.update(name for (name, _), ok in zip(entries, finite) if not ok)
     return next((name for name in named_tensors if name in bad), None)
 

@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from megatron_gspo.model.hf_checkpoint import (
     SAFE_WEIGHTS_INDEX_NAME,
     build_hf_model,
     copy_into_model,
+    first_non_finite,
     hf_to_module_state,
     load_hf_state_dict,
     main,
@@ -121,3 +123,19 @@ def test_command_line_writes_a_loadable_checkpoint(tmp_path, capsys):
     assert main(["--out", str(tmp_path / "cli"), "--seed", "2"]) == 0
     assert "parameters" in capsys.readouterr().out
     assert _same_state(AutoModelForCausalLM.from_pretrained(tmp_path / "cli"), build_hf_model(CFG, seed=2))
+
+
+def test_first_non_finite_names_the_first_offender_and_clears_huge_finite_tensors():
+    huge = torch.full((4,), 3e38)  # finite, but its norm overflows to inf: the exact pass clears it
+    tensors = {
+        "a": torch.randn(3, 4),
+        "huge": huge,
+        "ids": torch.tensor([1, 2]),  # not floating point: nothing to check
+        "bf16": torch.randn(5).bfloat16(),
+        "empty": torch.empty(0),
+    }
+    assert first_non_finite(tensors) is None
+    nan, inf = torch.randn(6), torch.randn(2).bfloat16()
+    nan[4], inf[1] = math.nan, -math.inf
+    assert first_non_finite({**tensors, "inf": inf, "nan": nan}) == "inf"
+    assert first_non_finite({"nan": nan, **tensors, "inf": inf}) == "nan"
