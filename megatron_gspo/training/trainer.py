@@ -452,6 +452,7 @@ class Trainer:
                 metrics.update(peak_memory_metrics())
                 log.log(self.step, metrics)
             self.weight_sync.close(client)
+            gc.unfreeze()  # the run's objects are collectable again (a process may train again)
         log.close()
         return {"last": log.last, "evals": evals}
 
