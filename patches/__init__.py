@@ -25,6 +25,7 @@ from . import (
     foreach_multi_tensor,
     gloo_uneven_collectives,
     grouped_local_experts,
+    native_clip_grads,
     rng_tracker,
     schedule_token_counter,
     single_rank_all_reduce,
@@ -55,6 +56,7 @@ PATCHES: tuple[Patch, ...] = tuple(
         foreach_multi_tensor,
         grouped_local_experts,
         single_rank_all_reduce,
+        native_clip_grads,
     )
 )
 

@@ -365,3 +365,43 @@ def test_single_rank_all_reduce_skips_gloo_only_for_blocking_calls_outside_coale
             dist.all_reduce(tensor)
         manager.wait()
     assert torch.equal(tensor, values) and len(reached_gloo) == 1
+
+
+@needs_cpu
+def test_native_clip_grads_equal_megatrons_functions_under_the_mode():
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    from megatron_gspo.model.distributed import ParallelConfig, init_distributed
+    from megatron_gspo.patches import native_clip_grads as native
+
+    init_distributed(ParallelConfig(), seed=0)  # a world of one (the norm's all-reduce), every patch applied
+    for name in ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32"):
+        assert getattr(clip_grads, name) is getattr(native, name)  # what megatron's optimizer calls
+        assert getattr(optimizer, name) is getattr(native, name)
+    upstream_norm = native._FALLBACK["get_grad_norm_fp32"]
+    upstream_clip = native._FALLBACK["clip_grad_by_total_norm_fp32"]
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(7, 3), (5,), (2, 4, 6), (1,), (64, 32)]
+    grads = [torch.randn(shape, generator=generator) * 10.0 ** (i - 2) for i, shape in enumerate(shapes)]
+    norm = native.get_grad_norm_fp32(grads)
+    assert isinstance(norm, float) and norm == upstream_norm(grads)
+    reference = torch.linalg.vector_norm(torch.cat([g.flatten().double() for g in grads]))
+    assert abs(norm - float(reference)) <= 1e-6 * norm
+    assert native.get_grad_norm_fp32(grads, norm_type=float("inf")) == upstream_norm(grads, float("inf"))
+
+    for max_norm in (0.5 * norm, 2.0 * norm):  # clipped, and left alone (coefficient >= 1)
+        ours = [torch.nn.Parameter(torch.zeros(g.shape)) for g in grads]
+        theirs = [torch.nn.Parameter(torch.zeros(g.shape)) for g in grads]
+        for a, b, g in zip(ours, theirs, grads):
+            a.grad, b.grad = g.clone(), g.clone()
+        ours[1].grad = theirs[1].grad = None  # parameters without a gradient are skipped
+        native.clip_grad_by_total_norm_fp32(ours, max_norm, norm)
+        upstream_clip(theirs, max_norm, norm)
+        assert all(a.grad is None or torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs))
+    assert not torch.equal(ours[0].grad, grads[0]) or max_norm >= norm
+
+    half = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    half.grad = torch.ones(3, dtype=torch.bfloat16)
+    with pytest.raises(AssertionError):  # megatron's own refusal of a non-fp32 grad, kept
+        native.clip_grad_by_total_norm_fp32([half], 0.1, 10.0)
