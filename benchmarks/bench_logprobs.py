@@ -5,8 +5,10 @@
 1. Peak extra memory while computing per-token log-probs of given tokens from the
    output-layer logits [S, B, V], as a fraction of the logits tensor's size, fp32 and bf16
    logits (goal <= 0.25):
-   ours (megatron's vocab-parallel cross entropy, in place, what `model/logprobs.py` uses
-   through GPTModel's `labels` path) vs `log_softmax(logits).gather(...)`. Memory in use is
+   ours (`chunked_vocab_parallel_cross_entropy`: megatron's vocab-parallel cross entropy on
+   token chunks, what `model/logprobs.py` uses through GPTModel's `labels` path) vs
+   megatron's `vocab_parallel_cross_entropy` on the whole tensor (upcast to fp32 and kept as
+   the softmax) vs `log_softmax(logits).gather(...)`. Memory in use is
    read from glibc's allocator (mallinfo2) after every torch op, so the peak includes every
    op's outputs; forward and forward+backward are reported separately (backward must
    materialise d(loss)/d(logits), a full-size tensor, on any path).
@@ -68,6 +70,12 @@ class PeakMemory(TorchDispatchMode):
 
 
 def ours(logits, targets):
+    from megatron_gspo.model.chunked_cross_entropy import chunked_vocab_parallel_cross_entropy
+
+    return -chunked_vocab_parallel_cross_entropy(logits, targets)
+
+
+def megatron(logits, targets):
     from megatron.core import tensor_parallel
 
     return -tensor_parallel.vocab_parallel_cross_entropy(logits, targets)
@@ -140,7 +148,7 @@ def measure(quick: bool = False) -> dict[str, float]:
     init_distributed(ParallelConfig())  # the vocab-parallel CE asks for its (one-rank) TP group
     try:
         for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            for name, method in (("ours", ours), ("naive", naive)):
+            for name, method in (("ours", ours), ("megatron", megatron), ("naive", naive)):
                 forward, total = memory_fraction(method, seq, batch, vocab, dtype=dtype)
                 out[f"{name}_{dtype_name}_forward"] = forward
                 out[f"{name}_{dtype_name}_forward_backward"] = total
@@ -162,7 +170,8 @@ def main() -> None:
         shape = f"[S={args.seq}, B={args.batch}, V={args.vocab}]"
         print(f"peak extra memory / logits bytes, logits {shape} {dtype_name}:")
         for name, method in (
-            ("ours (vocab-parallel CE, in place)", ours),
+            ("ours (chunked vocab-parallel CE)", ours),
+            ("megatron's vocab-parallel CE", megatron),
             ("naive log_softmax + gather", naive),
         ):
             forward, total = memory_fraction(method, args.seq, args.batch, args.vocab, dtype=dtype)

@@ -2,10 +2,11 @@
 
 Validates the config for a world size exactly as `train` would, then prints how the
 policy is sharded and a per-GPU memory estimate: model states (weights, fp32 grad buffers,
-optimizer states) and the activations of one micro-batch (logits and their fp32 copy, the
-tensors each layer keeps for backward, with or without activation recompute), so a layout
-for H100 nodes can be checked on a laptop or in CI. A layout whose estimate plus a reserve
-(CUDA context, NCCL buffers, allocator fragmentation) exceeds the GPU memory is refused.
+optimizer states) and the activations of one micro-batch (logits and the fp32 chunks the
+log-prob and entropy passes work in, the tensors each layer keeps for backward, with or
+without activation recompute), so a layout for H100 nodes can be checked on a laptop or in
+CI. A layout whose estimate plus a reserve (CUDA context, NCCL buffers, allocator
+fragmentation) exceeds the GPU memory is refused.
 The KV cache of colocated rollout engines is not included (rollouts run on other nodes).
 
 Under pipeline parallelism every stage is estimated on its own: its share of the layers,
@@ -116,7 +117,8 @@ class ActivationPlan:
     Attributes:
         tokens: tokens of the micro-batch (responses x longest prompt + response), all TP ranks'.
         logits_bytes: the output layer's [tokens, vocab / TP] logits in the compute dtype plus
-            the fp32 copy megatron's vocab-parallel cross-entropy makes and keeps for backward.
+            two fp32 token chunks of them, the most the chunked log-prob and entropy passes
+            hold at once (`model/chunked_cross_entropy.py`).
         layer_bytes: tensors one transformer layer keeps for backward, for all tokens.
         stored_bytes: what the stage's layers hold at once, for `in_flight` micro-batches:
             every layer's `layer_bytes` without recompute; with full recompute, each layer's
@@ -176,7 +178,12 @@ def activation_plan(
     size = 2 if engine.dtype == "bf16" else 4
     tp = parallel.tensor_parallel
     vocab_local = -(-model.vocab_size // tp)
-    logits = tokens * vocab_local * (size + 4) if stage.output else 0
+    logits = 0
+    if stage.output:
+        from megatron_gspo.model.chunked_cross_entropy import chunk_rows
+
+        chunk = min(tokens, chunk_rows(tokens, vocab_local, size)) * vocab_local * 4
+        logits = tokens * vocab_local * size + 2 * chunk
     elements, fp32 = layer_elements_per_token(
         model, parallel, flash_attention=flash_attention, seq_len=seq_len
     )
@@ -289,7 +296,7 @@ def run_plan(args: argparse.Namespace) -> int:
     recompute = "on" if act.recompute else "off"
     print(
         f"activation: micro-batch {cut}; logits "
-        f"{act.logits_bytes / GIB:.1f} GiB ({cfg.engine.dtype} + fp32 copy of [tokens, vocab/TP]), "
+        f"{act.logits_bytes / GIB:.1f} GiB ({cfg.engine.dtype} [tokens, vocab/TP] + two fp32 chunks), "
         f"layers {act.stored_bytes / GIB:.1f} GiB with recompute {recompute} "
         f"(recompute off: {no_recompute.stored_bytes / GIB:.1f} GiB; "
         f"one layer {act.layer_bytes / GIB:.2f} GiB) "

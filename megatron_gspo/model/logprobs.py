@@ -11,11 +11,12 @@ local spec gets rows and a block-diagonal causal mask built here, per forward, o
 compute device; TransformerEngine gets one THD row and `PackedSeqParams`. Either way
 attention never crosses samples and RoPE sees positions relative to each sample, so the
 result does not depend on the packing. Log-probs come from megatron's GPTModel `labels`
-path (`vocab_parallel_cross_entropy`): each TP rank keeps only its vocabulary slice, the CE
-works in place on the logits and saves them as its softmax, so no second full-size copy of
-the logits exists (bf16 logits become one fp32 copy first, as the CE itself would make).
-Entropy (a metric, no gradient) is computed from the same logits in token chunks inside a
-forward hook, before the CE consumes them.
+path, its loss swapped for `chunked_vocab_parallel_cross_entropy` (megatron's vocab-parallel
+cross-entropy steps on token chunks, bit-identical): each TP rank keeps only its vocabulary
+slice and, whatever the logits' dtype, no full-size fp32 copy of them exists, in the forward
+or the backward. The temperature divides each chunk in fp32, as SGLang's sampler divides the
+logits. Entropy (a metric, no gradient) is computed from the same logits in token chunks
+inside a forward hook on the output layer.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 
-from megatron_gspo.model.distributed import all_reduce, compute_device
+from megatron_gspo.model.chunked_cross_entropy import (
+    chunked_vocab_parallel_cross_entropy,
+    chunked_vocab_parallel_entropy,
+)
+from megatron_gspo.model.distributed import compute_device
 from megatron_gspo.model.packing import (
     PackedBatch,
     PackingError,
@@ -38,8 +42,6 @@ from megatron_gspo.model.packing import (
     unpack,
 )
 
-ENTROPY_CHUNK_TOKENS = 1024
-
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module"):
@@ -47,44 +49,30 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax over the full vocabulary from a vocab shard [..., V/tp] (no grad)."""
-    from megatron.core import parallel_state as ps
-
-    group = ps.get_tensor_model_parallel_group()
-    flat = logits.detach().reshape(-1, logits.shape[-1])
-    out = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
-    for start in range(0, flat.shape[0], ENTROPY_CHUNK_TOKENS):
-        chunk = flat[start : start + ENTROPY_CHUNK_TOKENS].float()
-        peak = chunk.max(dim=-1).values
-        all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        shifted = chunk - peak.unsqueeze(-1)
-        exp = shifted.exp()
-        sums = torch.stack([exp.sum(-1), (exp * shifted).sum(-1)])
-        all_reduce(sums, group=group)
-        out[start : start + chunk.shape[0]] = sums[0].log() - sums[1] / sums[0]
-    return out.view(logits.shape[:-1])
-
-
 @contextlib.contextmanager
-def _logits_hook(model: torch.nn.Module, temperature: float, want_entropy: bool, found: dict):
-    """Divide the output layer's logits by the temperature and measure their entropy."""
+def _logprob_loss(model: torch.nn.Module, temperature: float, want_entropy: bool, found: dict):
+    """GPTModel's `labels` loss becomes the chunked -log softmax(logits / T); the entropy is measured.
+
+    The loss is swapped on the instance for the duration of one forward (megatron calls
+    `self.compute_language_model_loss(labels, logits)` with labels [b, s], logits [s, b, V/tp]).
+    """
+    module = _unwrap(model)
+
+    def loss(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        target = labels.transpose(0, 1)
+        per_token = chunked_vocab_parallel_cross_entropy(logits, target, temperature=temperature)
+        return per_token.transpose(0, 1).contiguous()  # [s, b] -> [b, s], as megatron's
 
     def hook(module, inputs, output):
-        logits, bias = output
-        # bf16 logits: temperature and log-softmax in fp32, as SGLang's sampler does (megatron's
-        # CE would make this copy anyway; a no-op for fp32 logits).
-        logits = logits.float()
-        if temperature != 1.0:
-            logits = logits / temperature
         if want_entropy:
-            found["entropy"] = _vocab_parallel_entropy(logits)  # [S, R]
-        return logits, bias
+            found["entropy"] = chunked_vocab_parallel_entropy(output[0], temperature=temperature)  # [S, R]
 
-    handle = _unwrap(model).output_layer.register_forward_hook(hook)
+    handle = module.output_layer.register_forward_hook(hook)
+    module.compute_language_model_loss = loss
     try:
         yield
     finally:
+        del module.compute_language_model_loss
         handle.remove()
 
 
@@ -144,7 +132,7 @@ def stage_forward(
     kwargs = attention_inputs(model, packed, device)
     last = is_last_stage(model)
     found: dict = {}
-    hook = _logits_hook(model, temperature, with_entropy, found) if last else contextlib.nullcontext()
+    hook = _logprob_loss(model, temperature, with_entropy, found) if last else contextlib.nullcontext()
     with hook:
         output = model(
             packed.tokens.to(device),

@@ -72,7 +72,9 @@ def test_megatron_backward_applies_the_per_micro_batch_weight(aux_model):
         got = _aux_grads(aux_model, micro_batches, scales)
         for name, grad in got.items():
             want = dp * (5 / 27 * alone[0][name] + 22 / 27 * alone[1][name])
-            torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-8)
+            # fp32 sums in another order: an absolute slack relative to the gradient's scale, which
+            # elements near zero (terms that cancel) need on some CPUs
+            torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
     set_aux_loss_scale(torch.tensor(1.0))  # megatron's default, for later tests in this process
 
 

@@ -1,0 +1,87 @@
+"""The chunked vocab-parallel cross entropy equals megatron's (bit for bit) and needs no full fp32 copy."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_gspo.model import chunked_cross_entropy as chunked
+
+WORKER = Path(__file__).with_name("chunked_ce_worker.py")
+
+
+def megatron_reference(logits, target, temperature):
+    """The path it replaces: fp32 upcast, / temperature, megatron's vocab-parallel CE (all autograd)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    scaled = logits.float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    return vocab_parallel_cross_entropy(scaled, target)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens_per_chunk", [3, 10_000], ids=["ragged-chunks", "one-chunk"])
+def test_equals_megatrons_cross_entropy_bit_for_bit(
+    world_one_model, monkeypatch, dtype, temperature, tokens_per_chunk
+):
+    monkeypatch.setattr(chunked, "chunk_tokens", lambda logits: tokens_per_chunk)
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(7, 5, 96, generator=generator) * 4).to(dtype)  # [S, B, V]: 35 tokens
+    target = torch.randint(0, 96, (7, 5), generator=generator)
+    upstream = torch.linspace(-1.0, 2.0, 35).view(7, 5)  # a gradient per token
+
+    ours_in = logits.clone().requires_grad_()
+    ours = chunked.chunked_vocab_parallel_cross_entropy(ours_in, target, temperature=temperature)
+    assert torch.equal(ours_in.detach(), logits)  # the forward does not consume the logits
+    (ours * upstream).sum().backward()  # (the backward may: nothing reads them again)
+    theirs_in = logits.clone().requires_grad_()
+    theirs = megatron_reference(theirs_in, target, temperature)
+    (theirs * upstream).sum().backward()
+
+    assert ours.dtype == torch.float32 and torch.equal(ours, theirs)
+    assert ours_in.grad.dtype == dtype and torch.equal(ours_in.grad, theirs_in.grad)
+    expected = (
+        -torch.log_softmax(logits.double() / temperature, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    )
+    assert torch.allclose(ours.double(), expected, atol=1e-5)
+
+
+def test_chunks_hold_an_eighth_of_the_logits_above_a_floor():
+    big = torch.empty(9216, 37984, dtype=torch.bfloat16, device="meta")  # 30B-A3B micro-batch, TP4 shard
+    rows = chunked.chunk_tokens(big)
+    assert rows * 37984 * 4 <= big.numel() * 2 // 8 and rows > 500
+    small = torch.empty(384, 80)  # the CPU demo: one chunk
+    assert chunked.chunk_tokens(small) >= 384
+
+
+def test_tp2_equals_megatrons_cross_entropy_and_the_full_vocabulary(tmp_path):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run(
+        [*launcher, str(WORKER), "--out", str(tmp_path / "result")],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in range(2):
+        result = json.loads((tmp_path / f"result.rank{rank}.json").read_text())
+        assert all(value for key, value in result.items() if key.endswith("_equal")), result
+        assert all(value < 1e-5 for key, value in result.items() if key.endswith("_vs_float64")), result
+        assert sum(key.endswith("_vs_float64") for key in result) == 4, result
+
+
+@pytest.mark.parametrize("tokens_per_chunk", [3, 10_000], ids=["ragged-chunks", "one-chunk"])
+def test_entropy_equals_the_float64_entropy(world_one_model, monkeypatch, tokens_per_chunk):
+    monkeypatch.setattr(chunked, "chunk_tokens", lambda logits: tokens_per_chunk)
+    logits = torch.randn(7, 5, 96, generator=torch.Generator().manual_seed(1)) * 4
+    ours = chunked.chunked_vocab_parallel_entropy(logits.bfloat16(), temperature=0.7)
+    log_p = torch.log_softmax(logits.bfloat16().double() / 0.7, -1)
+    assert ours.shape == (7, 5) and ours.dtype == torch.float32
+    assert torch.allclose(ours.double(), -(log_p.exp() * log_p).sum(-1), atol=1e-5)
