@@ -66,13 +66,13 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         for a in range(0, flat.shape[0], step):
             b = min(a + step, flat.shape[0])
             x, maxes[a:b] = steps.calculate_logits_max(_scaled_fp32(flat[a:b], temperature))
-            all_reduce(maxes[a:b], op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(maxes[a:b], op=dist.ReduceOp.MAX, group=group)  # always, as megatron's CE
             target_mask, masked_target, predicted, sum_exp, exp_logits = steps.calculate_predicted_logits(
                 x, flat_target[a:b], maxes[a:b], start, end
             )
             del x  # the same tensor as exp_logits: one fp32 chunk alive at a time
             both = torch.stack([predicted, sum_exp])  # one collective for the two sums megatron reduces
-            all_reduce(both, group=group)
+            dist.all_reduce(both, group=group)
             predicted, sums[a:b] = both[0], both[1]
             if b - a == flat.shape[0]:
                 softmax, loss[a:b] = steps.calculate_cross_entropy_loss(exp_logits, predicted, sums[a:b])
