@@ -16,6 +16,8 @@ their fp32 softmax for the backward instead, as megatron does (at most 8 MiB).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -40,12 +42,24 @@ def chunk_tokens(logits: torch.Tensor) -> int:
     return chunk_rows(logits.numel() // max(vocab, 1), vocab, logits.element_size())
 
 
+def _chunks(rows: int, step: int) -> Iterator[tuple[int, int]]:
+    """[a, b) row ranges of `step` rows (the last one shorter)."""
+    for a in range(0, rows, step):
+        yield a, min(a + step, rows)
+
+
+def _tp_group(group):
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group() if group is None else group
+
+
 def _scaled_fp32(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
     """`chunk.float() / temperature` as a fresh tensor (the steps below work in place)."""
+    if chunk.dtype == torch.float32:  # .float() would return the chunk itself
+        return chunk / temperature if temperature != 1.0 else chunk.clone()
     x = chunk.float()
-    if temperature != 1.0:
-        return x.div_(temperature) if x.data_ptr() != chunk.data_ptr() else x / temperature
-    return x.clone() if x.data_ptr() == chunk.data_ptr() else x
+    return x.div_(temperature) if temperature != 1.0 else x
 
 
 class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
@@ -63,8 +77,7 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         maxes, sums = torch.empty_like(loss), torch.empty_like(loss)
         step = chunk_tokens(logits)
         kept = None  # one chunk (small logits): its softmax is kept, as megatron keeps it
-        for a in range(0, flat.shape[0], step):
-            b = min(a + step, flat.shape[0])
+        for a, b in _chunks(flat.shape[0], step):
             x, maxes[a:b] = steps.calculate_logits_max(_scaled_fp32(flat[a:b], temperature))
             dist.all_reduce(maxes[a:b], op=dist.ReduceOp.MAX, group=group)  # always, as megatron's CE
             target_mask, masked_target, predicted, sum_exp, exp_logits = steps.calculate_predicted_logits(
@@ -100,8 +113,7 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         flat_grad = grad_output.reshape(-1)
         # Each chunk's gradient overwrites its logits, which nothing reads again (megatron's CE
         # likewise turns the buffer it saved into the gradient): one fp32 chunk of extra memory.
-        for a in range(0, flat.shape[0], ctx.step):
-            b = min(a + ctx.step, flat.shape[0])
+        for a, b in _chunks(flat.shape[0], ctx.step):
             flat[a:b].copy_(
                 _chunk_gradient(ctx, flat[a:b], flat_target[a:b], maxes[a:b], sums[a:b], flat_grad[a:b])
             )
@@ -146,11 +158,7 @@ def chunked_vocab_parallel_cross_entropy(
     Returns:
         fp32 [...] losses; differentiable with respect to `logits` (the gradient has their dtype).
     """
-    if group is None:
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_tensor_model_parallel_group()
-    return _ChunkedVocabParallelCrossEntropy.apply(logits.contiguous(), target, temperature, group)
+    return _ChunkedVocabParallelCrossEntropy.apply(logits.contiguous(), target, temperature, _tp_group(group))
 
 
 @torch.no_grad()
@@ -169,15 +177,10 @@ def chunked_vocab_parallel_entropy(
     Returns:
         fp32 [...] entropies in nats.
     """
-    if group is None:
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_tensor_model_parallel_group()
+    group = _tp_group(group)
     flat = logits.detach().reshape(-1, logits.shape[-1])
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
-    step = chunk_tokens(logits)
-    for a in range(0, flat.shape[0], step):
-        b = min(a + step, flat.shape[0])
+    for a, b in _chunks(flat.shape[0], chunk_tokens(logits)):
         shifted = _scaled_fp32(flat[a:b], temperature)
         peak = shifted.max(dim=-1).values
         all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
