@@ -29,14 +29,11 @@ from megatron_gspo.config_checks import (
     check_rollout,
     check_weight_sync,
 )
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.model.builder import EngineConfig
 from megatron_gspo.model.config import MoEModelConfig, preset
 from megatron_gspo.model.distributed import ParallelConfig
 from megatron_gspo.model.optim import OptimConfig
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the field and says why."""
 
 
 @dataclass
@@ -416,13 +413,13 @@ def to_yaml(cfg: RunConfig) -> str:
 
 def build_model_config(cfg: RunConfig) -> MoEModelConfig:
     """The policy architecture: read from `model.hf_path`, or the preset with its overrides."""
-    import json
+    from megatron_gspo.model.hf_config import HFConfigError, read_hf_config
 
     if cfg.model.hf_path:
-        config_file = Path(cfg.model.hf_path, "config.json")
-        if not config_file.is_file():
-            raise ConfigError(f"model.hf_path={cfg.model.hf_path} is not an HF checkpoint (no config.json)")
-        return MoEModelConfig.from_hf_config(json.loads(config_file.read_text()))
+        try:
+            return read_hf_config(cfg.model.hf_path)
+        except HFConfigError as err:
+            raise type(err)(f"model.hf_path: {err}") from None
     known = {f.name for f in dataclasses.fields(MoEModelConfig)}
     unknown = sorted(set(cfg.model.overrides) - known)
     if unknown:

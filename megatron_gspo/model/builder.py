@@ -89,12 +89,20 @@ def transformer_config(
     aux = model.aux_loss_coeff if aux_loss_coeff is None else aux_loss_coeff
     if aux < 0:
         raise ValueError(f"aux_loss_coeff must be >= 0, got {aux}")
+    # Top-1 routing with norm_topk_prob: the one selected expert's weight is softmax over its
+    # own logit, exactly 1, as in transformers (the router learns only from the aux loss).
+    # Megatron refuses that combination up front (for the zero router gradient); it is
+    # validated as pre-softmax and switched to what the checkpoint computes afterwards.
+    top1_renormalised = model.moe_topk == 1 and model.norm_topk_prob
     recompute = (
         dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         if engine.recompute_activations
         else {}
     )
-    return TransformerConfig(
+    flags = fused_flags(engine, available)
+    if model.rope_type == "yarn":
+        flags["apply_rope_fusion"] = False  # TE's fused RoPE refuses YaRN's mscale != 1
+    config = TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -118,13 +126,13 @@ def transformer_config(
         moe_layer_freq=1,
         moe_router_score_function="softmax",
         # norm_topk_prob: softmax over the top-k logits == softmax over all, top-k, renormalise.
-        moe_router_pre_softmax=not model.norm_topk_prob,
+        moe_router_pre_softmax=top1_renormalised or not model.norm_topk_prob,
         moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
         moe_aux_loss_coeff=aux,
         moe_token_dispatcher_type=parallel.token_dispatcher,
         moe_enable_routing_replay=routing_replay,
-        **fused_flags(engine, available),
+        **flags,
         tensor_model_parallel_size=parallel.tensor_parallel,
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         # Packed micro-batches differ in length: stages exchange shapes before activations.
@@ -139,6 +147,23 @@ def transformer_config(
         fp16=False,
         **recompute,
     )
+    if top1_renormalised:
+        config.moe_router_pre_softmax = False
+    if model.rope_type == "yarn":
+        # GPTModel(position_embedding_type="yarn") and attention read these as attributes of
+        # the config (megatron's training arguments set them the same way).
+        yarn_mscale = model.yarn_mscale and model.yarn_mscale_all_dim  # transformers: both or neither
+        for name, value in {
+            "yarn_rotary_scaling_factor": model.yarn_factor_resolved,
+            "yarn_original_max_position_embeddings": model.yarn_original_max_positions,
+            "yarn_beta_fast": model.yarn_beta_fast or 32.0,
+            "yarn_beta_slow": model.yarn_beta_slow or 1.0,
+            "yarn_mscale": model.yarn_mscale if yarn_mscale else None,
+            "yarn_mscale_all_dim": model.yarn_mscale_all_dim if yarn_mscale else None,
+            "yarn_correction_range_round_to_int": model.yarn_truncate is not False,
+        }.items():
+            setattr(config, name, value)
+    return config
 
 
 def layer_spec(model: MoEModelConfig, engine: EngineConfig, available: KernelAvailability | None = None):
@@ -199,15 +224,18 @@ def build_model(
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(model, engine, available),
-        vocab_size=model.vocab_size,
+        vocab_size=parallel.padded_vocab_size(model.vocab_size),
         max_sequence_length=model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=model.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="yarn" if model.rope_type == "yarn" else "rope",
         rotary_percent=1.0,
-        rotary_base=int(model.rope_theta),
+        rotary_base=model.rope_theta,
     )
+    # Rows past the vocabulary are megatron's TP padding: masked in every softmax
+    # (`unpadded_vocab_size`), dropped on export and weight sync.
+    gpt.unpadded_vocab_size = model.vocab_size
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
     if config.bf16:
@@ -215,6 +243,13 @@ def build_model(
 
         return Float16Module(config, gpt)
     return gpt
+
+
+def unpadded_vocab_size(model: torch.nn.Module) -> int:
+    """The real vocabulary of a built policy (megatron's `vocab_size` includes the TP padding)."""
+    while hasattr(model, "module"):  # DDP / Float16Module wrappers
+        model = model.module
+    return getattr(model, "unpadded_vocab_size", model.vocab_size)
 
 
 def model_config_dict(model: MoEModelConfig) -> dict:

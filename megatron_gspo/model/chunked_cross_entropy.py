@@ -62,9 +62,22 @@ def _scaled_fp32(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
     return x.div_(temperature) if temperature != 1.0 else x
 
 
+def _mask_padding(x: torch.Tensor, start: int, vocab_size: int | None) -> torch.Tensor:
+    """Set the columns of global index >= `vocab_size` (megatron's TP padding) to -inf, in place.
+
+    Args:
+        x: [rows, V / TP] a fresh fp32 chunk of this rank's shard, whose first column is global `start`.
+        start: global vocabulary index of the shard's first column.
+        vocab_size: the real vocabulary (None: no padding).
+    """
+    if vocab_size is not None and start + x.shape[-1] > vocab_size:
+        x[:, max(vocab_size - start, 0) :] = float("-inf")
+    return x
+
+
 class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, temperature, group):
+    def forward(ctx, logits, target, temperature, group, vocab_size):
         from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as steps
         from megatron.core.tensor_parallel.utils import VocabUtility
 
@@ -78,7 +91,9 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         step = chunk_tokens(logits)
         kept = None  # one chunk (small logits): its softmax is kept, as megatron keeps it
         for a, b in _chunks(flat.shape[0], step):
-            x, maxes[a:b] = steps.calculate_logits_max(_scaled_fp32(flat[a:b], temperature))
+            scaled = _mask_padding(_scaled_fp32(flat[a:b], temperature), start, vocab_size)
+            x, maxes[a:b] = steps.calculate_logits_max(scaled)
+            del scaled
             dist.all_reduce(maxes[a:b], op=dist.ReduceOp.MAX, group=group)  # always, as megatron's CE
             target_mask, masked_target, predicted, sum_exp, exp_logits = steps.calculate_predicted_logits(
                 x, flat_target[a:b], maxes[a:b], start, end
@@ -98,7 +113,12 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         else:
             ctx.save_for_backward(logits, target, maxes, sums)
         ctx.kept, ctx.dtype = kept is not None, logits.dtype
-        ctx.temperature, ctx.vocab_range, ctx.step = temperature, (start, end), step
+        ctx.temperature, ctx.vocab_range, ctx.step, ctx.vocab_size = (
+            temperature,
+            (start, end),
+            step,
+            vocab_size,
+        )
         return loss.view(target.shape)
 
     @staticmethod
@@ -106,7 +126,7 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
         if ctx.kept:
             softmax, target_mask, masked_target = ctx.saved_tensors
             grad = _gradient(ctx, softmax, target_mask, masked_target, grad_output.reshape(-1))
-            return grad.view(*grad_output.shape, -1), None, None, None
+            return grad.view(*grad_output.shape, -1), None, None, None, None
         logits, target, maxes, sums = ctx.saved_tensors
         vocab = logits.shape[-1]
         flat, flat_target = logits.reshape(-1, vocab), target.reshape(-1)
@@ -117,7 +137,7 @@ class _ChunkedVocabParallelCrossEntropy(torch.autograd.Function):
             flat[a:b].copy_(
                 _chunk_gradient(ctx, flat[a:b], flat_target[a:b], maxes[a:b], sums[a:b], flat_grad[a:b])
             )
-        return logits, None, None, None
+        return logits, None, None, None, None
 
 
 def _chunk_gradient(ctx, logits, target, maxes, sums, grad_output) -> torch.Tensor:
@@ -125,7 +145,7 @@ def _chunk_gradient(ctx, logits, target, maxes, sums, grad_output) -> torch.Tens
     from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as steps
 
     start, end = ctx.vocab_range
-    x = _scaled_fp32(logits, ctx.temperature)
+    x = _mask_padding(_scaled_fp32(logits, ctx.temperature), start, ctx.vocab_size)
     target_mask, masked_target, predicted, _, exp_logits = steps.calculate_predicted_logits(
         x, target, maxes, start, end
     )
@@ -145,7 +165,12 @@ def _gradient(ctx, softmax, target_mask, masked_target, grad_output) -> torch.Te
 
 
 def chunked_vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, *, temperature: float = 1.0, group=None
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    group=None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """-log softmax(logits / temperature)[target] per token, as megatron's vocab-parallel CE.
 
@@ -154,16 +179,20 @@ def chunked_vocab_parallel_cross_entropy(
         target: [...] global token ids.
         temperature: the logits are divided by it first (in fp32).
         group: the tensor-parallel group (default megatron's).
+        vocab_size: the real vocabulary; columns of global index >= it (megatron's TP
+            padding) are left out of the softmax (None: none are).
 
     Returns:
         fp32 [...] losses; differentiable with respect to `logits` (the gradient has their dtype).
     """
-    return _ChunkedVocabParallelCrossEntropy.apply(logits.contiguous(), target, temperature, _tp_group(group))
+    return _ChunkedVocabParallelCrossEntropy.apply(
+        logits.contiguous(), target, temperature, _tp_group(group), vocab_size
+    )
 
 
 @torch.no_grad()
 def chunked_vocab_parallel_entropy(
-    logits: torch.Tensor, *, temperature: float = 1.0, group=None
+    logits: torch.Tensor, *, temperature: float = 1.0, group=None, vocab_size: int | None = None
 ) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) over the whole vocabulary, per token (a metric, no grad).
 
@@ -173,19 +202,28 @@ def chunked_vocab_parallel_entropy(
         logits: [..., V / TP] this rank's vocabulary shard, any float dtype.
         temperature: the logits are divided by it first (in fp32).
         group: the tensor-parallel group (default megatron's).
+        vocab_size: the real vocabulary, as in `chunked_vocab_parallel_cross_entropy`.
 
     Returns:
         fp32 [...] entropies in nats.
     """
+    from megatron.core.tensor_parallel.utils import VocabUtility
+
     group = _tp_group(group)
     flat = logits.detach().reshape(-1, logits.shape[-1])
+    start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(
+        flat.shape[-1], dist.get_rank(group), dist.get_world_size(group)
+    )
+    padded = vocab_size is not None and start + flat.shape[-1] > vocab_size
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
     for a, b in _chunks(flat.shape[0], chunk_tokens(logits)):
-        shifted = _scaled_fp32(flat[a:b], temperature)
+        shifted = _mask_padding(_scaled_fp32(flat[a:b], temperature), start, vocab_size)
         peak = shifted.max(dim=-1).values
         all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         shifted.sub_(peak.unsqueeze(-1))
         exp = shifted.exp()
+        if padded:  # exp is 0 there; keep 0 * -inf from making the sum NaN
+            shifted[:, max(vocab_size - start, 0) :] = 0.0
         sums = torch.stack([exp.sum(-1), torch.mul(exp, shifted, out=shifted).sum(-1)])
         del exp, shifted
         all_reduce(sums, group=group)

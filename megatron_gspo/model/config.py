@@ -38,7 +38,23 @@ class MoEModelConfig:
     norm_topk_prob: bool = True
     """Renormalise the top-k router probabilities to sum to 1 (Qwen3-MoE checkpoints: true)."""
     rope_theta: float = 1_000_000.0
-    """RoPE base."""
+    """RoPE base (any float)."""
+    rope_type: str = "default"
+    """RoPE variant: `default`, or `yarn` (YaRN context extension, megatron's YaRN rotary embedding)."""
+    yarn_factor: float | None = None
+    """YaRN scaling factor; None: max_position_embeddings / yarn_original_max_position_embeddings."""
+    yarn_original_max_position_embeddings: int | None = None
+    """Context length YaRN extends from; None: max_position_embeddings."""
+    yarn_beta_fast: float | None = None
+    """YaRN ramp boundary of extrapolation (None: 32)."""
+    yarn_beta_slow: float | None = None
+    """YaRN ramp boundary of interpolation (None: 1)."""
+    yarn_mscale: float | None = None
+    """YaRN attention-factor numerator scale; used only with yarn_mscale_all_dim (both non-zero)."""
+    yarn_mscale_all_dim: float | None = None
+    """YaRN attention-factor denominator scale; used only with yarn_mscale (both non-zero)."""
+    yarn_truncate: bool | None = None
+    """Round YaRN's correction range to whole dimensions (None: true)."""
     rms_norm_eps: float = 1e-6
     """RMSNorm epsilon (Qwen3: 1e-6; Megatron's default 1e-5 would be wrong)."""
     max_position_embeddings: int = 512
@@ -58,6 +74,24 @@ class MoEModelConfig:
             )
         if not 1 <= self.moe_topk <= self.num_experts:
             raise ValueError(f"moe_topk={self.moe_topk} must be in [1, num_experts={self.num_experts}]")
+        if self.rope_type not in ("default", "yarn"):
+            raise ValueError(f"rope_type={self.rope_type!r} must be 'default' or 'yarn'")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta={self.rope_theta!r} must be > 0")
+        if self.rope_type == "yarn" and not self.yarn_factor_resolved > 0:
+            raise ValueError(f"yarn_factor={self.yarn_factor!r} must be > 0")
+
+    @property
+    def yarn_original_max_positions(self) -> int:
+        """YaRN's original context length, resolved as transformers resolves it."""
+        return self.yarn_original_max_position_embeddings or self.max_position_embeddings
+
+    @property
+    def yarn_factor_resolved(self) -> float:
+        """YaRN's scaling factor, resolved as transformers resolves it."""
+        if self.yarn_factor is not None:
+            return self.yarn_factor
+        return self.max_position_embeddings / self.yarn_original_max_positions
 
     @property
     def num_parameters(self) -> int:
@@ -71,64 +105,16 @@ class MoEModelConfig:
 
     def to_hf_config(self) -> dict[str, Any]:
         """Fields of an HF `Qwen3MoeConfig` (config.json) describing this architecture."""
-        return {
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_query_groups,
-            "head_dim": self.head_dim,
-            "num_experts": self.num_experts,
-            "num_experts_per_tok": self.moe_topk,
-            "moe_intermediate_size": self.moe_ffn_hidden_size,
-            # Dense FFN width is unused (every layer is sparse) but required by the class.
-            "intermediate_size": 4 * self.moe_ffn_hidden_size,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "norm_topk_prob": self.norm_topk_prob,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "router_aux_loss_coef": self.aux_loss_coeff,
-            "output_router_logits": False,
-            "initializer_range": self.init_std,
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "hidden_act": "silu",
-        }
+        from megatron_gspo.model.hf_config import to_hf_config
+
+        return to_hf_config(self)
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> MoEModelConfig:
-        """Read an HF Qwen3-MoE config.json dict; refuses layouts this builder cannot express."""
-        if hf.get("model_type") not in (None, "qwen3_moe"):
-            raise ValueError(f"expected a qwen3_moe config, got model_type={hf.get('model_type')!r}")
-        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
-            raise ValueError("only all-MoE layouts are supported (decoder_sparse_step=1, mlp_only_layers=[])")
-        rope = hf.get("rope_parameters") or {}
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
-        heads = hf["num_attention_heads"]
-        return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_query_groups=hf.get("num_key_value_heads", heads),
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            num_experts=hf["num_experts"],
-            moe_topk=hf["num_experts_per_tok"],
-            moe_ffn_hidden_size=hf["moe_intermediate_size"],
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-            rope_theta=float(theta),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0),
-            init_std=hf.get("initializer_range", 0.02),
-        )
+    def from_hf_config(cls, hf: dict[str, Any], where: str = "config.json") -> MoEModelConfig:
+        """Read an HF Qwen3-MoE config.json dict (`model/hf_config.py`: what is read, what is refused)."""
+        from megatron_gspo.model.hf_config import from_hf_config
+
+        return from_hf_config(hf, where)
 
     def replace(self, **changes: Any) -> MoEModelConfig:
         """A copy with some fields changed (validated again)."""

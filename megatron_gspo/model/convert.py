@@ -51,6 +51,14 @@ ARCHITECTURE_FIELDS = (
     "moe_ffn_hidden_size",
     "norm_topk_prob",
     "rope_theta",
+    "rope_type",
+    "yarn_factor",
+    "yarn_original_max_position_embeddings",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "yarn_mscale",
+    "yarn_mscale_all_dim",
+    "yarn_truncate",
     "rms_norm_eps",
     "tie_word_embeddings",
 )
@@ -70,12 +78,15 @@ class TensorMapping:
         hf_shapes: Expected shape of each HF tensor.
         kind: `copy` (one HF tensor as is), `qkv` (q, k, v fused per query group) or
             `fc1` (cat(gate, up)).
+        vocab_rows: rows are the vocabulary; Megatron's tensor may have more (its TP padding,
+            zero on import, dropped on export).
     """
 
     megatron: str
     hf: tuple[str, ...]
     hf_shapes: tuple[tuple[int, ...], ...]
     kind: str = _COPY
+    vocab_rows: bool = False
 
 
 def name_table(cfg: MoEModelConfig) -> list[TensorMapping]:
@@ -83,15 +94,15 @@ def name_table(cfg: MoEModelConfig) -> list[TensorMapping]:
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.moe_ffn_hidden_size
     nh, ng = cfg.num_attention_heads, cfg.num_query_groups
 
-    def copy(megatron: str, hf: str, shape: tuple[int, ...]) -> TensorMapping:
-        return TensorMapping(megatron, (hf,), (shape,))
+    def copy(megatron: str, hf: str, shape: tuple[int, ...], vocab_rows: bool = False) -> TensorMapping:
+        return TensorMapping(megatron, (hf,), (shape,), vocab_rows=vocab_rows)
 
     table = [
-        copy("embedding.word_embeddings.weight", "model.embed_tokens.weight", (cfg.vocab_size, h)),
+        copy("embedding.word_embeddings.weight", "model.embed_tokens.weight", (cfg.vocab_size, h), True),
         copy("decoder.final_layernorm.weight", "model.norm.weight", (h,)),
     ]
     if not cfg.tie_word_embeddings:  # tied: Megatron's output layer reuses the embedding
-        table.append(copy("output_layer.weight", "lm_head.weight", (cfg.vocab_size, h)))
+        table.append(copy("output_layer.weight", "lm_head.weight", (cfg.vocab_size, h), True))
     for i in range(cfg.num_layers):
         m, f = f"decoder.layers.{i}.", f"model.layers.{i}."
         table += [
@@ -220,7 +231,9 @@ def megatron_to_hf(
 def megatron_tensor_to_hf(
     mapping: TensorMapping, tensor: torch.Tensor, cfg: MoEModelConfig
 ) -> dict[str, torch.Tensor]:
-    """One global Megatron tensor -> its HF tensors by on-disk name (shape checked)."""
+    """One global Megatron tensor -> its HF tensors by on-disk name (shape checked, TP padding dropped)."""
+    if mapping.vocab_rows and tensor.shape[0] > cfg.vocab_size:
+        tensor = tensor[: cfg.vocab_size]
     _check_shape(mapping.megatron, tensor.shape, _megatron_shape(mapping))
     return {name: part.contiguous() for name, part in zip(mapping.hf, _split(mapping, tensor, cfg))}
 
@@ -229,11 +242,10 @@ def megatron_tensor_to_hf(
 
 
 def read_hf_config(hf_dir: str | os.PathLike) -> MoEModelConfig:
-    """The architecture in `hf_dir/config.json`."""
-    path = Path(hf_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no config.json in {hf_dir}")
-    return MoEModelConfig.from_hf_config(json.loads(path.read_text()))
+    """The architecture in `hf_dir/config.json` (`HFConfigError` if missing, unreadable or refused)."""
+    from megatron_gspo.model.hf_config import read_hf_config as read
+
+    return read(hf_dir)
 
 
 def check_same_architecture(checkpoint: MoEModelConfig, model: MoEModelConfig, where: str) -> None:
@@ -249,9 +261,11 @@ def check_same_architecture(checkpoint: MoEModelConfig, model: MoEModelConfig, w
 
 def _built_architecture(model: torch.nn.Module, like: MoEModelConfig) -> MoEModelConfig:
     """The architecture a built GPTModel actually has (read from its TransformerConfig)."""
+    from megatron_gspo.model.builder import unpadded_vocab_size
+
     c = model.config
     return like.replace(
-        vocab_size=model.vocab_size,
+        vocab_size=unpadded_vocab_size(model),
         hidden_size=c.hidden_size,
         num_layers=c.num_layers,
         num_attention_heads=c.num_attention_heads,
@@ -306,6 +320,17 @@ class _SafetensorsReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.handles[name].get_slice(name).get_shape())
+
+    def read_rows(self, name: str, start: int, rows: int) -> torch.Tensor:
+        """`rows` rows of `name` from `start`; rows past its end (Megatron's vocab padding) are zero."""
+        view = self.handles[name].get_slice(name)
+        size = view.get_shape()[0]
+        tensor = view[min(start, size) : min(start + rows, size)]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        if tensor.shape[0] == rows:
+            return tensor
+        padding = tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))
+        return torch.cat([tensor, padding])
 
     def read(self, name: str, dim: int | None = None, rank: int = 0, world: int = 1) -> torch.Tensor:
         """The whole tensor, or its `rank`-th of `world` contiguous chunks along `dim`."""
@@ -377,7 +402,11 @@ def load_hf_checkpoint(
                     )
                 if mapping.kind == _COPY and stride != 1:
                     raise ConversionError(f"{global_name}: unexpected TP partition stride {stride}")
-            parts = [reader.read(name, dim, tp_rank, tp_world) for name in mapping.hf]
+            if mapping.vocab_rows:  # megatron pads the vocabulary to a multiple of TP (x its divisor)
+                rows = target.shape[0]
+                parts = [reader.read_rows(mapping.hf[0], rows * tp_rank if dim == 0 else 0, rows)]
+            else:
+                parts = [reader.read(name, dim, tp_rank, tp_world) for name in mapping.hf]
             for name, part in zip(mapping.hf, parts):
                 problem = non_finite(name, part)
                 if problem is not None:

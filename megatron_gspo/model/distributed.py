@@ -49,13 +49,22 @@ class ParallelConfig:
     """MoE token dispatcher. `flex` (DeepEP) is GPU-only and not offered here."""
     distributed_optimizer: bool = False
     """Shard optimizer states across data-parallel ranks (ZeRO-1)."""
+    make_vocab_size_divisible_by: int = 1
+    """The vocabulary is padded to a multiple of this x tensor_parallel, as megatron's
+    `--make-vocab-size-divisible-by` (megatron-LM's default: 128). Padded rows are never sampled
+    or counted in log-probs, and export and weight sync leave them out."""
     timeout_minutes: float = 120.0
     """How long a collective may wait before the job is aborted (the process group and the gloo
     control group; megatron's `--distributed-timeout-minutes`). Long: rank 0 may wait this long
     for rollouts or an export while the other ranks block."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel"):
+        for name in (
+            "tensor_parallel",
+            "pipeline_parallel",
+            "expert_parallel",
+            "make_vocab_size_divisible_by",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         if self.token_dispatcher not in ("alltoall", "allgather"):
@@ -70,6 +79,11 @@ class ParallelConfig:
             raise ValueError(
                 "MoE training with tensor_parallel > 1 requires sequence_parallel (megatron-core)"
             )
+
+    def padded_vocab_size(self, vocab_size: int) -> int:
+        """`vocab_size` rounded up to a multiple of make_vocab_size_divisible_by x tensor_parallel."""
+        multiple = self.make_vocab_size_divisible_by * self.tensor_parallel
+        return -(-vocab_size // multiple) * multiple
 
     @property
     def use_sequence_parallel(self) -> bool:

@@ -58,8 +58,11 @@ def greedy_generate(
     Returns:
         [B] generated token ids per prompt, at most `max_new_tokens` each.
     """
+    from megatron_gspo.model.builder import unpadded_vocab_size
+
     device = compute_device()
     layout = packing_layout(model)
+    vocab = unpadded_vocab_size(model)
     outputs: list[list[int]] = [[] for _ in prompts]
     open_rows = list(range(len(prompts)))
     for _ in range(max_new_tokens):
@@ -78,7 +81,8 @@ def greedy_generate(
         last = torch.tensor(
             [row * packed.tokens.shape[1] + start + n - 1 for row, start, n in packed.segments]
         )
-        picked = _full_vocab(logits.reshape(-1, logits.shape[-1])[last.to(device)]).argmax(-1).tolist()
+        full = _full_vocab(logits.reshape(-1, logits.shape[-1])[last.to(device)])
+        picked = full[:, :vocab].argmax(-1).tolist()  # megatron's TP padding is never picked
         if not open_rows:
             continue
         for i, token in zip(open_rows, picked):

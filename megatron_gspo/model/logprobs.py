@@ -56,16 +56,23 @@ def _logprob_loss(model: torch.nn.Module, temperature: float, want_entropy: bool
     The loss is swapped on the instance for the duration of one forward (megatron calls
     `self.compute_language_model_loss(labels, logits)` with labels [b, s], logits [s, b, V/tp]).
     """
+    from megatron_gspo.model.builder import unpadded_vocab_size
+
     module = _unwrap(model)
+    vocab = unpadded_vocab_size(module)  # megatron's TP padding never enters a softmax
 
     def loss(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         target = labels.transpose(0, 1)
-        per_token = chunked_vocab_parallel_cross_entropy(logits, target, temperature=temperature)
+        per_token = chunked_vocab_parallel_cross_entropy(
+            logits, target, temperature=temperature, vocab_size=vocab
+        )
         return per_token.transpose(0, 1).contiguous()  # [s, b] -> [b, s], as megatron's
 
     def hook(module, inputs, output):
         if want_entropy:
-            found["entropy"] = chunked_vocab_parallel_entropy(output[0], temperature=temperature)  # [S, R]
+            found["entropy"] = chunked_vocab_parallel_entropy(
+                output[0], temperature=temperature, vocab_size=vocab
+            )  # [S, R]
 
     handle = module.output_layer.register_forward_hook(hook)
     module.compute_language_model_loss = loss

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -53,7 +52,7 @@ def is_training_checkpoint(path: str | os.PathLike) -> bool:
 
 def _model_description(checkpoint: Path):
     """(architecture, tokenizer or None) recorded in the checkpoint's `model/` directory."""
-    from megatron_gspo.model.config import MoEModelConfig
+    from megatron_gspo.model.hf_config import read_hf_config
     from megatron_gspo.training.checkpoint import MODEL_DIR, CheckpointError, read_meta
 
     try:
@@ -66,7 +65,7 @@ def _model_description(checkpoint: Path):
             f"--checkpoint {checkpoint} records no model architecture ({config}): "
             "it was saved without `model_cfg`"
         )
-    model_cfg = MoEModelConfig.from_hf_config(json.loads(config.read_text()))
+    model_cfg = read_hf_config(checkpoint / MODEL_DIR)  # a refused or unreadable one: HFConfigError
     tokenizer = None
     if (checkpoint / MODEL_DIR / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
