@@ -177,7 +177,7 @@ def activation_plan(
     in_flight = pp - stage.index
     size = 2 if engine.dtype == "bf16" else 4
     tp = parallel.tensor_parallel
-    vocab_local = -(-model.vocab_size // tp)
+    vocab_local = parallel.padded_vocab_size(model.vocab_size) // tp  # megatron pads it for TP
     logits = 0
     if stage.output:
         from megatron_gspo.model.chunked_cross_entropy import chunk_rows
