@@ -172,6 +172,8 @@ class GenerationEngine:
         if not cfg_file.exists():
             raise FileNotFoundError(f"{path} has no config.json")
         disk_cfg = json.loads(cfg_file.read_text())
+        if "num_local_experts" in disk_cfg:  # transformers 5.x's name for it
+            disk_cfg["num_experts"] = disk_cfg["num_local_experts"]
         for key in ("num_hidden_layers", "hidden_size", "num_experts", "vocab_size", "num_experts_per_tok"):
             if disk_cfg.get(key) != getattr(self.model.config, key):
                 raise ValueError(

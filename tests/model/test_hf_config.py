@@ -154,11 +154,11 @@ REFUSED = {
 }
 
 
-def _plan(tmp_path, hf_dir, capsys):
+def _plan(tmp_path, hf_dir, capsys, command=("plan", "--world-size", "1")):
     config = tmp_path / "run.yaml"
-    config.write_text(f"model: {{hf_path: {hf_dir}}}\n")
+    config.write_text(f"model: {{hf_path: {hf_dir}}}\ntrainer: {{run_dir: {tmp_path / 'run'}}}\n")
     capsys.readouterr()  # what saving the checkpoint printed
-    code = cli(["plan", "--config", str(config), "--world-size", "1"])
+    code = cli([command[0], "--config", str(config), *command[1:]])
     return code, capsys.readouterr().err
 
 
@@ -173,9 +173,11 @@ def test_unsupported_architecture_is_refused_by_name_at_load_and_in_plan(
     model = build_model(read_hf_config(save_hf(tmp_path / "good")), ParallelConfig())
     with pytest.raises(UnsupportedArchitectureError, match=name):
         load_hf_checkpoint(model, path)
-    code, err = _plan(tmp_path, path, capsys)
-    assert code == 2 and name in err and "Traceback" not in err
-    assert len(err.strip().splitlines()) == 1, err
+    for command in (("plan", "--world-size", "1"), ("train",)):  # train: refused before anything starts
+        code, err = _plan(tmp_path, path, capsys, command)
+        assert code == 2 and name in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(
