@@ -2,11 +2,15 @@
 
 The mapping to `TransformerConfig` reproduces HF Qwen3-MoE numerically (RMSNorm eps from
 the checkpoint, QK-norm, GQA, non-interleaved RoPE, SwiGLU experts, softmax router whose
-top-k probabilities are renormalised when `norm_topk_prob`). The layer spec is the
-TransformerEngine one when TE imports and CUDA is present, Megatron's local spec otherwise;
-the rest is configuration, so CPU and H100 runs use the same code. In bf16 the model is
-wrapped in megatron's `Float16Module` as megatron's own training loop does (bf16 parameters
-and compute, fp32 outputs); the optimizer then keeps fp32 main parameters (`model/optim.py`).
+top-k probabilities are renormalised when `norm_topk_prob`, top-1 included; RoPE with a
+float base, or megatron's YaRN rotary embedding for `rope_type: yarn`). The vocabulary is padded
+for TP as megatron pads it (`ParallelConfig.padded_vocab_size`); the built model records the real
+size (`unpadded_vocab_size`) so the padded logits are masked wherever a softmax or an argmax is
+taken. The layer spec is the TransformerEngine one when TE imports and CUDA is present,
+Megatron's local spec otherwise; the rest is configuration, so CPU and H100 runs use the
+same code. In bf16 the model is wrapped in megatron's `Float16Module` as megatron's own
+training loop does (bf16 parameters and compute, fp32 outputs); the optimizer then keeps fp32
+main parameters (`model/optim.py`).
 """
 
 from __future__ import annotations

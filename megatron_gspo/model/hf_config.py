@@ -82,7 +82,7 @@ def _has_type(value: Any, kind: type) -> bool:
         return False
     if kind is float:
         return isinstance(value, (int, float)) and math.isfinite(value)
-    return isinstance(value, kind)
+    return isinstance(value, kind) and (kind is not int or value >= 1)  # every integer here is a size
 
 
 def _value(hf: Mapping[str, Any], where: str, kind: type, *keys: str, default: Any = ...) -> Any:
@@ -92,7 +92,7 @@ def _value(hf: Mapping[str, Any], where: str, kind: type, *keys: str, default: A
         if value is None:
             continue
         if not _has_type(value, kind):
-            expected = {float: "a finite number", int: "an integer", bool: "true or false"}[kind]
+            expected = {float: "a finite number", int: "an integer >= 1", bool: "true or false"}[kind]
             raise HFConfigError(f"{where}: {key}={value!r} must be {expected}")
         return float(value) if kind is float else value
     if default is ...:

@@ -202,7 +202,8 @@ def test_refused_features_change_hf_forward(tmp_path, feature, changes):
     ("changes", "message"),
     [
         ({"num_local_experts": None}, "missing key 'num_local_experts' or 'num_experts'"),
-        ({"hidden_size": "32"}, "hidden_size='32' must be an integer"),
+        ({"hidden_size": "32"}, "hidden_size='32' must be an integer >= 1"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads=0 must be an integer >= 1"),
         ({"rms_norm_eps": True}, "rms_norm_eps=True must be a finite number"),
         ({"num_experts_per_tok": 9}, "moe_topk=9 must be in"),
     ],
