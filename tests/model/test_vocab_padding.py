@@ -27,6 +27,7 @@ from megatron_gspo.model.convert import (
 from megatron_gspo.model.distributed import ParallelConfig, init_distributed
 from megatron_gspo.model.generate import greedy_generate
 from megatron_gspo.model.hf_checkpoint import load_hf_state_dict
+from megatron_gspo.model.hf_stream import iter_hf_tensors
 from megatron_gspo.model.logprobs import sequence_logprobs
 
 WORKER = Path(__file__).with_name("vocab_padding_worker.py")
@@ -79,11 +80,17 @@ def test_padding_rows_are_masked_zero_gradient_and_not_exported(tmp_path):
             with torch.no_grad():
                 ids = torch.cat([ids, hf(input_ids=ids).logits[:, -1:].argmax(-1)], 1)
         assert got == ids[0, len(prompt) :].tolist()
-    # Export (and weight sync, the same stream) writes the real vocabulary only.
+    # Weight sync's stream and export (which writes that stream) carry the real vocabulary only.
     with torch.no_grad():
-        model.embedding.word_embeddings.weight[VOCAB:] = 0.0
+        model.embedding.word_embeddings.weight[VOCAB:] = 0.0  # export refuses NaN in any row
+    original = load_hf_state_dict(path)
+    streamed = dict(iter_hf_tensors(model, cfg, sender=True))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert streamed[name].shape == (VOCAB, cfg.hidden_size) and torch.equal(
+            streamed[name], original[name]
+        )
     out = export_hf_checkpoint(model, tmp_path / "export", cfg)
-    original, written = load_hf_state_dict(path), load_hf_state_dict(out)
+    written = load_hf_state_dict(out)
     assert written["model.embed_tokens.weight"].shape == (VOCAB, cfg.hidden_size)
     assert written.keys() == original.keys() and all(torch.equal(written[k], original[k]) for k in original)
 
