@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausal
 
 from megatron_gspo.cli import main as cli
 from megatron_gspo.model.builder import build_model
+from megatron_gspo.model.config import qwen3_30b_a3b
 from megatron_gspo.model.convert import (
     export_hf_checkpoint,
     hf_to_megatron,
@@ -24,7 +25,7 @@ from megatron_gspo.model.convert import (
 )
 from megatron_gspo.model.distributed import ParallelConfig, init_distributed
 from megatron_gspo.model.hf_checkpoint import load_hf_state_dict
-from megatron_gspo.model.hf_config import HFConfigError, UnsupportedArchitectureError
+from megatron_gspo.model.hf_config import HFConfigError, UnsupportedArchitectureError, from_hf_config
 from megatron_gspo.model.sharding import load_global_state_dict
 
 TOLERANCE = 1e-5
@@ -140,6 +141,58 @@ def test_transformers4_names_read_the_same(tmp_path):
     old["rope_scaling"] = {"type": rope.pop("rope_type")} | rope
     (path / "config.json").write_text(json.dumps(old))
     assert read_hf_config(path) == expected
+
+
+# Qwen3-30B-A3B's config.json as released (transformers 4.51 names).
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def test_released_qwen3_30b_a3b_config_is_the_preset():
+    assert from_hf_config(QWEN3_30B_A3B) == qwen3_30b_a3b()
+    # Qwen's long-context recipe: YaRN x4 from 32k.
+    long = from_hf_config(
+        QWEN3_30B_A3B
+        | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    )
+    assert long == qwen3_30b_a3b(
+        rope_type="yarn", yarn_factor=4.0, yarn_original_max_position_embeddings=32768
+    )
+    assert from_hf_config(long.to_hf_config()) == long
 
 
 REFUSED = {

@@ -96,6 +96,7 @@ def test_padding_rows_are_masked_zero_gradient_and_not_exported(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_vocab_not_divisible_by_tp2_matches_tp1_and_exports_exactly(tmp_path):
     path = save_hf(tmp_path / "ckpt", seed=4)
     result, out = tmp_path / "result.json", tmp_path / "export"
