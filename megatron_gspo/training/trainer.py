@@ -36,7 +36,7 @@ from megatron_gspo.algorithms import RunningMeanStd, compute_group_advantages
 from megatron_gspo.config import ConfigError, RunConfig, build_model_config, build_task, to_yaml, validate
 from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.control_plane import broadcast_from_rank0, call_on_rank0, on_rank0
-from megatron_gspo.model.convert import export_hf_checkpoint, load_hf_checkpoint
+from megatron_gspo.model.convert import ConversionError, export_hf_checkpoint, load_hf_checkpoint
 from megatron_gspo.model.distributed import compute_device, destroy_distributed, init_distributed
 from megatron_gspo.model.optim import build_optimizer, wrap_ddp
 from megatron_gspo.model.packing import packing_layout
@@ -157,7 +157,10 @@ class Trainer:
             aux_loss_coeff=cfg.algorithm.aux_loss_coeff,  # RL's, not the checkpoint's
         )
         if cfg.model.hf_path:
-            load_hf_checkpoint(model, cfg.model.hf_path, self.model_cfg)
+            try:
+                load_hf_checkpoint(model, cfg.model.hf_path, self.model_cfg)
+            except ConversionError as err:  # the user's checkpoint: a named tensor, one line
+                raise ConfigError(f"model.hf_path: {err}") from None
         self.model = wrap_ddp(model, distributed_optimizer=cfg.parallel.distributed_optimizer)
         sp_tp = cfg.parallel.tensor_parallel if cfg.parallel.use_sequence_parallel else 1
         from megatron.core import parallel_state as ps

@@ -275,3 +275,29 @@ def test_unreadable_config_json_is_named(tmp_path, capsys):
     (path / "config.json").write_text("{not json")
     code, err = _plan(tmp_path, path, capsys)
     assert code == 2 and "not readable JSON" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_checkpoint_tensors_not_matching_config_are_one_line_at_train_startup(tmp_path):
+    """config.json readable, a tensor mis-shaped: found after distributed start-up, still exit 2 and named."""
+    import os
+    import subprocess
+    import sys
+
+    from megatron_gspo.model.config import tiny
+    from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+
+    path = make_tiny_hf_checkpoint(tmp_path / "ckpt", tiny(vocab_size=80))
+    edit_config(path, moe_intermediate_size=16)  # the expert tensors are 32 wide
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {{hf_path: {path}}}\ntrainer: {{run_dir: {tmp_path / 'run'}}}\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert "model.hf_path:" in result.stderr and "gate_proj.weight" in result.stderr, result.stderr[-3000:]
