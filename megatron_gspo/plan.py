@@ -91,6 +91,7 @@ def shard_plan(model, parallel, engine, world_size: int, stage: Stage | None = N
     """
     pp = parallel.pipeline_parallel
     stage = stage or pipeline_stages(model.num_layers, pp)[0]
+    model = model.replace(vocab_size=parallel.padded_vocab_size(model.vocab_size))  # rows megatron builds
     dense, expert = _stage_params(model, stage, pp)
     tp, ep, etp = parallel.tensor_parallel, parallel.expert_parallel, parallel.expert_tp
     dense_local, expert_local = dense // tp, expert // (ep * etp)
