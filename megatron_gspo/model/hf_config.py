@@ -195,6 +195,9 @@ def from_hf_config(hf: Mapping[str, Any], where: str = "config.json") -> MoEMode
     if not isinstance(hf, Mapping):
         raise HFConfigError(f"{where}: expected a JSON object, got {type(hf).__name__}")
     _check_supported(hf, where)
+    both = hf.get("num_local_experts"), hf.get("num_experts")
+    if None not in both and both[0] != both[1]:
+        raise HFConfigError(f"{where}: num_local_experts={both[0]!r} and num_experts={both[1]!r} disagree")
     heads = _value(hf, where, int, "num_attention_heads")
     hidden = _value(hf, where, int, "hidden_size")
     fields = {

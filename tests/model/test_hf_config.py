@@ -259,6 +259,7 @@ def test_refused_features_change_hf_forward(tmp_path, feature, changes):
         ({"num_key_value_heads": 0}, "num_key_value_heads=0 must be an integer >= 1"),
         ({"rms_norm_eps": True}, "rms_norm_eps=True must be a finite number"),
         ({"num_experts_per_tok": 9}, "moe_topk=9 must be in"),
+        ({"num_experts": 8}, "num_local_experts=4 and num_experts=8 disagree"),
     ],
 )
 def test_config_reading_errors_are_one_named_line(tmp_path, capsys, changes, message):
