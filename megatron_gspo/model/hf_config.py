@@ -144,12 +144,13 @@ def _check_supported(hf: Mapping[str, Any], where: str) -> None:
 
 def _rope(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     """MoEModelConfig's RoPE fields from `rope_parameters` (5.x) or `rope_theta` + `rope_scaling` (4.x)."""
-    params = hf.get("rope_parameters")
-    if params is None:
-        params = hf.get("rope_scaling")
-    params = dict(params or {})
-    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-        raise _refuse(where, "per-layer-type RoPE", f"rope_parameters={hf.get('rope_parameters')!r}")
+    key = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
+    raw = hf.get(key) or {}
+    if not isinstance(raw, Mapping):
+        raise HFConfigError(f"{where}: {key}={raw!r} must be an object")
+    if any(isinstance(v, Mapping) for v in raw.values()):
+        raise _refuse(where, "per-layer-type RoPE", f"{key}={raw!r}")
+    params = dict(raw)
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = _value(params, where, float, "rope_theta", default=None)
     theta = _value(hf, where, float, "rope_theta", default=_HF_DEFAULT_THETA) if theta is None else theta

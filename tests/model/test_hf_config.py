@@ -260,6 +260,7 @@ def test_refused_features_change_hf_forward(tmp_path, feature, changes):
         ({"rms_norm_eps": True}, "rms_norm_eps=True must be a finite number"),
         ({"num_experts_per_tok": 9}, "moe_topk=9 must be in"),
         ({"num_experts": 8}, "num_local_experts=4 and num_experts=8 disagree"),
+        ({"rope_parameters": "yarn"}, "rope_parameters='yarn' must be an object"),
     ],
 )
 def test_config_reading_errors_are_one_named_line(tmp_path, capsys, changes, message):
