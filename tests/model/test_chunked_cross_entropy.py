@@ -85,3 +85,32 @@ def test_entropy_equals_the_float64_entropy(world_one_model, monkeypatch, tokens
     log_p = torch.log_softmax(logits.bfloat16().double() / 0.7, -1)
     assert ours.shape == (7, 5) and ours.dtype == torch.float32
     assert torch.allclose(ours.double(), -(log_p.exp() * log_p).sum(-1), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens_per_chunk", [3, 10_000], ids=["ragged-chunks", "one-chunk"])
+def test_padded_vocabulary_columns_are_left_out(world_one_model, monkeypatch, dtype, tokens_per_chunk):
+    """Columns past `vocab_size` (megatron's TP padding), however large, change nothing and get no grad.
+
+    Equal to megatron's CE on the real columns up to summation order (the sums run over more columns).
+    """
+    monkeypatch.setattr(chunked, "chunk_tokens", lambda logits: tokens_per_chunk)
+    generator = torch.Generator().manual_seed(2)
+    real = (torch.randn(7, 5, 90, generator=generator) * 4).to(dtype)
+    padded = torch.cat([real, torch.full((7, 5, 6), 60.0, dtype=dtype)], -1)  # would dominate any softmax
+    target = torch.randint(0, 90, (7, 5), generator=generator)
+    upstream = torch.linspace(-1.0, 2.0, 35).view(7, 5)
+
+    ours_in = padded.clone().requires_grad_()
+    ours = chunked.chunked_vocab_parallel_cross_entropy(ours_in, target, temperature=0.7, vocab_size=90)
+    (ours * upstream).sum().backward()
+    theirs_in = real.clone().requires_grad_()
+    theirs = megatron_reference(theirs_in, target, 0.7)
+    (theirs * upstream).sum().backward()
+    torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(ours_in.grad[..., :90], theirs_in.grad)
+    assert torch.equal(ours_in.grad[..., 90:], torch.zeros(7, 5, 6, dtype=dtype))
+    entropy = chunked.chunked_vocab_parallel_entropy(padded, temperature=0.7, vocab_size=90)
+    torch.testing.assert_close(entropy, chunked.chunked_vocab_parallel_entropy(real, temperature=0.7))
+    unmasked = chunked.chunked_vocab_parallel_cross_entropy(padded, target, temperature=0.7)
+    assert (unmasked - theirs).abs().min() > 1.0  # the comparison would see unmasked padding
