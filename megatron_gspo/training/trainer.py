@@ -196,7 +196,10 @@ class Trainer:
         self.sync_dir = weight_sync_dir(cfg)
         if self.rank0 and str(self.sync_dir).startswith("/dev/shm/"):
             claim_export_dir(self.sync_dir.parent)  # after removing the exports of runs that died
-        self.heldout = self.task.heldout(cfg.eval.num_problems)
+        try:
+            self.heldout = self.task.heldout(cfg.eval.num_problems)
+        except ValueError as err:
+            raise ConfigError(f"eval.num_problems={cfg.eval.num_problems}: {err}") from None
         self.weight_sync = WeightSync(
             cfg.weight_sync, self.model, self.model_cfg, self.sync_dir, self.tokenizer
         )
