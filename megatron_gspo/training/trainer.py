@@ -69,7 +69,13 @@ def load_tokenizer(cfg: RunConfig):
     if cfg.model.hf_path:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(cfg.model.hf_path)
+        try:
+            return AutoTokenizer.from_pretrained(cfg.model.hf_path)
+        except (OSError, ValueError) as err:  # no tokenizer files, or ones transformers cannot read
+            message = " ".join(str(err).split())[:300]
+            raise ConfigError(
+                f"model.hf_path={cfg.model.hf_path}: cannot load its tokenizer: {message}"
+            ) from None
     from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 
     return build_char_tokenizer()
