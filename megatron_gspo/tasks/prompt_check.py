@@ -17,6 +17,9 @@ from megatron_gspo.tasks.tokenizer import problem_prompt_ids
 def check_prompts(task: Task, tokenizer, *, add_bos: bool) -> dict[str, int]:
     """Encode every prompt of `task`; returns {"prompts", "longest"} (tokens, BOS included).
 
+    `task.max_prompt_len` counts the prompt's own tokens (chat template included); the BOS that
+    `add_bos` puts first comes on top, as the sequence-length checks of `validate` count it.
+
     Raises:
         ValueError: a prompt that does not encode (named by its row), or prompts longer than
             `task.options.max_prompt_len` (how many, by how much, which row is the longest).
@@ -31,15 +34,15 @@ def check_prompts(task: Task, tokenizer, *, add_bos: bool) -> dict[str, int]:
         except ValueError as err:
             raise ValueError(f"{_where(problem)}: {err}") from None
         lengths.append(len(ids))
-    budget = task.max_prompt_len
+    budget = task.max_prompt_len + int(add_bos)  # the budget counts the prompt, the BOS comes on top
     over = [n - budget for n in lengths if n > budget]
     if over:
         longest = int(np.argmax(lengths))
         raise ValueError(
-            f"{len(over)} of {len(lengths)} prompts are longer than task.options.max_prompt_len={budget} "
-            f"tokens and would be cut, by {min(over)} to {max(over)} tokens (longest {lengths[longest]} "
-            f"tokens, {_where(problems[longest])}); raise task.options.max_prompt_len to {lengths[longest]} "
-            "or drop those rows"
+            f"{len(over)} of {len(lengths)} prompts are longer than task.options.max_prompt_len="
+            f"{task.max_prompt_len} tokens{' + BOS' * add_bos} and would be cut, by {min(over)} to "
+            f"{max(over)} tokens (longest {lengths[longest]} tokens, {_where(problems[longest])}); raise "
+            f"task.options.max_prompt_len to {lengths[longest] - int(add_bos)} or drop those rows"
         )
     return {"prompts": len(lengths), "longest": max(lengths)}
 

@@ -124,13 +124,13 @@ def test_prompt_lengths_are_checked_against_max_prompt_len(tmp_path):
     path = write_jsonl(tmp_path / "m.jsonl", rows)
     tok = build_char_tokenizer()
     task = get_task("math_jsonl", path=path, template="{problem}", chat_template=False, max_prompt_len=30)
-    # prompt k is 14 + 4k characters + BOS: rows k = 4..9 (31..51 tokens) exceed 30 by 1..21
+    # prompt k is 14 + 4k characters + BOS: rows k = 5..9 (35..51 tokens) exceed 30 + BOS by 4..20
     with pytest.raises(ValueError, match=(
-        r"6 of 10 prompts are longer than task.options.max_prompt_len=30 tokens and would be cut, "
-        r"by 1 to 21 tokens \(longest 51 tokens, the prompt of row 10\)"
+        r"5 of 10 prompts are longer than task.options.max_prompt_len=30 tokens \+ BOS and would be cut, "
+        r"by 4 to 20 tokens \(longest 51 tokens, the prompt of row 10\)"
     )):  # fmt: skip
         check_prompts(task, tok, add_bos=True)
-    task.max_prompt_len = 51
+    task.max_prompt_len = 50
     assert check_prompts(task, tok, add_bos=True) == {"prompts": 10, "longest": 51}
     rows.append({"problem": "What is 2 ^ 3?", "answer": "8"})  # '^' is not in the character alphabet
     task = get_task("math_jsonl", path=write_jsonl(tmp_path / "m.jsonl", rows), template="{problem}",
