@@ -5,7 +5,8 @@
 GSM8K-shaped pairs (integer references, completions right half the time, some with thousands
 separators or a trailing unit), the common case of a math RL step. `fast` is `answers_match`
 as the reward runs it (normalise, then equal strings or equal fractions, math-verify only for
-what that cannot decide); `math_verify` is `parse` + `verify` on every pair. Both must give
+what that cannot decide); `math_verify` is `parse` + `verify` on every pair (the reference's
+parse cached, as the reward caches it). Both must give
 the same verdicts; the ratio is measured in one run, alternating the two.
 """
 

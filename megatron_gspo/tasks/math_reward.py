@@ -15,6 +15,7 @@ it runs without that timeout, and `_bounded_cost` keeps out what could run for m
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from dataclasses import dataclass
@@ -200,7 +201,7 @@ def check_reference(reference: str) -> str:
     answer = reference_answer(reference)
     if parse_number(normalize_answer(answer)) is not None:
         return answer
-    parsed = _parse(answer)
+    parsed = _parse_reference(answer)
     if not parsed or isinstance(parsed[0], str):
         raise ValueError(f"reference answer {_clip(answer)!r} does not parse as math (math-verify)")
     return answer
@@ -241,13 +242,19 @@ def _parse(answer: str) -> list:
     return parse(f"\\boxed{{{answer}}}", parsing_timeout=_timeout_s())
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _parse_reference(answer: str) -> tuple:
+    """A reference parsed once (~5-20 ms of LaTeX parsing), not once per scored completion."""
+    return tuple(_parse(answer))
+
+
 def math_verify_equal(prediction: str, reference: str) -> bool:
     """math-verify's judgement of two bare answers (False for answers outside the cost guard)."""
     from math_verify import verify
 
     if not (_bounded_cost(prediction) and _bounded_cost(reference)):
         return False
-    gold, target = _parse(reference), _parse(prediction)
+    gold, target = list(_parse_reference(reference)), _parse(prediction)
     return bool(gold and target and verify(gold, target, timeout_seconds=_timeout_s()))
 
 
