@@ -341,7 +341,8 @@ class Trainer:
         batch, advantages = local[:2] if isinstance(local, tuple) else (None, None)
         t1 = time.perf_counter()
         metrics = dict(shared["metrics"])
-        self.zero_reward.update(self.step, metrics)
+        if self.rank0:  # one warning, not one per rank
+            self.zero_reward.update(self.step, metrics)
         self.counters["dropped_groups"] += shared["dropped_groups"]
         all_zero = shared["all_zero"]
         metrics["train/all_zero_adv_batch"] = float(all_zero)
