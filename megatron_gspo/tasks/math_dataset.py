@@ -119,6 +119,10 @@ class MathJsonlTask(Task):
         r"""Whether `completion` states a final answer (a closed \boxed{} or a "#### N" line)."""
         return extract_answer(completion)[0] is not None
 
+    def sft_example(self, problem: Problem) -> tuple[str, str]:
+        r"""(prompt, "\boxed{answer}"): a cold start must teach the form the reward reads."""
+        return problem.prompt, f"\\boxed{{{problem.answer}}}"
+
     def is_correct(self, problem: Problem, completion: str) -> bool:
         """Correct means full reward (the final answer matches)."""
         return self.reward(problem, completion) == 1.0

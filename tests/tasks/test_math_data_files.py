@@ -56,6 +56,8 @@ def test_gsm8k_jsonl_references_become_their_final_answers(files):
     assert task.reward(task.problems[1], "so\n#### 4") == 1.0
     assert task.reward(task.problems[1], "\\boxed{5}") == 0.0
     assert not task.has_answer("four apples") and task.has_answer("\\boxed{4}")
+    prompt, target = task.sft_example(task.problems[1])  # SFT teaches the form the reward reads
+    assert target == "\\boxed{4}" and task.reward(task.problems[1], target) == 1.0
 
 
 def test_math_parquet_solutions_give_their_boxed_answer(files):
