@@ -119,9 +119,9 @@ class MathJsonlTask(Task):
         r"""Whether `completion` states a final answer (a closed \boxed{} or a "#### N" line)."""
         return extract_answer(completion)[0] is not None
 
-    def sft_example(self, problem: Problem) -> tuple[str, str]:
-        r"""(prompt, "\boxed{answer}"): a cold start must teach the form the reward reads."""
-        return problem.prompt, f"\\boxed{{{problem.answer}}}"
+    def sft_example(self, problem: Problem) -> tuple[str | list[dict[str, str]], str]:
+        r"""(prompt or chat messages, "\boxed{answer}"): cold start teaches the form the reward reads."""
+        return problem.metadata.get("messages") or problem.prompt, f"\\boxed{{{problem.answer}}}"
 
     def is_correct(self, problem: Problem, completion: str) -> bool:
         """Correct means full reward (the final answer matches)."""

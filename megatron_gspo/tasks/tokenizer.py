@@ -6,6 +6,8 @@ rollout server, the trainer and HF `AutoTokenizer` all read the same files.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -97,14 +99,12 @@ def resolve_add_bos(add_bos: bool | None, tokenizer) -> bool:
 
 def problem_prompt_ids(tokenizer, problem, *, add_bos: bool, chat_template: bool | None = None) -> list[int]:
     """`encode_prompt` of a `Problem`: its chat messages when the data set gave some, else its text."""
-    messages = problem.metadata.get("messages")
-    return encode_prompt(
-        tokenizer, problem.prompt, add_bos=add_bos, chat_template=chat_template, messages=messages
-    )
+    prompt = problem.metadata.get("messages") or problem.prompt
+    return encode_prompt(tokenizer, prompt, add_bos=add_bos, chat_template=chat_template)
 
 
 def encode_prompt(
-    tokenizer, prompt: str, *, add_bos: bool, chat_template: bool | None = None, messages=None
+    tokenizer, prompt: str | Sequence[Mapping[str, str]], *, add_bos: bool, chat_template: bool | None = None
 ) -> list[int]:
     """Token ids of a prompt as the policy sees it: raw text, or one user turn of the chat template.
 
@@ -114,11 +114,10 @@ def encode_prompt(
 
     Args:
         tokenizer: the run's tokenizer.
-        prompt: the task's prompt text.
+        prompt: the task's prompt text, or a whole conversation ([{"role", "content"}], e.g. a
+            system turn first, as DAPO/verl data sets give it), which needs the chat template.
         add_bos: start with the tokenizer's BOS token (`task.add_bos`).
         chat_template: apply the chat template; None: when the tokenizer has one.
-        messages: the whole conversation ([{"role", "content"}], e.g. a system turn first) to
-            render instead of `prompt` as one user turn; needs the chat template.
 
     Returns:
         [P] token ids.
@@ -130,6 +129,7 @@ def encode_prompt(
     use_template = has_chat_template(tokenizer) if chat_template is None else chat_template
     if use_template and not has_chat_template(tokenizer):
         raise ValueError("task.options.chat_template=true, but the tokenizer has no chat template")
+    messages = None if isinstance(prompt, str) else list(prompt)
     if messages is not None and not use_template:
         raise ValueError(
             "the data set's prompts are chat messages, which need the tokenizer's chat template "
@@ -141,7 +141,7 @@ def encode_prompt(
             "task.add_bos=true, but the tokenizer has no BOS token; set task.add_bos=false or leave it unset"
         )
     if use_template:
-        turns = list(messages) if messages is not None else [{"role": "user", "content": prompt}]
+        turns = messages if messages is not None else [{"role": "user", "content": prompt}]
         text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
         ids = encode_text(tokenizer, text)
         return [bos] + ids if add_bos and ids[0] != bos else ids

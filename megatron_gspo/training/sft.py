@@ -39,11 +39,12 @@ logger = logging.getLogger(__name__)
 
 
 def sft_example_ids(
-    tokenizer, prompt: str, target: str, *, add_bos: bool, chat_template: bool | None = None
+    tokenizer, prompt, target: str, *, add_bos: bool, chat_template: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [N], target mask [N] bool) of BOS + prompt + target + EOS; the mask covers target + EOS.
 
-    The prompt is encoded as the rollouts encode it (`encode_prompt`, chat template included).
+    The prompt (text or chat messages) is encoded as the rollouts encode it (`encode_prompt`,
+    chat template included).
     """
     head = encode_prompt(tokenizer, prompt, add_bos=add_bos, chat_template=chat_template)
     tail = encode_text(tokenizer, target) + [tokenizer.eos_token_id]

@@ -163,3 +163,27 @@ def test_prompt_longer_than_max_prompt_len_is_one_named_line(data, tmp_path):
     done = run_cli(files, tmp_path / "run", "gsm8k", "task.add_bos=true")
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "task.add_bos=true, but the tokenizer has no BOS token" in done.stderr
+
+
+def test_chat_message_prompts_render_the_same_for_rollouts_and_sft(data, tmp_path):
+    from transformers import AutoTokenizer
+
+    from megatron_gspo.tasks import get_task
+    from megatron_gspo.training.sft import sft_example_ids
+
+    _, files = data
+    tokenizer = AutoTokenizer.from_pretrained(files["model"])
+    rows = [{"prompt": [{"role": "system", "content": "Put the answer in a box."},
+                        {"role": "user", "content": r["question"]}],
+             "reward_model": {"ground_truth": r["answer"]}} for r in GSM8K]  # fmt: skip
+    path = tmp_path / "verl.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = get_task("math_jsonl", path=str(path), prompt_key="prompt", answer_key="reward_model.ground_truth")
+    cfg = load_config(None, [])
+    engine = RolloutEngine(None, task, tokenizer, cfg.rollout, vocab_size=448, add_bos=False)
+    problem = task.problems[0]
+    prompt_ids = engine.prompt_ids(problem)
+    assert tokenizer.decode(prompt_ids).startswith("<|im_start|>system\nPut the answer in a box.<|im_end|>\n")
+    tokens, mask = sft_example_ids(tokenizer, *task.sft_example(problem), add_bos=False)
+    assert tokens[: len(prompt_ids)].tolist() == prompt_ids and not mask[: len(prompt_ids)].any()
+    assert tokenizer.decode(tokens[mask]) == f"\\boxed{{{problem.answer}}}<|im_end|>"
