@@ -68,7 +68,12 @@ def demo_padding(steps: int) -> float:
     """Padding fraction of the demo config's micro-batches over `steps` RL steps of its prompt stream."""
     from megatron_gspo.config import build_task, load_config
     from megatron_gspo.tasks import PromptStream
-    from megatron_gspo.tasks.tokenizer import build_char_tokenizer, encode_prompt, encode_text
+    from megatron_gspo.tasks.tokenizer import (
+        build_char_tokenizer,
+        encode_prompt,
+        encode_text,
+        resolve_add_bos,
+    )
 
     cfg = load_config(DEMO_CONFIG)
     task, tokenizer = build_task(cfg), build_char_tokenizer()
@@ -81,7 +86,9 @@ def demo_padding(steps: int) -> float:
     for _ in range(steps):
         rows = []
         for problem in stream.next_batch():
-            prompt = encode_prompt(tokenizer, problem.prompt, add_bos=cfg.task.add_bos)
+            prompt = encode_prompt(
+                tokenizer, problem.prompt, add_bos=resolve_add_bos(cfg.task.add_bos, tokenizer)
+            )
             rows += [len(prompt) + len(encode_text(tokenizer, problem.answer)) + 1] * cfg.rollout.group_size
         padding = cut_stats(rows, cfg.algorithm.num_mini_batches, layout)["padding"]
         tokens += sum(rows)

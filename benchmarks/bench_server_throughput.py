@@ -46,10 +46,13 @@ def export_demo_model(out_dir: Path):
 def demo_prompts(cfg, tokenizer, count: int) -> list[list[int]]:
     from megatron_gspo.config import build_task
     from megatron_gspo.tasks import PromptStream
-    from megatron_gspo.tasks.tokenizer import encode_prompt
+    from megatron_gspo.tasks.tokenizer import encode_prompt, resolve_add_bos
 
     problems = PromptStream(build_task(cfg), count, seed=0).next_batch()
-    return [encode_prompt(tokenizer, p.prompt, add_bos=cfg.task.add_bos) for p in problems]
+    return [
+        encode_prompt(tokenizer, p.prompt, add_bos=resolve_add_bos(cfg.task.add_bos, tokenizer))
+        for p in problems
+    ]
 
 
 def server_call(client, prompts, new_tokens: int, temperature: float):

@@ -36,14 +36,16 @@ def demo_batch(cfg, model, tokenizer):
     from megatron_gspo.model.logprobs import sequence_logprobs
     from megatron_gspo.rollout import RolloutBatch, RolloutSample
     from megatron_gspo.tasks import PromptStream
-    from megatron_gspo.tasks.tokenizer import encode_prompt, encode_text
+    from megatron_gspo.tasks.tokenizer import encode_prompt, encode_text, resolve_add_bos
 
     task = build_task(cfg)
     gen = torch.Generator().manual_seed(0)
     samples = []
     problems = PromptStream(task, cfg.rollout.rollout_batch_size, seed=cfg.trainer.seed).next_batch()
     for g, problem in enumerate(problems):
-        prompt = torch.tensor(encode_prompt(tokenizer, problem.prompt, add_bos=cfg.task.add_bos))
+        prompt = torch.tensor(
+            encode_prompt(tokenizer, problem.prompt, add_bos=resolve_add_bos(cfg.task.add_bos, tokenizer))
+        )
         response = torch.tensor(encode_text(tokenizer, problem.answer) + [tokenizer.eos_token_id])
         for _ in range(cfg.rollout.group_size):
             reward = float(torch.rand((), generator=gen) > 0.5)

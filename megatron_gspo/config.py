@@ -56,8 +56,9 @@ class TaskConfig:
     """Registered task name (addition, sort_digits, math_jsonl)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the task's constructor (e.g. min_digits, max_digits)."""
-    add_bos: bool = True
-    """Prepend the tokenizer's BOS token to every prompt."""
+    add_bos: bool | None = None
+    """Prepend the tokenizer's BOS token to every prompt (unset: when the tokenizer has one;
+    Qwen tokenizers have none)."""
 
 
 @dataclass
@@ -227,6 +228,10 @@ class EvalConfig:
     """Evaluate the cold-start policy before RL."""
     at_end: bool = True
     """Evaluate after the last step."""
+    path: str | None = None
+    """Held-out problems from this file (e.g. GSM8K's test split; same format and keys as
+    task.options.path) instead of the prompt-hash split of the training file: the first
+    num_problems rows, and every training row is trained on (file-backed tasks only)."""
 
 
 @dataclass
@@ -297,11 +302,21 @@ class LoggingConfig:
     """Show a tqdm progress bar with the key numbers."""
     level: str = "INFO"
     """Python logging level of the text log (DEBUG, INFO, WARNING, ERROR, CRITICAL)."""
+    samples_per_step: int = 0
+    """Write this many (prompt, completion, reward) rows per step to run_dir/samples.jsonl and
+    TensorBoard text, spread over the step's groups (0: none)."""
+    zero_reward_warn_steps: int = 10
+    """Warn loudly when the rollout reward is exactly 0 for this many steps in a row (0: never)."""
 
     def __post_init__(self) -> None:
         if self.level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ValueError(
                 f"logging.level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got {self.level!r}"
+            )
+        if self.samples_per_step < 0 or self.zero_reward_warn_steps < 0:
+            raise ValueError(
+                "logging.samples_per_step and logging.zero_reward_warn_steps must be >= 0 (0: off), got "
+                f"{self.samples_per_step} and {self.zero_reward_warn_steps}"
             )
 
 
@@ -569,18 +584,20 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     if cfg.task.name not in available_tasks():
         raise ConfigError(f"task.name={cfg.task.name!r}; available: {', '.join(available_tasks())}")
     task = build_task(cfg)
-    longest = task.max_prompt_len + int(cfg.task.add_bos) + rollout.max_new_tokens
+    bos = cfg.task.add_bos is not False  # unset: the tokenizer decides; count the BOS it may add
+    longest = task.max_prompt_len + int(bos) + rollout.max_new_tokens
     if longest > model_cfg.max_position_embeddings:
         raise ConfigError(
-            f"prompt ({task.max_prompt_len}) + BOS + rollout.max_new_tokens ({rollout.max_new_tokens}) = "
-            f"{longest} exceeds the model's max_position_embeddings={model_cfg.max_position_embeddings}"
+            f"prompt (task.options.max_prompt_len or the task's, {task.max_prompt_len}){' + BOS' * bos} + "
+            f"rollout.max_new_tokens ({rollout.max_new_tokens}) = {longest} exceeds the model's "
+            f"max_position_embeddings={model_cfg.max_position_embeddings}"
         )
     pad = cfg.parallel.tensor_parallel if cfg.parallel.use_sequence_parallel else 1
     packed = -(-longest // pad) * pad  # sequence parallelism pads every row to a multiple of TP
     if 0 < budget < packed:
         raise ConfigError(
             f"trainer.max_tokens_per_micro_batch={budget} is below the longest possible row: prompt "
-            f"({task.max_prompt_len}){' + BOS' * cfg.task.add_bos} + rollout.max_new_tokens "
+            f"({task.max_prompt_len}){' + BOS' * bos} + rollout.max_new_tokens "
             f"({rollout.max_new_tokens}) = {longest} "
             f"tokens, {packed} positions packed (rows pad to a multiple of the sequence-parallel TP {pad})"
         )
@@ -659,7 +676,16 @@ def build_task(cfg: RunConfig):
     from megatron_gspo.tasks import get_task
 
     try:
-        return get_task(cfg.task.name, **cfg.task.options)
+        task = get_task(cfg.task.name, **cfg.task.options)
+        if cfg.eval.path:
+            if not hasattr(task, "use_eval_file"):
+                raise ConfigError(
+                    f"eval.path is for tasks read from a file (math_jsonl), not task.name={cfg.task.name!r}"
+                )
+            task.use_eval_file(cfg.eval.path)
+        return task
+    except ConfigError:
+        raise
     except (KeyError, TypeError, ValueError) as err:
         raise ConfigError(f"task: {err.args[0] if err.args else err}") from None
     except OSError as err:  # a data file that is missing or unreadable

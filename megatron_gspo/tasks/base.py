@@ -69,6 +69,14 @@ class Task(ABC):
         """Exact match of the stripped completion with the reference answer."""
         return completion.strip() == problem.answer
 
+    def has_answer(self, completion: str) -> bool:
+        """Whether `completion` states an answer at all (`rollout/no_answer_frac` counts those without)."""
+        return bool(completion.strip())
+
+    def all_problems(self) -> list[Problem] | None:
+        """Every problem of a file-backed task (checked at start-up); None for generated ones."""
+        return None
+
     def is_heldout(self, problem: Problem) -> bool:
         """Whether `problem` belongs to the held-out split (a pure function of its prompt)."""
         return stable_bucket(problem.prompt, self.heldout_buckets) == 0

@@ -1,35 +1,39 @@
-r"""Math problems from a JSON-lines file, scored by the \boxed{} answer reward (for real runs)."""
+r"""Math problems from a data file (JSON lines, Parquet, `datasets` directory), scored by the math reward."""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import numpy as np
 
 from megatron_gspo.tasks.base import Problem, Task, register_task
-from megatron_gspo.tasks.math_reward import math_reward
+from megatron_gspo.tasks.data_files import chat_messages, field, read_rows
+from megatron_gspo.tasks.math_reward import check_reference, extract_answer, math_reward
 
 DEFAULT_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
 @register_task("math_jsonl")
 class MathJsonlTask(Task):
-    r"""One problem per JSON line; reward 1.0 when the completion's last \boxed{} matches the answer.
+    r"""One problem per row; reward 1.0 when the completion's final answer matches the reference.
 
-    The field names follow the data set (`problem`/`answer` by default, as MATH and DAPO-style
-    sets; e.g. `prompt_key="question"` for GSM8K-style rows). The problem text is placed in
-    `template`; the prompt then goes through the tokenizer's chat template as one user turn
-    when `chat_template` says so (`tasks.tokenizer.encode_prompt`). The held-out split is the
-    usual prompt-hash split over the file's rows.
+    The data set is a JSON-lines file, a Parquet file or a `datasets` `save_to_disk` directory
+    (`tasks.data_files`). The field names follow it: MATH `problem`/`solution`, GSM8K
+    `question`/`answer`, DAPO/verl `prompt` (a list of chat messages) and
+    `reward_model.ground_truth` (a dotted key reaches into nested fields). References may be
+    bare answers or whole solutions (their last \boxed{} or "#### N"); each is checked when the
+    file is read, and one without a parseable final answer is refused naming its row.
+
+    A text problem is placed in `template`, then goes through the tokenizer's chat template as
+    one user turn when `chat_template` says so; a chat-message prompt is used as it is (its own
+    instructions, no template) and needs the chat template. Held-out problems are the usual
+    prompt-hash split of the rows, or the rows of a separate file (`use_eval_file`, `eval.path`).
 
     Args:
-        path: JSON-lines file, one object per line.
-        prompt_key: field holding the problem text.
-        answer_key: field holding the reference answer (bare or in \boxed{}).
+        path: the data set (`task.options.path`).
+        prompt_key: field holding the problem text or the chat messages.
+        answer_key: field holding the reference answer or solution.
         template: prompt text; "{problem}" is replaced by the problem (other braces are literal).
         chat_template: apply the tokenizer's chat template (None: when the tokenizer has one).
-        max_prompt_len: prompt budget in tokens, for the rollout and packing configuration.
+        max_prompt_len: prompt budget in tokens (every prompt is checked against it at start-up).
         max_answer_len: response budget in tokens.
     """
 
@@ -49,37 +53,76 @@ class MathJsonlTask(Task):
             raise ValueError(f"chat_template must be true, false or unset, got {chat_template!r}")
         self.chat_template = chat_template
         self.max_prompt_len, self.max_answer_len = max_prompt_len, max_answer_len
-        self.problems: list[Problem] = []
-        keys = {"prompt_key": prompt_key, "answer_key": answer_key}
-        with Path(path).open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
+        self.prompt_key, self.answer_key, self.template = prompt_key, answer_key, template
+        self.problems = self._read(path, "task.options.path")
+        self.eval_problems: list[Problem] | None = None
+
+    def _read(self, path: str, option: str) -> list[Problem]:
+        unit, rows = read_rows(path, option)
+        keys = {"prompt_key": self.prompt_key, "answer_key": self.answer_key}
+        problems = []
+        for number, row in rows:
+            values = {}
+            for name, key in keys.items():
                 try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path} line {number} is not JSON: {err.msg}") from None
-                if not isinstance(row, dict):
-                    raise ValueError(f"{path} line {number} is a JSON {type(row).__name__}, not an object")
-                missing = [f"{option}={key!r}" for option, key in keys.items() if key not in row]
-                if missing:
+                    values[name] = field(row, key)
+                except KeyError:
                     raise ValueError(
-                        f"{path} line {number} has no field for task.options.{', '.join(missing)}; "
+                        f"{path} {unit} {number} has no field for task.options.{name}={key!r}; "
                         f"its fields: {sorted(row)}"
-                    )
-                prompt = template.replace("{problem}", str(row[prompt_key]))
-                self.problems.append(Problem(prompt, str(row[answer_key]), {"line": number}))
-        if not self.problems:
-            raise ValueError(f"{path} holds no problems")
+                    ) from None
+            try:
+                answer = check_reference(str(values["answer_key"]))
+            except ValueError as err:
+                raise ValueError(
+                    f"{path} {unit} {number} (task.options.answer_key={self.answer_key!r}): {err}"
+                ) from None
+            messages = chat_messages(values["prompt_key"])
+            if messages is not None:
+                prompt = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+                metadata = {"line": number, "messages": messages}
+            else:
+                prompt = self.template.replace("{problem}", str(values["prompt_key"]))
+                metadata = {"line": number}
+            problems.append(Problem(prompt, answer, metadata))
+        if not problems:
+            raise ValueError(f"{option}={path} holds no problems")
+        return problems
+
+    def use_eval_file(self, path: str) -> None:
+        """Take held-out problems from `path` (same keys and template) and train on every training row."""
+        self.eval_problems = self._read(path, "eval.path")
+
+    def is_heldout(self, problem: Problem) -> bool:
+        """The prompt-hash split, or never for a training row once a separate eval file is used."""
+        return False if self.eval_problems is not None else super().is_heldout(problem)
+
+    def heldout(self, n: int, seed: int = 0) -> list[Problem]:
+        """The first `n` rows of the eval file (all of them when it has fewer), else the hash split."""
+        if self.eval_problems is None:
+            return super().heldout(n, seed)
+        return self.eval_problems[:n]
+
+    def all_problems(self) -> list[Problem]:
+        """Every problem the run can see: training rows and eval-file rows."""
+        return self.problems + (self.eval_problems or [])
 
     def draw_problem(self, rng: np.random.Generator) -> Problem:
         """A uniformly chosen row."""
         return self.problems[int(rng.integers(len(self.problems)))]
 
     def reward(self, problem: Problem, completion: str) -> float:
-        r"""1.0 if the last \boxed{} of `completion` matches the reference answer, else 0.0."""
+        r"""1.0 if the final answer of `completion` matches the reference answer, else 0.0."""
         return math_reward(completion, problem.answer).reward
 
+    def has_answer(self, completion: str) -> bool:
+        r"""Whether `completion` states a final answer (a closed \boxed{} or a "#### N" line)."""
+        return extract_answer(completion)[0] is not None
+
+    def sft_example(self, problem: Problem) -> tuple[str | list[dict[str, str]], str]:
+        r"""(prompt or chat messages, "\boxed{answer}"): cold start teaches the form the reward reads."""
+        return problem.metadata.get("messages") or problem.prompt, f"\\boxed{{{problem.answer}}}"
+
     def is_correct(self, problem: Problem, completion: str) -> bool:
-        """Correct means full reward (the boxed answer matches)."""
+        """Correct means full reward (the final answer matches)."""
         return self.reward(problem, completion) == 1.0

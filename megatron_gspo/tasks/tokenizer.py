@@ -6,6 +6,8 @@ rollout server, the trainer and HF `AutoTokenizer` all read the same files.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -90,7 +92,20 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def encode_prompt(tokenizer, prompt: str, *, add_bos: bool, chat_template: bool | None = None) -> list[int]:
+def resolve_add_bos(add_bos: bool | None, tokenizer) -> bool:
+    """`task.add_bos`, or when unset whether the tokenizer has a BOS token (Qwen's have none)."""
+    return getattr(tokenizer, "bos_token_id", None) is not None if add_bos is None else add_bos
+
+
+def problem_prompt_ids(tokenizer, problem, *, add_bos: bool, chat_template: bool | None = None) -> list[int]:
+    """`encode_prompt` of a `Problem`: its chat messages when the data set gave some, else its text."""
+    prompt = problem.metadata.get("messages") or problem.prompt
+    return encode_prompt(tokenizer, prompt, add_bos=add_bos, chat_template=chat_template)
+
+
+def encode_prompt(
+    tokenizer, prompt: str | Sequence[Mapping[str, str]], *, add_bos: bool, chat_template: bool | None = None
+) -> list[int]:
     """Token ids of a prompt as the policy sees it: raw text, or one user turn of the chat template.
 
     With the chat template, the rendered text (ending in the assistant header, as for
@@ -99,7 +114,8 @@ def encode_prompt(tokenizer, prompt: str, *, add_bos: bool, chat_template: bool 
 
     Args:
         tokenizer: the run's tokenizer.
-        prompt: the task's prompt text.
+        prompt: the task's prompt text, or a whole conversation ([{"role", "content"}], e.g. a
+            system turn first, as DAPO/verl data sets give it), which needs the chat template.
         add_bos: start with the tokenizer's BOS token (`task.add_bos`).
         chat_template: apply the chat template; None: when the tokenizer has one.
 
@@ -113,13 +129,20 @@ def encode_prompt(tokenizer, prompt: str, *, add_bos: bool, chat_template: bool 
     use_template = has_chat_template(tokenizer) if chat_template is None else chat_template
     if use_template and not has_chat_template(tokenizer):
         raise ValueError("task.options.chat_template=true, but the tokenizer has no chat template")
+    messages = None if isinstance(prompt, str) else list(prompt)
+    if messages is not None and not use_template:
+        raise ValueError(
+            "the data set's prompts are chat messages, which need the tokenizer's chat template "
+            "(the tokenizer has none, or task.options.chat_template=false)"
+        )
     bos = getattr(tokenizer, "bos_token_id", None)
     if add_bos and bos is None:
-        raise ValueError("task.add_bos=true, but the tokenizer has no BOS token; set task.add_bos=false")
-    if use_template:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        raise ValueError(
+            "task.add_bos=true, but the tokenizer has no BOS token; set task.add_bos=false or leave it unset"
         )
+    if use_template:
+        turns = messages if messages is not None else [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
         ids = encode_text(tokenizer, text)
         return [bos] + ids if add_bos and ids[0] != bos else ids
     return ([bos] if add_bos else []) + encode_text(tokenizer, prompt)

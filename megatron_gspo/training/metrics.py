@@ -2,17 +2,21 @@
 
 Only global rank 0 writes. Non-finite values are written as JSON null. On resume, lines of
 steps after the checkpoint (written by the interrupted run) are dropped, so the file reads
-like one uninterrupted run.
+like one uninterrupted run. The same holds for samples.jsonl: a few (prompt, completion,
+reward) rows per step, also shown as TensorBoard text (`logging.samples_per_step`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
 
 # Key numbers shown on the progress bar: metric key -> short label.
 PROGRESS_KEYS = {
@@ -53,15 +57,17 @@ class MetricsLogger:
                  tensorboard: bool = True, progress_bar: bool = True, label: str = "RL"):  # fmt: skip
         self.enabled = enabled
         self.path = Path(run_dir, "metrics.jsonl")
+        self.samples_path = Path(run_dir, "samples.jsonl")
         self._writer = None
         self._bar = None
         self.last: dict[str, Any] = {}
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():
-            kept = [r for r in read_metrics(self.path) if r.get("step", -1) < first_step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        for path in (self.path, self.samples_path):
+            if path.exists():
+                kept = [r for r in read_metrics(path) if r.get("step", -1) < first_step]
+                path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -91,6 +97,22 @@ class MetricsLogger:
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(1 if step > 0 else 0)
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Append a step's rows (prompt, answer, completion, reward) to samples.jsonl and TensorBoard."""
+        if not self.enabled or not rows:
+            return
+        with self.samples_path.open("a") as f:
+            for row in rows:
+                f.write(json.dumps({"step": step, **row}) + "\n")
+        if self._writer is not None:
+            text = "\n\n".join(
+                f"**reward {row['reward']:g}** (answer `{row['answer']}`)\n\n"
+                f"```\n{row['prompt']}\n```\n\n```\n{row['completion']}\n```"
+                for row in rows
+            )
+            self._writer.add_text("samples", text, step)
+            self._writer.flush()
+
     def close(self) -> None:
         """Flush and close the writers."""
         if self._writer is not None:
@@ -101,3 +123,34 @@ class MetricsLogger:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class ZeroRewardWatch:
+    """Warns loudly when the rollout reward is exactly 0 for `steps` steps in a row (0: never).
+
+    A run on zero reward has nothing to learn from and still exits 0; the usual causes are a
+    reward that cannot read the answers (look at `rollout/no_answer_frac` and samples.jsonl) or
+    a policy too weak for the task. The warning repeats every `steps` zero steps.
+    """
+
+    def __init__(self, steps: int):
+        self.steps, self.run = steps, 0
+
+    def update(self, step: int, metrics: dict[str, Any]) -> bool:
+        """Count this step's reward; True (and a warning logged) when the zero run reaches k x `steps`."""
+        reward = metrics.get("rollout/reward_mean")
+        self.run = self.run + 1 if reward == 0.0 else 0
+        if not self.steps or not self.run or self.run % self.steps:
+            return False
+        no_answer = metrics.get("rollout/no_answer_frac")
+        logger.warning(
+            "!!! step %d: the rollout reward has been exactly 0 for %d steps in a row: nothing is being "
+            "learned. %s Look at run_dir/samples.jsonl (logging.samples_per_step) to see what the model "
+            "writes and what the reward expects (logging.zero_reward_warn_steps sets this check).",
+            step,
+            self.run,
+            f"{no_answer:.0%} of the completions have no answer the reward can extract."
+            if isinstance(no_answer, float)
+            else "",
+        )
+        return True

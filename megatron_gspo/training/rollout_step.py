@@ -27,7 +27,7 @@ from megatron_gspo.rollout import (
     parse_generate_response,
 )
 from megatron_gspo.tasks import Problem, Task
-from megatron_gspo.tasks.tokenizer import encode_prompt
+from megatron_gspo.tasks.tokenizer import problem_prompt_ids
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,16 @@ def sampling_seeds(seed: int, step: int, rows: int) -> list[int]:
     return ((pairs[:, 0] << 30) ^ pairs[:, 1]).tolist()
 
 
+def sample_rows(scored: Sequence[tuple[Problem, str, float]], n: int, group_size: int) -> list[dict]:
+    """`n` of a step's (problem, completion, reward) as log rows: one per group first, then the rest."""
+    order = sorted(range(len(scored)), key=lambda i: (i % group_size, i))
+    return [
+        {"prompt": scored[i][0].prompt, "answer": scored[i][0].answer, "completion": scored[i][1],
+         "reward": scored[i][2]}
+        for i in order[:n]
+    ]  # fmt: skip
+
+
 class RolloutEngine:
     """Rank 0's handle on the rollout servers: sample scored groups, greedy completions, weight sync.
 
@@ -57,19 +67,22 @@ class RolloutEngine:
         vocab_size: the policy's vocabulary (token ids are checked against it).
         add_bos: prepend BOS to prompts.
         routed_experts: (layers, k, experts): ask for and validate routed experts (R3, drift).
+        samples_per_step: (prompt, completion, reward) rows a batch keeps in `stats["sample_rows"]`.
     """
 
     def __init__(self, client: SGLangClient, task: Task, tokenizer, cfg: RolloutConfig, *, vocab_size: int,
-                 add_bos: bool = True, routed_experts: tuple[int, int, int] | None = None):  # fmt: skip
+                 add_bos: bool = True, routed_experts: tuple[int, int, int] | None = None,
+                 samples_per_step: int = 0):  # fmt: skip
         self.client, self.task, self.tokenizer, self.cfg = client, task, tokenizer, cfg
         self.vocab_size = vocab_size
         self.add_bos = add_bos
         self.routed_experts = routed_experts
+        self.samples_per_step = samples_per_step
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         """Token ids of a prompt (BOS first when configured; the task's chat-template choice)."""
-        return encode_prompt(
-            self.tokenizer, problem.prompt, add_bos=self.add_bos, chat_template=self.task.chat_template
+        return problem_prompt_ids(
+            self.tokenizer, problem, add_bos=self.add_bos, chat_template=self.task.chat_template
         )
 
     def completion_text(self, sample: RolloutSample) -> str:
@@ -88,7 +101,9 @@ class RolloutEngine:
             weight_version: the version the engine must report (when `check_weight_version`).
 
         Returns:
-            A batch whose `rewards` are filled; its `stats` add `unparseable_samples`.
+            A batch whose `rewards` are filled; its `stats` add `unparseable_samples`,
+            `no_answer_frac` (scored completions without an answer, `Task.has_answer`) and
+            `sample_rows` (`samples_per_step` rows spread over the groups, for the samples log).
 
         Raises:
             RolloutValidationError: a bad response with `on_invalid=raise`, or no group left.
@@ -117,7 +132,7 @@ class RolloutEngine:
                 )
                 prompts.append(ids)
         responses = self.client.generate_batched(bodies)
-        samples, unparseable = [], 0
+        samples, unparseable, no_answer, rows = [], 0, 0, []
         for row, (ids, body, response) in enumerate(zip(prompts, bodies, responses)):
             try:
                 layout = dict(zip(("num_layers", "topk", "num_experts"), self.routed_experts or ()))
@@ -136,8 +151,11 @@ class RolloutEngine:
                 continue
             problem = problems[row // g]
             sample.group_index = row // g
-            sample.reward = float(self.task.reward(problem, self.completion_text(sample)))
+            text = self.completion_text(sample)
+            sample.reward = float(self.task.reward(problem, text))
+            no_answer += not self.task.has_answer(text)
             samples.append(sample)
+            rows.append((problem, text, sample.reward))
         batch = RolloutBatch.from_samples(
             samples,
             g,
@@ -146,6 +164,8 @@ class RolloutEngine:
             pad_token_id=self.tokenizer.pad_token_id,
         )
         batch.stats["unparseable_samples"] = unparseable
+        batch.stats["no_answer_frac"] = no_answer / max(len(samples), 1)
+        batch.stats["sample_rows"] = sample_rows(rows, self.samples_per_step, g)
         return batch
 
     def greedy_completions(self, problems: Sequence[Problem]) -> list[str]:

@@ -31,7 +31,7 @@ from megatron_gspo.model.generate import greedy_generate
 from megatron_gspo.model.optim import OptimConfig, build_optimizer, dp_loss_scale, optimizer_step, zero_grads
 from megatron_gspo.model.pipeline import run_micro_batches, share_from_last_stage
 from megatron_gspo.tasks import Problem, PromptStream, Task, sft_batches
-from megatron_gspo.tasks.tokenizer import encode_prompt, encode_text
+from megatron_gspo.tasks.tokenizer import encode_prompt, encode_text, problem_prompt_ids
 from megatron_gspo.training.forward import pack_uniform
 from megatron_gspo.training.micro_batching import DataLayout
 
@@ -39,11 +39,12 @@ logger = logging.getLogger(__name__)
 
 
 def sft_example_ids(
-    tokenizer, prompt: str, target: str, *, add_bos: bool, chat_template: bool | None = None
+    tokenizer, prompt, target: str, *, add_bos: bool, chat_template: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [N], target mask [N] bool) of BOS + prompt + target + EOS; the mask covers target + EOS.
 
-    The prompt is encoded as the rollouts encode it (`encode_prompt`, chat template included).
+    The prompt (text or chat messages) is encoded as the rollouts encode it (`encode_prompt`,
+    chat template included).
     """
     head = encode_prompt(tokenizer, prompt, add_bos=add_bos, chat_template=chat_template)
     tail = encode_text(tokenizer, target) + [tokenizer.eos_token_id]
@@ -70,7 +71,7 @@ def heldout_accuracy(
     """
     mine = list(problems[layout.dp_rank :: layout.dp_size])
     prompts = [
-        encode_prompt(tokenizer, p.prompt, add_bos=add_bos, chat_template=task.chat_template) for p in mine
+        problem_prompt_ids(tokenizer, p, add_bos=add_bos, chat_template=task.chat_template) for p in mine
     ]
     outputs = greedy_generate(
         model,

@@ -42,9 +42,11 @@ from megatron_gspo.model.optim import build_optimizer, wrap_ddp
 from megatron_gspo.model.packing import packing_layout
 from megatron_gspo.rollout import RolloutBatch
 from megatron_gspo.tasks import PromptStream, evaluate_accuracy
+from megatron_gspo.tasks.prompt_check import check_prompts
+from megatron_gspo.tasks.tokenizer import resolve_add_bos
 from megatron_gspo.training.batch_scatter import scatter_rank_rows
 from megatron_gspo.training.checkpoint import load_checkpoint, resumable_step, save_checkpoint
-from megatron_gspo.training.metrics import MetricsLogger
+from megatron_gspo.training.metrics import MetricsLogger, ZeroRewardWatch
 from megatron_gspo.training.micro_batching import DataLayout
 from megatron_gspo.training.rollout_step import RolloutEngine, rollout_servers
 from megatron_gspo.training.routing_step import StepRouting
@@ -67,7 +69,13 @@ def load_tokenizer(cfg: RunConfig):
     if cfg.model.hf_path:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(cfg.model.hf_path)
+        try:
+            return AutoTokenizer.from_pretrained(cfg.model.hf_path)
+        except (OSError, ValueError) as err:  # no tokenizer files, or ones transformers cannot read
+            message = " ".join(str(err).split())[:300]
+            raise ConfigError(
+                f"model.hf_path={cfg.model.hf_path}: cannot load its tokenizer: {message}"
+            ) from None
     from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 
     return build_char_tokenizer()
@@ -123,6 +131,7 @@ def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
         "rollout/finish_stop_frac": sum(r == "stop" for r in batch.finish_reasons) / batch.batch_size,
         "rollout/dropped_groups": float(batch.stats.get("dropped_groups", 0)),
         "rollout/unparseable_samples": float(batch.stats.get("unparseable_samples", 0)),
+        "rollout/no_answer_frac": float(batch.stats.get("no_answer_frac", 0.0)),
         "rollout/samples": float(batch.batch_size),
     }
 
@@ -148,6 +157,11 @@ class Trainer:
                 f"model vocab_size={self.model_cfg.vocab_size} is smaller than the tokenizer "
                 f"({len(self.tokenizer)} tokens); set model.overrides.vocab_size"
             )
+        self.add_bos = resolve_add_bos(cfg.task.add_bos, self.tokenizer)
+        try:  # every prompt the run can see, encoded once: errors and overlong prompts now, not at step N
+            check_prompts(self.task, self.tokenizer, add_bos=self.add_bos)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         replay = cfg.algorithm.routing_replay
         model = build_model(
             self.model_cfg,
@@ -184,12 +198,17 @@ class Trainer:
         self.stream = PromptStream(self.task, cfg.rollout.rollout_batch_size, seed=cfg.trainer.seed)
         self.running = RunningMeanStd() if cfg.algorithm.reward_norm == "running" else None
         self.counters = {"skipped_steps": 0, "all_zero_adv_batches": 0, "dropped_groups": 0}
+        self.zero_reward = ZeroRewardWatch(cfg.logging.zero_reward_warn_steps)
         self.step, self.weight_version = 0, 0
+        self.sample_rows: list[dict] = []
         self.ckpt_root = self.run_dir / "checkpoints"
         self.sync_dir = weight_sync_dir(cfg)
         if self.rank0 and str(self.sync_dir).startswith("/dev/shm/"):
             claim_export_dir(self.sync_dir.parent)  # after removing the exports of runs that died
-        self.heldout = self.task.heldout(cfg.eval.num_problems)
+        try:
+            self.heldout = self.task.heldout(cfg.eval.num_problems)
+        except ValueError as err:
+            raise ConfigError(f"eval.num_problems={cfg.eval.num_problems}: {err}") from None
         self.weight_sync = WeightSync(
             cfg.weight_sync, self.model, self.model_cfg, self.sync_dir, self.tokenizer
         )
@@ -219,7 +238,7 @@ class Trainer:
                 self.tokenizer,
                 cfg.sft,
                 self.layout,
-                add_bos=cfg.task.add_bos,
+                add_bos=self.add_bos,
                 heldout=self.heldout,
                 max_new_tokens=cfg.rollout.max_new_tokens,
             )
@@ -294,6 +313,7 @@ class Trainer:
             problems, seed=self.cfg.trainer.seed, step=self.step, weight_version=self.weight_version
         )
         metrics = rollout_metrics(batch)
+        self.sample_rows = batch.stats.get("sample_rows", [])  # rank 0 writes them with the step's record
         advantages, adv_metrics = compute_group_advantages(
             batch.rewards,
             batch.group_size,
@@ -324,6 +344,8 @@ class Trainer:
         batch, advantages = local[:2] if isinstance(local, tuple) else (None, None)
         t1 = time.perf_counter()
         metrics = dict(shared["metrics"])
+        if self.rank0:  # one warning, not one per rank
+            self.zero_reward.update(self.step, metrics)
         self.counters["dropped_groups"] += shared["dropped_groups"]
         all_zero = shared["all_zero"]
         metrics["train/all_zero_adv_batch"] = float(all_zero)
@@ -412,8 +434,9 @@ class Trainer:
         with servers if self.rank0 else contextlib.nullcontext() as client:
             engine = (
                 RolloutEngine(client, self.task, self.tokenizer, cfg.rollout,
-                              vocab_size=self.model_cfg.vocab_size, add_bos=cfg.task.add_bos,
-                              routed_experts=self._routed_experts_layout())
+                              vocab_size=self.model_cfg.vocab_size, add_bos=self.add_bos,
+                              routed_experts=self._routed_experts_layout(),
+                              samples_per_step=cfg.logging.samples_per_step)
                 if self.rank0 else None
             )  # fmt: skip
             if must_sync:
@@ -454,6 +477,7 @@ class Trainer:
                 metrics["time/step_s"] = time.perf_counter() - t0
                 metrics.update(peak_memory_metrics())
                 log.log(self.step, metrics)
+                log.log_samples(self.step, self.sample_rows)
             self.weight_sync.close(client)
             gc.unfreeze()  # the run's objects are collectable again (a process may train again)
         log.close()

@@ -1,4 +1,5 @@
 import time
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 
 import pytest
@@ -6,10 +7,13 @@ import pytest
 from megatron_gspo.tasks.math_reward import (
     ParseStatus,
     answers_match,
+    check_reference,
+    extract_answer,
     extract_last_boxed,
     math_reward,
     normalize_answer,
     parse_number,
+    reference_answer,
 )
 
 # (completion, reference, reward): each row is a spelling question a grader must get right.
@@ -74,7 +78,7 @@ def test_table_is_large_and_balanced():
     "completion, status, extracted",
     [
         (r"\boxed{\frac{1}{2}}", ParseStatus.OK, r"\frac{1}{2}"),
-        ("no box here", ParseStatus.NO_BOXED, None),
+        ("no box here", ParseStatus.NO_ANSWER, None),
         (r"\boxed{\frac{1}{2}", ParseStatus.UNBALANCED, None),
         (r"truncated \boxed", ParseStatus.UNBALANCED, None),
         (r"\boxed{ }", ParseStatus.EMPTY, ""),
@@ -151,7 +155,16 @@ def test_answers_match_is_symmetric_on_the_table():
 
 
 @pytest.mark.parametrize(
-    "hostile", [r"9^{99^{99}}", r"((9^{99})^{99})^{99}", "__import__('os').system('true')", "1" * 500]
+    "hostile",
+    [
+        r"9^{99^{99}}",
+        r"((9^{99})^{99})^{99}",
+        "__import__('os').system('true')",
+        "1" * 500,
+        r"10^{10^{10}}",
+        "1000000!",
+        "99!!",
+    ],
 )
 def test_hostile_answers_are_rejected_quickly(hostile):
     start = time.perf_counter()
@@ -160,5 +173,64 @@ def test_hostile_answers_are_rejected_quickly(hostile):
 
 
 def test_empty_reference_is_a_data_error():
-    with pytest.raises(ValueError, match="reference answer"):
+    with pytest.raises(ValueError, match="has an empty final answer"):
         math_reward(r"\boxed{1}", "$ $")
+
+
+@pytest.mark.parametrize(
+    "reference, answer",
+    [
+        ("Natalia sold 48/2 = 24 clips in May.\nShe sold 48+24 = 72 clips.\n#### 72", "72"),
+        ("#### 1,000", "1,000"),
+        (r"So $x = 2$ and the area is $\boxed{\frac{\pi}{4}}$.", r"\frac{\pi}{4}"),
+        ("  -3  ", "-3"),
+        (r"\{1,2\}", r"\{1,2\}"),
+    ],
+)
+def test_reference_answer_of_gsm8k_math_and_bare_references(reference, answer):
+    assert reference_answer(reference) == answer
+    assert check_reference(reference) == answer
+
+
+@pytest.mark.parametrize(
+    "reference, message",
+    [
+        ("We add them.\nSo the total is seventy-two.", "no final answer"),
+        ("x" * 300, "no final answer"),
+        (r"the area is \boxed{\frac{1}{2}", "never closed"),
+        (r"\boxed{ }", "empty final answer"),
+        ("####  $ $", "empty final answer"),
+    ],
+)
+def test_references_without_a_final_answer_are_refused(reference, message):
+    with pytest.raises(ValueError, match=message):
+        reference_answer(reference)
+
+
+def test_check_reference_refuses_what_math_verify_cannot_parse():
+    with pytest.raises(ValueError, match="does not parse as math"):
+        check_reference(r"\frac{1}{")
+
+
+def test_gsm8k_completion_line_is_an_answer():
+    assert math_reward("48 + 24 = 72\n#### 72", "#### 72").reward == 1.0
+    assert math_reward("#### 71", "#### 72").reward == 0.0
+    assert extract_answer("no answer here") == (None, ParseStatus.NO_ANSWER)
+
+
+def test_math_verify_runs_on_worker_threads():
+    """math-verify's SIGALRM timeout only works on the main thread; off it the reward still works
+    (no "signal only works in main thread" error) and the cost guard still rejects towers fast."""
+    cases = [
+        (r"\boxed{x+1}", "1+x", 1.0),
+        (r"\boxed{\{1,2\}}", r"\{2,1\}", 1.0),
+        (r"\boxed{x+1}", "x+2", 0.0),
+    ]
+    cases += [
+        (rf"\boxed{{{h}}}", "1", 0.0) for h in (r"9^{99^{99}}", r"((9^{99})^{99})^{99}", "1000000!", "99!!")
+    ]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:
+        rewards = list(pool.map(lambda case: math_reward(case[0], case[1]).reward, cases))
+    assert rewards == [reward for *_, reward in cases]
+    assert time.perf_counter() - start < 10.0

@@ -1,0 +1,52 @@
+"""samples.jsonl and TensorBoard text rows, their resume truncation, and the zero-reward warning."""
+
+import json
+import logging
+
+from megatron_gspo.tasks import Problem
+from megatron_gspo.training.metrics import MetricsLogger, ZeroRewardWatch
+from megatron_gspo.training.rollout_step import sample_rows
+
+
+def test_sample_rows_take_one_per_group_first():
+    scored = [(Problem(f"p{i // 3}", str(i // 3)), f"c{i}", float(i % 2)) for i in range(9)]  # 3 groups of 3
+    rows = sample_rows(scored, 4, group_size=3)
+    assert [r["completion"] for r in rows] == ["c0", "c3", "c6", "c1"]
+    assert rows[1] == {"prompt": "p1", "answer": "1", "completion": "c3", "reward": 1.0}
+    assert sample_rows(scored, 0, group_size=3) == []
+
+
+def test_samples_jsonl_and_tensorboard_text_survive_a_resume(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = [{"prompt": "1+1=", "answer": "2", "completion": "\\boxed{2}", "reward": 1.0}]
+    log = MetricsLogger(tmp_path, total_steps=3, progress_bar=False)
+    for step in (1, 2, 3):
+        log.log(step, {"rollout/reward_mean": 1.0})
+        log.log_samples(step, rows)
+    log.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    texts = events.Tensors("samples/text_summary")
+    assert [t.step for t in texts] == [1, 2, 3]
+    assert "\\boxed{2}" in texts[0].tensor_proto.string_val[0].decode()
+    MetricsLogger(tmp_path, total_steps=3, first_step=3, progress_bar=False, tensorboard=False).close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]  # the resumed run rewrites step 3
+
+
+def test_zero_reward_warning_after_k_steps(caplog):
+    watch = ZeroRewardWatch(3)
+    rewards = [0.0, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    with caplog.at_level(logging.WARNING):
+        fired = [watch.update(s, {"rollout/reward_mean": r, "rollout/no_answer_frac": 1.0})
+                 for s, r in enumerate(rewards, 1)]  # fmt: skip
+    assert fired == [False, False, False, False, False, True, False, False, True]
+    assert (
+        "exactly 0 for 3 steps in a row" in caplog.text
+        and "100% of the completions have no answer" in caplog.text
+    )
+    off = ZeroRewardWatch(0)
+    assert not any(off.update(s, {"rollout/reward_mean": 0.0}) for s in range(20))
