@@ -49,6 +49,12 @@ class ModelConfig:
     """MoEModelConfig fields changed from the preset (e.g. vocab_size, hidden_size)."""
     hf_path: str | None = None
     """Local HF Qwen3-MoE checkpoint directory to start from (architecture read from it)."""
+    ref_hf_path: str | None = None
+    """With algorithm.use_kl_loss: the reference policy's HF checkpoint (the policy's architecture);
+    null: the policy's own starting weights (after the SFT cold start when there is one)."""
+    ref_offload: bool = False
+    """Keep the reference model's weights in pinned host memory between its passes (GPU only; on
+    CPU they already live in host memory and this does nothing)."""
 
 
 @dataclass
@@ -149,7 +155,9 @@ class AlgorithmConfig:
     loss_options: dict[str, Any] = field(default_factory=dict)
     """Options of the loss (gspo/grpo: clip_low, clip_high, ...; sapo: tau_pos, tau_neg)."""
     num_mini_batches: int = 4
-    """Optimizer steps per rollout batch (the GSPO paper: 4)."""
+    """Mini-batches (one optimizer step each) per pass over the rollout batch (the GSPO paper: 4)."""
+    ppo_epochs: int = 1
+    """Passes over the rollout batch (ROLL's ppo_epochs): ppo_epochs x num_mini_batches optimizer steps."""
     old_logprobs: Literal["rollout", "recompute"] = "rollout"
     """pi_old: the rollout engine's log-probs, or a trainer forward before the first update."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
@@ -165,11 +173,12 @@ class AlgorithmConfig:
     advantage_eps: float = 1e-6
     """Added to the std when normalising rewards."""
     use_kl_loss: bool = False
-    """Add a KL penalty to the initial (cold-start) policy."""
+    """Add kl_loss_coef x KL(pi_theta || pi_ref) to the policy loss, aggregated like it; pi_ref is a
+    frozen copy of the starting policy (after SFT) or model.ref_hf_path (training/reference.py)."""
     kl_loss_coef: float = 0.001
     """Coefficient of the KL penalty."""
     kl_estimator: str = "k3"
-    """KL estimator: k1, k2 or k3."""
+    """KL estimator: k1, k2 or k3 (low_var_kl: verl's and ROLL's name for k3)."""
     routing_replay: Literal["none", "r2", "r3"] = "none"
     """Routing Replay: none, r2 (trainer's own pi_old routing) or r3 (rollout engine's routing)."""
     aux_loss_coeff: float = 0.0
@@ -515,6 +524,8 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         raise ConfigError(f"algorithm.kl_estimator={algo.kl_estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
     if algo.num_mini_batches < 1:
         raise ConfigError(f"algorithm.num_mini_batches must be >= 1, got {algo.num_mini_batches}")
+    if algo.ppo_epochs < 1:
+        raise ConfigError(f"algorithm.ppo_epochs must be >= 1 (passes over the batch), got {algo.ppo_epochs}")
     if algo.aux_loss_coeff < 0:
         raise ConfigError(f"algorithm.aux_loss_coeff must be >= 0 (0: off), got {algo.aux_loss_coeff}")
     _check_expert_tp(cfg)
@@ -567,8 +578,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         raise ConfigError(f"sft.batch_size={cfg.sft.batch_size} does not split over {dp} data-parallel ranks")
     if cfg.eval.num_problems < 1:
         raise ConfigError(f"eval.num_problems must be >= 1, got {cfg.eval.num_problems}")
-    if algo.use_kl_loss:
-        raise ConfigError("algorithm.use_kl_loss: a KL penalty needs a reference model, not available yet")
+    _check_reference(cfg)
     if cfg.task.name not in available_tasks():
         raise ConfigError(f"task.name={cfg.task.name!r}; available: {', '.join(available_tasks())}")
     task = build_task(cfg)
@@ -587,6 +597,20 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             f"({rollout.max_new_tokens}) = {longest} "
             f"tokens, {packed} positions packed (rows pad to a multiple of the sequence-parallel TP {pad})"
         )
+
+
+def _check_reference(cfg: RunConfig) -> None:
+    """The reference model's keys apply only when something uses the reference."""
+    if cfg.algorithm.use_kl_loss:
+        if cfg.algorithm.kl_loss_coef < 0:
+            raise ConfigError(f"algorithm.kl_loss_coef must be >= 0, got {cfg.algorithm.kl_loss_coef}")
+        return
+    for key in ("ref_hf_path", "ref_offload"):
+        if getattr(cfg.model, key):
+            raise ConfigError(
+                f"model.{key} is set but nothing uses a reference model: set algorithm.use_kl_loss=true "
+                f"or remove model.{key}"
+            )
 
 
 def _check_pipeline(cfg: RunConfig) -> None:

@@ -46,6 +46,7 @@ from megatron_gspo.training.batch_scatter import scatter_rank_rows
 from megatron_gspo.training.checkpoint import load_checkpoint, resumable_step, save_checkpoint
 from megatron_gspo.training.metrics import MetricsLogger
 from megatron_gspo.training.micro_batching import DataLayout
+from megatron_gspo.training.reference import ReferencePolicy
 from megatron_gspo.training.rollout_step import RolloutEngine, rollout_servers
 from megatron_gspo.training.routing_step import StepRouting
 from megatron_gspo.training.sft import run_sft
@@ -149,6 +150,12 @@ class Trainer:
                 f"({len(self.tokenizer)} tokens); set model.overrides.vocab_size"
             )
         replay = cfg.algorithm.routing_replay
+        # Built first: megatron's builder clears the routing-replay handles the policy registers.
+        self.reference = (
+            ReferencePolicy(self.model_cfg, cfg.parallel, cfg.engine, offload=cfg.model.ref_offload)
+            if cfg.algorithm.use_kl_loss
+            else None
+        )
         model = build_model(
             self.model_cfg,
             cfg.parallel,
@@ -220,7 +227,7 @@ class Trainer:
                 heldout=self.heldout,
                 max_new_tokens=cfg.rollout.max_new_tokens,
             )
-        total = max(cfg.trainer.steps * cfg.algorithm.num_mini_batches, 1)
+        total = max(cfg.trainer.steps * cfg.algorithm.num_mini_batches * cfg.algorithm.ppo_epochs, 1)
         self.optimizer, self.scheduler = build_optimizer(
             self.model, cfg.optim, distributed_optimizer=cfg.parallel.distributed_optimizer, total_steps=total
         )
@@ -238,6 +245,21 @@ class Trainer:
             if self.running is not None:
                 self.running.load_state_dict(state["running_stats"])
             logger.info("resumed from step %d (weight_version %d)", self.step, self.weight_version)
+        if self.reference is not None:
+            try:
+                source = self.reference.initialise(
+                    self.model,
+                    ref_hf_path=cfg.model.ref_hf_path,
+                    policy_hf_path=cfg.model.hf_path,
+                    run_dir=self.run_dir,
+                    resumed=resume_step is not None,
+                    on_disk=bool(cfg.model.hf_path) and cfg.sft.steps == 0,
+                    tokenizer=self.tokenizer,
+                )
+            except FileNotFoundError as err:
+                raise ConfigError(str(err)) from None
+            self.reference.start_offloaded()
+            logger.info("reference model (KL loss): %s", source)
         return start
 
     def _trainer_state(self) -> dict[str, Any]:
@@ -341,14 +363,17 @@ class Trainer:
             routing = self.routing if self.routing.active else None
             if routing is not None:
                 routing.begin_step(rows)
+            temperature, reference = cfg.rollout.temperature, self.reference
             if algo.old_logprobs == "recompute":
                 metrics.update(
-                    recompute_and_measure(self.model, plan, cfg.rollout.temperature, routing=routing)
+                    recompute_and_measure(self.model, plan, temperature, routing=routing, reference=reference)
                 )
             elif self.routing.needs_old_pass:  # pi_old's routing only (R2 targets, drift reference)
                 recompute_old_logprobs(
-                    self.model, plan, cfg.rollout.temperature, routing=routing, set_logprobs=False
+                    self.model, plan, temperature, routing=routing, set_logprobs=False, reference=reference
                 )
+            elif reference is not None:  # no pi_old pass to share: the reference runs alone
+                reference.fill_plan(plan, temperature)
             metrics.update(
                 train_on_batch(
                     self.model,
