@@ -154,6 +154,9 @@ class AlgorithmConfig:
     """Let GSPO use a token-sum aggregation (weights responses by length; off as published)."""
     loss_options: dict[str, Any] = field(default_factory=dict)
     """Options of the loss (gspo/grpo: clip_low, clip_high, ...; sapo: tau_pos, tau_neg)."""
+    dual_clip_loss: bool = False
+    """ROLL's dual clip: for A < 0 the loss is capped at -c A with ROLL's c = 1 + 2 x 0.2 = 1.4
+    (loss_options.clip_ratio_c of gspo, gspo_token and grpo; set that instead for another c)."""
     num_mini_batches: int = 4
     """Mini-batches (one optimizer step each) per pass over the rollout batch (the GSPO paper: 4)."""
     ppo_epochs: int = 1
@@ -162,12 +165,19 @@ class AlgorithmConfig:
     """pi_old: the rollout engine's log-probs, or a trainer forward before the first update."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Reweight / mask the loss by pi_old / pi_rollout (TIS, MIS, IcePop); off by default."""
-    reward_norm: str = "group"
-    """Advantage normalisation: group (GRPO/GSPO), batch, running or none."""
+    adv_estimator: Literal["grpo", "reinforce"] = "grpo"
+    """ROLL's estimator: grpo normalises rewards per group; reinforce takes the response's reward as
+    every token's return (gamma 1) and normalises as reward_norm says (null: not at all)."""
+    reward_norm: str | None = None
+    """Reward normalisation: group, batch, running or null/none (grpo: group, the only choice)."""
+    reward_shift: bool = False
+    """ROLL's: normalise by subtracting the mean only."""
+    reward_scale: bool = False
+    """ROLL's: normalise by dividing by the std only."""
     whiten_advantages: bool = False
-    """Batch-whiten advantages after normalisation."""
+    """ROLL's masked whitening of the advantages over the batch's response tokens."""
     reward_clip: float | None = None
-    """Symmetric reward clip before normalising."""
+    """Symmetric clip of the (normalised) rewards, after normalising as ROLL does."""
     advantage_clip: float | None = None
     """Symmetric advantage clip."""
     advantage_eps: float = 1e-6
@@ -179,6 +189,9 @@ class AlgorithmConfig:
     """Coefficient of the KL penalty."""
     kl_estimator: str = "k3"
     """KL estimator: k1, k2 or k3 (low_var_kl: verl's and ROLL's name for k3)."""
+    add_token_level_kl: bool = False
+    """ROLL's reward-side KL (a per-token reward of -beta x KL(pi_old || pi_ref)); not offered: use
+    use_kl_loss (the KL as a loss term, as ROLL's GSPO recipe does)."""
     routing_replay: Literal["none", "r2", "r3"] = "none"
     """Routing Replay: none, r2 (trainer's own pi_old routing) or r3 (rollout engine's routing)."""
     aux_loss_coeff: float = 0.0
@@ -518,8 +531,35 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             "weights each response by its length, which GSPO's length-normalised sequence ratio is meant to "
             "avoid; use seq-mean-token-mean (as published) or set algorithm.allow_token_sum_for_gspo=true"
         )
-    if algo.reward_norm not in REWARD_NORMS:
-        raise ConfigError(f"algorithm.reward_norm={algo.reward_norm!r}; valid: {', '.join(REWARD_NORMS)}")
+    if algo.reward_norm is not None and algo.reward_norm not in REWARD_NORMS:
+        raise ConfigError(
+            f"algorithm.reward_norm={algo.reward_norm!r}; valid: {', '.join(REWARD_NORMS)} or null"
+        )
+    if algo.adv_estimator == "grpo" and algo.reward_norm not in (None, "group"):
+        raise ConfigError(
+            f"algorithm.reward_norm={algo.reward_norm!r} with adv_estimator=grpo: grpo normalises per group "
+            "(as ROLL does whatever reward_norm says); use adv_estimator=reinforce for another normalisation"
+        )
+    if algo.reward_shift and algo.reward_scale:
+        raise ConfigError(
+            "algorithm.reward_shift and algorithm.reward_scale: one normalises by the mean only, the other "
+            "by the std only; set one"
+        )
+    if (algo.reward_shift or algo.reward_scale) and effective_reward_norm(algo) == "none":
+        raise ConfigError(
+            "algorithm.reward_shift / reward_scale choose how reward_norm normalises; with adv_estimator="
+            "reinforce and reward_norm=null there is nothing to shift or scale"
+        )
+    if algo.dual_clip_loss and "clip_ratio_c" in algo.loss_options:
+        raise ConfigError(
+            "algorithm.dual_clip_loss and algorithm.loss_options.clip_ratio_c both set the dual clip; "
+            "keep one"
+        )
+    if algo.dual_clip_loss and "clip_ratio_c" not in spec.options:
+        raise ConfigError(
+            f"algorithm.dual_clip_loss with loss_type={algo.loss_type!r}: that loss has no hard clip "
+            "to dual-clip"
+        )
     if algo.kl_estimator not in KL_ESTIMATORS:
         raise ConfigError(f"algorithm.kl_estimator={algo.kl_estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
     if algo.num_mini_batches < 1:
@@ -579,6 +619,11 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     if cfg.eval.num_problems < 1:
         raise ConfigError(f"eval.num_problems must be >= 1, got {cfg.eval.num_problems}")
     _check_reference(cfg)
+    if algo.add_token_level_kl:
+        raise ConfigError(
+            "algorithm.add_token_level_kl=true: the reward-side KL penalty is not implemented; use "
+            "algorithm.use_kl_loss=true (ROLL's GSPO recipe keeps add_token_level_kl false)"
+        )
     if cfg.task.name not in available_tasks():
         raise ConfigError(f"task.name={cfg.task.name!r}; available: {', '.join(available_tasks())}")
     task = build_task(cfg)
@@ -597,6 +642,24 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             f"({rollout.max_new_tokens}) = {longest} "
             f"tokens, {packed} positions packed (rows pad to a multiple of the sequence-parallel TP {pad})"
         )
+
+
+ROLL_DUAL_CLIP_C = 1 + 2 * 0.2
+"""ROLL's dual-clip bound: 1 + 2 x pg_clip with its default pg_clip 0.2."""
+
+
+def effective_reward_norm(algo: AlgorithmConfig) -> str:
+    """The normalisation `compute_group_advantages` runs: group for grpo, reward_norm (null: none) else."""
+    if algo.adv_estimator == "grpo":
+        return "group"
+    return algo.reward_norm or "none"
+
+
+def policy_loss_options(algo: AlgorithmConfig) -> dict[str, Any]:
+    """The policy loss's options, with `dual_clip_loss` as ROLL's `clip_ratio_c`."""
+    if algo.dual_clip_loss:
+        return {**algo.loss_options, "clip_ratio_c": ROLL_DUAL_CLIP_C}
+    return dict(algo.loss_options)
 
 
 def _check_reference(cfg: RunConfig) -> None:

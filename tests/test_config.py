@@ -100,6 +100,22 @@ RECOMPUTE = ["algorithm.old_logprobs=recompute", "rc.method=tis", "rc.level=sequ
         (["algorithm.use_kl_loss=true", "algorithm.kl_estimator=k4"], 1, "valid: k1, k2, k3, low_var_kl"),
         (["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=-1"], 1, "kl_loss_coef must be >= 0"),
         (["algorithm.ppo_epochs=0"], 1, "algorithm.ppo_epochs must be >= 1"),
+        (["algorithm.reward_norm=batch"], 1, "use adv_estimator=reinforce for another normalisation"),
+        (["algorithm.reward_norm=whiten"], 1, "valid: group, batch, running, none or null"),
+        (["algorithm.reward_shift=true", "algorithm.reward_scale=true"], 1, "set one"),
+        (
+            ["algorithm.adv_estimator=reinforce", "algorithm.reward_shift=true"],
+            1,
+            "nothing to shift or scale",
+        ),
+        (["algorithm.reward_shift=0.5"], 1, "config key 'reward_shift' in section 'algorithm'"),
+        (["algorithm.adv_estimator=gae"], 1, "config key 'adv_estimator' in section 'algorithm'"),
+        (
+            ["algorithm.dual_clip_loss=true", "algorithm.loss_options.clip_ratio_c=3"],
+            1,
+            "both set the dual clip; keep one",
+        ),
+        (["algorithm.add_token_level_kl=true"], 1, "use algorithm.use_kl_loss=true"),
         (["algorithm.aux_loss_coeff=-0.001"], 1, "aux_loss_coeff must be >= 0"),
         (
             ["algorithm.rollout_correction.method=tis", "algorithm.rollout_correction.level=sequence"],
@@ -242,3 +258,55 @@ def test_sft_target_errors_name_the_field(overrides, message):
 
 def test_sft_target_accepted():
     check(["sft.target_accuracy=1.0", "sft.steps=1", "sft.check_every=1"])
+
+
+ROLL_GSPO_BLOCK = {  # ROLL's published GSPO configuration, its keys and values
+    "adv_estimator": "reinforce",
+    "importance_sampling": "seq",
+    "rollout_batch_size": 64,
+    "num_return_sequences_in_group": 8,
+    "prompt_length": 2048,
+    "response_length": 4096,
+    "ppo_epochs": 1,
+    "use_kl_loss": True,
+    "kl_loss_coef": 0.001,
+    "loss_agg_mode": "seq-mean-token-sum",
+    "whiten_advantages": True,
+    "advantage_clip": 2.0,
+    "dual_clip_loss": True,
+    "reward_clip": 10,
+    "reward_norm": None,
+    "reward_shift": False,
+    "reward_scale": False,
+    "add_token_level_kl": False,
+}
+SCALED = {"rollout_batch_size", "prompt_length", "response_length"}  # sizes the configs may scale
+
+
+def roll_value(cfg, key):
+    """The value of ROLL's `key` in a RunConfig (README's table of ROLL's keys)."""
+    if key == "importance_sampling":
+        return "seq" if cfg.algorithm.loss_type == "gspo" else "token"
+    if key == "num_return_sequences_in_group":
+        return cfg.rollout.group_size
+    if key == "rollout_batch_size":
+        return cfg.rollout.rollout_batch_size
+    if key == "response_length":
+        return cfg.rollout.max_new_tokens
+    return getattr(cfg.algorithm, key)
+
+
+@pytest.mark.parametrize(
+    "name,scaled", [("roll_gspo_tiny_cpu.yaml", True), ("qwen3_30b_a3b_gspo_roll.yaml", False)]
+)
+def test_roll_gspo_configs_hold_rolls_block(name, scaled, tmp_path):
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"problem": "What is $1+1$?", "answer": "2"}\n')
+    cfg = load_config(REPO / "configs" / name, [] if scaled else [f"task.options.path={data}"])
+    validate(cfg, world_size=1 if scaled else 16)
+    for key, value in ROLL_GSPO_BLOCK.items():
+        if key == "prompt_length" or (scaled and key in SCALED):
+            continue
+        assert roll_value(cfg, key) == value, key
+    if scaled:
+        assert cfg.rollout.rollout_batch_size < 64 and cfg.rollout.max_new_tokens < 4096

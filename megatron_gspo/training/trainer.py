@@ -33,7 +33,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.algorithms import RunningMeanStd, compute_group_advantages
-from megatron_gspo.config import ConfigError, RunConfig, build_model_config, build_task, to_yaml, validate
+from megatron_gspo.config import (
+    ConfigError,
+    RunConfig,
+    build_model_config,
+    build_task,
+    effective_reward_norm,
+    to_yaml,
+    validate,
+)
 from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.control_plane import broadcast_from_rank0, call_on_rank0, on_rank0
 from megatron_gspo.model.convert import export_hf_checkpoint, load_hf_checkpoint
@@ -186,7 +194,7 @@ class Trainer:
             max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch or 0,
         )
         self.stream = PromptStream(self.task, cfg.rollout.rollout_batch_size, seed=cfg.trainer.seed)
-        self.running = RunningMeanStd() if cfg.algorithm.reward_norm == "running" else None
+        self.running = RunningMeanStd() if effective_reward_norm(cfg.algorithm) == "running" else None
         self.counters = {"skipped_steps": 0, "all_zero_adv_batches": 0, "dropped_groups": 0}
         self.step, self.weight_version = 0, 0
         self.ckpt_root = self.run_dir / "checkpoints"
@@ -318,8 +326,11 @@ class Trainer:
             batch.group_size,
             eps=algo.advantage_eps,
             reward_clip=algo.reward_clip,
-            reward_norm=algo.reward_norm,
+            reward_norm=effective_reward_norm(algo),
+            reward_shift=algo.reward_shift,
+            reward_scale=algo.reward_scale,
             whiten_advantages=algo.whiten_advantages,
+            response_lengths=batch.response_lengths,
             advantage_clip=algo.advantage_clip,
             running_stats=self.running,
         )

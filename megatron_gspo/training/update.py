@@ -39,7 +39,7 @@ from megatron_gspo.algorithms import (
     mismatch_sums,
 )
 from megatron_gspo.algorithms.mismatch import SUM_COLUMNS
-from megatron_gspo.config import AlgorithmConfig
+from megatron_gspo.config import AlgorithmConfig, policy_loss_options
 from megatron_gspo.model.aux_loss import AuxLossWeights, aux_loss_scale
 from megatron_gspo.model.distributed import all_reduce, compute_device
 from megatron_gspo.model.logprobs import is_last_stage
@@ -419,7 +419,7 @@ def train_on_batch(
                 normalizer=normalizer,
                 allow_token_sum_for_gspo=algo.allow_token_sum_for_gspo,
                 token_weights=None if weights is None else weights[m][j],
-                **algo.loss_options,
+                **policy_loss_options(algo),
             )
             if algo.use_kl_loss:
                 kl_loss, kl_metrics = compute_kl_loss(
