@@ -123,17 +123,18 @@ class RolloutCorrectionConfig:
     recompute, so any method other than none needs algorithm.old_logprobs=recompute.
     """
 
-    method: Literal["none", "tis", "mis", "icepop"] = "none"
-    """none; tis (w = min(rho, cap)); mis (drop outside [low, high]); icepop (token: w = rho inside
-    [low, high], 0 outside)."""
-    level: Literal["token", "sequence"] = "token"
-    """rho per token, or per response as the geometric mean (gspo/gspo_token: sequence only)."""
+    method: Literal["none", "tis", "mis", "reject", "icepop"] = "none"
+    """none; tis (w = min(rho, cap)); mis (w = rho if rho <= cap else 0, as published); reject
+    (w = 1 inside [low, high], 0 outside); icepop (token: w = rho inside [low, high], 0 outside)."""
+    level: Literal["token", "sequence", "sequence_product"] = "token"
+    """rho per token, per response as the geometric mean, or per response as the product of the
+    token ratios (capped in log space); gspo/gspo_token: a sequence level only."""
     cap: float | None = None
-    """tis: the truncation C >= 1 (default 2)."""
+    """tis / mis: the cap C >= 1 (default 2)."""
     low: float | None = None
-    """mis / icepop: lower bound of the kept band, in [0, 1] (default 0.5)."""
+    """reject / icepop: lower bound of the kept band, in [0, 1] (default 0.5)."""
     high: float | None = None
-    """mis / icepop: upper bound of the kept band, >= 1 (defaults: mis 2, icepop 5)."""
+    """reject / icepop: upper bound of the kept band, >= 1 (defaults: reject 2, icepop 5)."""
 
     def build(self):
         """The validated `RolloutCorrection` (raises ValueError naming `rollout_correction.<field>`)."""

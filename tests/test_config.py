@@ -132,8 +132,8 @@ RECOMPUTE = ["algorithm.old_logprobs=recompute", "rc.method=tis", "rc.level=sequ
             1,
             "algorithm.rollout_correction.cap must be >= 1",
         ),
-        ([*RECOMPUTE, "rc.method=mis", "rc.low=0.9", "rc.high=0.95"], 1, "0 <= low <= 1 <= high"),
-        ([*RECOMPUTE, "rc.method=mis", "rc.cap=2"], 1, "algorithm.rollout_correction.cap does not apply"),
+        ([*RECOMPUTE, "rc.method=reject", "rc.low=0.9", "rc.high=0.95"], 1, "0 <= low <= 1 <= high"),
+        ([*RECOMPUTE, "rc.method=reject", "rc.cap=2"], 1, "algorithm.rollout_correction.cap does not apply"),
         ([*RECOMPUTE, "rc.method=icepop", "rc.level=token"], 1, "icepop is token-level only"),
         ([*RECOMPUTE, "rc.high=.inf"], 1, "every number in the config must be finite"),
         ([*RECOMPUTE, "rc.method=trunc"], 1, "config key 'method' in section 'algorithm.rollout_correction'"),
@@ -184,7 +184,7 @@ def test_rollout_correction_configs_that_apply():
     rc = "algorithm.rollout_correction"
     recompute = "algorithm.old_logprobs=recompute"
     check([recompute, f"{rc}.method=tis", f"{rc}.level=sequence", f"{rc}.cap=1.5"])
-    check([recompute, f"{rc}.method=mis", f"{rc}.level=sequence", f"{rc}.low=0.999", f"{rc}.high=1.001"])
+    check([recompute, f"{rc}.method=reject", f"{rc}.level=sequence", f"{rc}.low=0.999", f"{rc}.high=1.001"])
     check([recompute, f"{rc}.method=icepop"], path=GRPO)
     check([recompute, f"{rc}.method=tis"], path=GRPO)  # token level composes with token ratios
     cfg = load_config(GRPO, [recompute, f"{rc}.method=icepop", f"{rc}.high=8"])
