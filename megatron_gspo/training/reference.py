@@ -178,7 +178,6 @@ class ReferencePolicy:
         )
 
     def fill_plan(self, plan: list[list[MicroBatch]], temperature: float) -> None:
-        """`fill_logprobs` for every mini-batch of the step (when no pi_old pass runs)."""
+        """`fill_logprobs` for every micro-batch of the step in one schedule run (no pi_old pass runs)."""
         with self.on_device():
-            for micro_batches in plan:
-                self.fill_logprobs(micro_batches, temperature)
+            self.fill_logprobs([micro for micro_batches in plan for micro in micro_batches], temperature)

@@ -72,6 +72,8 @@ def test_reference_equals_the_policy_until_the_first_update(models):
     plan = plan_mini_batches(batch, advantages, 2, DataLayout())
     recompute_and_measure(policy, plan, T, reference=reference)  # fused: one loop, two models
     assert all(torch.equal(mb.ref_logprobs, mb.old_logprobs) for mini in plan for mb in mini)
+    reference.fill_plan(plan, T)  # alone (no pi_old pass): one schedule run over all micro-batches
+    assert all(torch.equal(mb.ref_logprobs, mb.old_logprobs) for mini in plan for mb in mini)
     metrics = train_on_batch(
         policy, optimizer, scheduler, plan, algo(num_mini_batches=2), temperature=T, max_response_length=4
     )
