@@ -191,8 +191,18 @@ class AlgorithmConfig:
     kl_estimator: str = "k3"
     """KL estimator: k1, k2 or k3 (low_var_kl: verl's and ROLL's name for k3)."""
     add_token_level_kl: bool = False
-    """ROLL's reward-side KL (a per-token reward of -beta x KL(pi_old || pi_ref)); not offered: use
-    use_kl_loss (the KL as a loss term, as ROLL's GSPO recipe does)."""
+    """ROLL's reward-side KL: every response token's reward minus beta x KL(pi_old || pi_ref) and
+    per-token returns (algorithms/token_kl.py); needs a loss with per-token advantages."""
+    init_kl_coef: float = 0.2
+    """add_token_level_kl: beta at the start (ROLL's default 0.2)."""
+    kl_ctl: Literal["fixed", "adaptive"] = "fixed"
+    """add_token_level_kl: keep beta, or adapt it towards target_kl (Ziegler et al.; verl, ROLL)."""
+    target_kl: float | None = None
+    """kl_ctl=adaptive: the KL beta steers to."""
+    kl_horizon: int = 10000
+    """kl_ctl=adaptive: responses over which a full proportional step acts (ROLL's 10000)."""
+    kl_penalty: str = "k1"
+    """add_token_level_kl: the per-token KL estimator (ROLL's kl_penalty 'kl' is k1)."""
     routing_replay: Literal["none", "r2", "r3"] = "none"
     """Routing Replay: none, r2 (trainer's own pi_old routing) or r3 (rollout engine's routing)."""
     aux_loss_coeff: float = 0.0
@@ -620,11 +630,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     if cfg.eval.num_problems < 1:
         raise ConfigError(f"eval.num_problems must be >= 1, got {cfg.eval.num_problems}")
     _check_reference(cfg)
-    if algo.add_token_level_kl:
-        raise ConfigError(
-            "algorithm.add_token_level_kl=true: the reward-side KL penalty is not implemented; use "
-            "algorithm.use_kl_loss=true (ROLL's GSPO recipe keeps add_token_level_kl false)"
-        )
+    _check_token_level_kl(algo, spec.sequence_ratio)
     if cfg.task.name not in available_tasks():
         raise ConfigError(f"task.name={cfg.task.name!r}; available: {', '.join(available_tasks())}")
     task = build_task(cfg)
@@ -663,9 +669,37 @@ def policy_loss_options(algo: AlgorithmConfig) -> dict[str, Any]:
     return dict(algo.loss_options)
 
 
+def _check_token_level_kl(algo: AlgorithmConfig, sequence_ratio: bool) -> None:
+    """The reward-side KL gives per-token advantages: a loss that takes them, a valid controller."""
+    if not algo.add_token_level_kl:
+        return
+    if algo.loss_type == "gspo":
+        raise ConfigError(
+            "algorithm.add_token_level_kl with loss_type=gspo: the reward-side KL makes the advantages per "
+            "token and gspo takes one per response; use loss_type=gspo_token (GSPO's ratio, per-token "
+            "advantages) or grpo"
+        )
+    from megatron_gspo.algorithms import KL_ESTIMATORS
+
+    if algo.kl_penalty not in KL_ESTIMATORS:
+        raise ConfigError(f"algorithm.kl_penalty={algo.kl_penalty!r}; valid: {', '.join(KL_ESTIMATORS)}")
+    if algo.init_kl_coef < 0:
+        raise ConfigError(f"algorithm.init_kl_coef must be >= 0, got {algo.init_kl_coef}")
+    if algo.kl_ctl == "adaptive" and (algo.target_kl is None or algo.target_kl <= 0 or algo.kl_horizon < 1):
+        raise ConfigError(
+            "algorithm.kl_ctl=adaptive needs algorithm.target_kl > 0 and algorithm.kl_horizon >= 1, got "
+            f"target_kl={algo.target_kl}, kl_horizon={algo.kl_horizon}"
+        )
+
+
+def needs_reference(algo: AlgorithmConfig) -> bool:
+    """Whether the run builds the reference model (the KL loss or the reward-side KL)."""
+    return algo.use_kl_loss or algo.add_token_level_kl
+
+
 def _check_reference(cfg: RunConfig) -> None:
     """The reference model's keys apply only when something uses the reference."""
-    if cfg.algorithm.use_kl_loss:
+    if needs_reference(cfg.algorithm):
         if cfg.algorithm.kl_loss_coef < 0:
             raise ConfigError(f"algorithm.kl_loss_coef must be >= 0, got {cfg.algorithm.kl_loss_coef}")
         return
@@ -673,7 +707,7 @@ def _check_reference(cfg: RunConfig) -> None:
         if getattr(cfg.model, key):
             raise ConfigError(
                 f"model.{key} is set but nothing uses a reference model: set algorithm.use_kl_loss=true "
-                f"or remove model.{key}"
+                f"(or add_token_level_kl) or remove model.{key}"
             )
 
 

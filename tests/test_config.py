@@ -96,7 +96,7 @@ RECOMPUTE = ["algorithm.old_logprobs=recompute", "rc.method=tis", "rc.level=sequ
         (["model.hf_path=/nonexistent"], 1, "model.overrides only apply to a preset"),
         (["sft.batch_size=63", "parallel.expert_parallel=2"], 2, "sft.batch_size=63"),
         (["model.ref_hf_path=/x"], 1, "model.ref_hf_path is set but nothing uses a reference model"),
-        (["model.ref_offload=true"], 1, "set algorithm.use_kl_loss=true or remove model.ref_offload"),
+        (["model.ref_offload=true"], 1, "(or add_token_level_kl) or remove model.ref_offload"),
         (["algorithm.use_kl_loss=true", "algorithm.kl_estimator=k4"], 1, "valid: k1, k2, k3, low_var_kl"),
         (["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=-1"], 1, "kl_loss_coef must be >= 0"),
         (["algorithm.ppo_epochs=0"], 1, "algorithm.ppo_epochs must be >= 1"),
@@ -115,7 +115,25 @@ RECOMPUTE = ["algorithm.old_logprobs=recompute", "rc.method=tis", "rc.level=sequ
             1,
             "both set the dual clip; keep one",
         ),
-        (["algorithm.add_token_level_kl=true"], 1, "use algorithm.use_kl_loss=true"),
+        (["algorithm.add_token_level_kl=true"], 1, "use loss_type=gspo_token"),
+        (
+            [
+                "algorithm.add_token_level_kl=true",
+                "algorithm.loss_type=gspo_token",
+                "algorithm.kl_ctl=adaptive",
+            ],
+            1,
+            "algorithm.kl_ctl=adaptive needs algorithm.target_kl > 0",
+        ),
+        (
+            [
+                "algorithm.add_token_level_kl=true",
+                "algorithm.loss_type=gspo_token",
+                "algorithm.kl_penalty=kl",
+            ],
+            1,
+            "algorithm.kl_penalty='kl'; valid: k1",
+        ),
         (["algorithm.aux_loss_coeff=-0.001"], 1, "aux_loss_coeff must be >= 0"),
         (
             ["algorithm.rollout_correction.method=tis", "algorithm.rollout_correction.level=sequence"],

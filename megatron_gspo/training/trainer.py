@@ -33,12 +33,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.algorithms import RunningMeanStd, compute_group_advantages
+from megatron_gspo.algorithms.token_kl import KLController
 from megatron_gspo.config import (
     ConfigError,
     RunConfig,
     build_model_config,
     build_task,
     effective_reward_norm,
+    needs_reference,
     to_yaml,
     validate,
 )
@@ -59,6 +61,7 @@ from megatron_gspo.training.rollout_step import RolloutEngine, rollout_servers
 from megatron_gspo.training.routing_step import StepRouting
 from megatron_gspo.training.sft import run_sft
 from megatron_gspo.training.shm_exports import claim_export_dir
+from megatron_gspo.training.token_kl_step import apply_token_level_kl
 from megatron_gspo.training.update import (
     plan_metrics,
     plan_rank_rows,
@@ -161,7 +164,7 @@ class Trainer:
         # Built first: megatron's builder clears the routing-replay handles the policy registers.
         self.reference = (
             ReferencePolicy(self.model_cfg, cfg.parallel, cfg.engine, offload=cfg.model.ref_offload)
-            if cfg.algorithm.use_kl_loss
+            if needs_reference(cfg.algorithm)
             else None
         )
         model = build_model(
@@ -195,6 +198,12 @@ class Trainer:
         )
         self.stream = PromptStream(self.task, cfg.rollout.rollout_batch_size, seed=cfg.trainer.seed)
         self.running = RunningMeanStd() if effective_reward_norm(cfg.algorithm) == "running" else None
+        algo = cfg.algorithm
+        self.kl_ctl = (
+            KLController(algo.init_kl_coef, algo.kl_ctl, algo.target_kl, algo.kl_horizon)
+            if algo.add_token_level_kl
+            else None
+        )
         self.counters = {"skipped_steps": 0, "all_zero_adv_batches": 0, "dropped_groups": 0}
         self.step, self.weight_version = 0, 0
         self.ckpt_root = self.run_dir / "checkpoints"
@@ -252,6 +261,8 @@ class Trainer:
             self.counters = dict(state["counters"])
             if self.running is not None:
                 self.running.load_state_dict(state["running_stats"])
+            if self.kl_ctl is not None and state.get("kl_controller") is not None:
+                self.kl_ctl.load_state_dict(state["kl_controller"])
             logger.info("resumed from step %d (weight_version %d)", self.step, self.weight_version)
         if self.reference is not None:
             try:
@@ -276,6 +287,7 @@ class Trainer:
             "weight_version": self.weight_version,
             "prompt_stream": self.stream.state_dict(),
             "running_stats": None if self.running is None else self.running.state_dict(),
+            "kl_controller": None if self.kl_ctl is None else self.kl_ctl.state_dict(),
             "counters": dict(self.counters),
             "config": to_yaml(self.cfg),
         }
@@ -321,6 +333,7 @@ class Trainer:
             problems, seed=self.cfg.trainer.seed, step=self.step, weight_version=self.weight_version
         )
         metrics = rollout_metrics(batch)
+        token_kl = algo.add_token_level_kl  # then whitening and the advantage clip act per token, later
         advantages, adv_metrics = compute_group_advantages(
             batch.rewards,
             batch.group_size,
@@ -329,9 +342,9 @@ class Trainer:
             reward_norm=effective_reward_norm(algo),
             reward_shift=algo.reward_shift,
             reward_scale=algo.reward_scale,
-            whiten_advantages=algo.whiten_advantages,
+            whiten_advantages=algo.whiten_advantages and not token_kl,
             response_lengths=batch.response_lengths,
-            advantage_clip=algo.advantage_clip,
+            advantage_clip=None if token_kl else algo.advantage_clip,
             running_stats=self.running,
         )
         metrics.update({k: float(v) for k, v in adv_metrics.items()})
@@ -385,6 +398,8 @@ class Trainer:
                 )
             elif reference is not None:  # no pi_old pass to share: the reference runs alone
                 reference.fill_plan(plan, temperature)
+            if self.kl_ctl is not None:
+                metrics.update(apply_token_level_kl(self.model, plan, algo, self.kl_ctl, _dp_group()))
             metrics.update(
                 train_on_batch(
                     self.model,
@@ -508,6 +523,12 @@ class Trainer:
         if self.rank0 and str(self.sync_dir).startswith("/dev/shm/"):
             shutil.rmtree(self.sync_dir.parent, ignore_errors=True)
         destroy_distributed()
+
+
+def _dp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group()
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:

@@ -178,3 +178,59 @@ def test_offload_is_a_no_op_on_cpu(models):
     with offloaded.on_device():
         assert all(p.device.type == "cpu" for p in offloaded.model.parameters())
     assert math.isfinite(sum(float(p.sum()) for p in offloaded.model.parameters()))
+
+
+def test_token_level_kl_advantages_against_a_hand_computation(models):
+    from megatron_gspo.algorithms.token_kl import KLController
+    from megatron_gspo.training.token_kl_step import apply_token_level_kl
+
+    policy, reference = models
+    start = snapshot(policy.module)
+    reference.copy_from(policy)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for param in reference.model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=gen))
+    batch = make_batch(seed=4)
+    rewards = batch.rewards.float()
+    beta, clip = 0.5, 1.5
+    plan = plan_mini_batches(batch, rewards, 2, DataLayout(micro_batch_size=3))
+    recompute_and_measure(policy, plan, T, reference=reference)
+    algo = AlgorithmConfig(loss_type="gspo_token", num_mini_batches=2, old_logprobs="recompute",
+                           add_token_level_kl=True, init_kl_coef=beta, whiten_advantages=True,
+                           advantage_clip=clip)  # fmt: skip
+    controller = KLController(beta)
+    metrics = apply_token_level_kl(policy, plan, algo, controller, None)
+
+    # By hand, over the whole batch: k1 = log pi_old - log pi_ref, R on the last token, returns,
+    # ROLL's masked_whiten over all response tokens, clip.
+    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+    sequences = [batch.tokens[b, :n] for b, n in enumerate(lengths)]
+    mask = batch.response_mask[:, : max(lengths)].bool()
+    with torch.no_grad():
+        old, _ = sequence_logprobs(policy.module, sequences, temperature=T)
+        ref, _ = sequence_logprobs(reference.model, sequences, temperature=T)
+    kl = ((old - ref).double() * mask).tolist()
+    expected, values, seq_kls = [], [], []
+    for b in range(len(sequences)):
+        cols = [t for t in range(mask.shape[1]) if mask[b, t]]
+        token_rewards = [-beta * kl[b][t] for t in cols]
+        token_rewards[-1] += float(rewards[b])
+        returns = [sum(token_rewards[i:]) for i in range(len(cols))]
+        expected.append(returns)
+        values += returns
+        seq_kls.append(sum(kl[b][t] for t in cols) / len(cols))
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    expected = [[max(-clip, min(clip, (v - mean) / math.sqrt(var + 1e-8))) for v in row] for row in expected]
+    for mini in plan:
+        for micro in mini:
+            for row, b in enumerate(micro.indices):
+                got = micro.advantages[row][micro.response_mask[row]].tolist()
+                assert got == pytest.approx(expected[b], abs=2e-5), b
+    assert metrics["critic/kl"] == pytest.approx(sum(seq_kls) / len(seq_kls), abs=1e-6)
+    assert metrics["critic/kl_coef"] == beta and abs(metrics["critic/kl"]) > 1e-4
+    optimizer, scheduler = build_optimizer(policy, OptimConfig(optimizer="sgd", lr=1e-3, clip_grad=0.0))
+    out = train_on_batch(policy, optimizer, scheduler, plan, algo, temperature=T, max_response_length=4)
+    assert out["train/optimizer_steps"] == 2.0 and math.isfinite(out["actor/pg_loss"])
+    restore(policy.module, start)
