@@ -5,8 +5,10 @@
 
 From the same HF weights (policy) and a second checkpoint (reference), one RL update of the same
 batch with the KL loss on (pi_old recomputed, reference log-probs in the same pass, SGD), once
-per KL estimator, the policy restored in between. Rank 0 writes the metrics per estimator to FILE;
-a world of one (`run` in the test's own process) gives the numbers the layouts must reproduce.
+per KL estimator, and once with ROLL's reward-side KL (gspo_token, token-level advantages
+whitened over the data-parallel ranks), the policy restored in between. Rank 0 writes the
+metrics per estimator to FILE; a world of one (`run` in the test's own process) gives the
+numbers the layouts must reproduce.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.algorithms import compute_group_advantages
+from megatron_gspo.algorithms.token_kl import KLController
 from megatron_gspo.config import AlgorithmConfig
 from megatron_gspo.model.builder import EngineConfig, build_model
 from megatron_gspo.model.config import tiny
@@ -34,12 +37,14 @@ from megatron_gspo.rollout import RolloutBatch, RolloutSample
 from megatron_gspo.training.batch_scatter import scatter_rank_rows
 from megatron_gspo.training.micro_batching import DataLayout
 from megatron_gspo.training.reference import ReferencePolicy
+from megatron_gspo.training.token_kl_step import apply_token_level_kl
 from megatron_gspo.training.update import plan_rank_rows, recompute_and_measure, train_on_batch
 
 G, GROUPS, MINI, T, LR = 4, 4, 2, 0.7, 0.1
 MODEL = tiny(vocab_size=80)
 ESTIMATORS = ("k1", "k2", "k3")
 KEYS = ("actor/kl_ref", "actor/kl_ref_first_mb", "actor/kl_loss", "actor/pg_loss", "train/grad_norm")
+TOKEN_KL_KEYS = ("critic/kl", "actor/pg_loss", "train/grad_norm")
 
 
 def make_batch() -> tuple[RolloutBatch, torch.Tensor]:
@@ -71,7 +76,7 @@ def run(parallel: ParallelConfig, hf: str, ref_hf: str) -> dict[str, dict[str, f
     batch, advantages = make_batch()
     sp = parallel.tensor_parallel if parallel.use_sequence_parallel else 1
     out = {}
-    for estimator in ESTIMATORS:
+    for estimator in (*ESTIMATORS, "token_kl"):
         with torch.no_grad():
             for k, v in policy.module.named_parameters():
                 v.copy_(start[k])
@@ -87,14 +92,26 @@ def run(parallel: ParallelConfig, hf: str, ref_hf: str) -> dict[str, dict[str, f
         plan = plan_rank_rows(rows, MINI, layout)
         recompute_and_measure(policy, plan, T, reference=reference)
         optimizer, scheduler = build_optimizer(policy, OptimConfig(optimizer="sgd", lr=LR, clip_grad=0.0))
-        algo = AlgorithmConfig(
-            loss_type="gspo", num_mini_batches=MINI, old_logprobs="recompute", use_kl_loss=True,
-            kl_loss_coef=0.5, kl_estimator=estimator,
-        )  # fmt: skip
+        if estimator == "token_kl":
+            from megatron.core import parallel_state as ps
+
+            algo = AlgorithmConfig(
+                loss_type="gspo_token", num_mini_batches=MINI, old_logprobs="recompute",
+                add_token_level_kl=True, whiten_advantages=True, advantage_clip=2.0,
+            )  # fmt: skip
+            kl = apply_token_level_kl(policy, plan, algo, KLController(0.5), ps.get_data_parallel_group())
+        else:
+            algo = AlgorithmConfig(
+                loss_type="gspo", num_mini_batches=MINI, old_logprobs="recompute", use_kl_loss=True,
+                kl_loss_coef=0.5, kl_estimator=estimator,
+            )  # fmt: skip
         metrics = train_on_batch(
             policy, optimizer, scheduler, plan, algo, temperature=T, max_response_length=8
         )
-        out[estimator] = {k: metrics[k] for k in KEYS}
+        if estimator == "token_kl":
+            out[estimator] = {"critic/kl": kl["critic/kl"], **{k: metrics[k] for k in TOKEN_KL_KEYS[1:]}}
+        else:
+            out[estimator] = {k: metrics[k] for k in KEYS}
     return out
 
 

@@ -1,4 +1,5 @@
-"""The KL loss with its reference model at TP2 and at EP2 (torchrun, gloo) equals a world of one."""
+"""The KL loss (k1/k2/k3) and the reward-side KL with their reference model at TP2 and at EP2
+(torchrun, gloo) equal a world of one."""
 
 import json
 import os
@@ -7,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kl_worker import ESTIMATORS, KEYS, MODEL, run
+from kl_worker import ESTIMATORS, KEYS, MODEL, TOKEN_KL_KEYS, run
 
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
@@ -40,3 +41,7 @@ def test_kl_loss_at_tp2_and_ep2_equals_one_process(tmp_path):
                 assert got[estimator][key] == pytest.approx(expected[estimator][key], rel=1e-4, abs=1e-7), (
                     tp, ep, estimator, key,
                 )  # fmt: skip
+        assert abs(expected["token_kl"]["critic/kl"]) > 1e-4
+        for key in TOKEN_KL_KEYS:
+            want = expected["token_kl"][key]
+            assert got["token_kl"][key] == pytest.approx(want, rel=1e-4, abs=1e-7), (tp, ep, key)
