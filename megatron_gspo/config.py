@@ -46,6 +46,12 @@ class ModelConfig:
     """MoEModelConfig fields changed from the preset (e.g. vocab_size, hidden_size)."""
     hf_path: str | None = None
     """Local HF Qwen3-MoE checkpoint directory to start from (architecture read from it)."""
+    ref_hf_path: str | None = None
+    """With algorithm.use_kl_loss: the reference policy's HF checkpoint (the policy's architecture);
+    null: the policy's own starting weights (after the SFT cold start when there is one)."""
+    ref_offload: bool = False
+    """Keep the reference model's weights in pinned host memory between its passes (GPU only; on
+    CPU they already live in host memory and this does nothing)."""
 
 
 @dataclass
@@ -115,17 +121,18 @@ class RolloutCorrectionConfig:
     recompute, so any method other than none needs algorithm.old_logprobs=recompute.
     """
 
-    method: Literal["none", "tis", "mis", "icepop"] = "none"
-    """none; tis (w = min(rho, cap)); mis (drop outside [low, high]); icepop (token: w = rho inside
-    [low, high], 0 outside)."""
-    level: Literal["token", "sequence"] = "token"
-    """rho per token, or per response as the geometric mean (gspo/gspo_token: sequence only)."""
+    method: Literal["none", "tis", "mis", "reject", "icepop"] = "none"
+    """none; tis (w = min(rho, cap)); mis (w = rho if rho <= cap else 0, as published); reject
+    (w = 1 inside [low, high], 0 outside); icepop (token: w = rho inside [low, high], 0 outside)."""
+    level: Literal["token", "sequence", "sequence_product"] = "token"
+    """rho per token, per response as the geometric mean, or per response as the product of the
+    token ratios (capped in log space); gspo/gspo_token: a sequence level only."""
     cap: float | None = None
-    """tis: the truncation C >= 1 (default 2)."""
+    """tis / mis: the cap C >= 1 (default 2)."""
     low: float | None = None
-    """mis / icepop: lower bound of the kept band, in [0, 1] (default 0.5)."""
+    """reject / icepop: lower bound of the kept band, in [0, 1] (default 0.5)."""
     high: float | None = None
-    """mis / icepop: upper bound of the kept band, >= 1 (defaults: mis 2, icepop 5)."""
+    """reject / icepop: upper bound of the kept band, >= 1 (defaults: reject 2, icepop 5)."""
 
     def build(self):
         """The validated `RolloutCorrection` (raises ValueError naming `rollout_correction.<field>`)."""
@@ -146,28 +153,54 @@ class AlgorithmConfig:
     """Let GSPO use a token-sum aggregation (weights responses by length; off as published)."""
     loss_options: dict[str, Any] = field(default_factory=dict)
     """Options of the loss (gspo/grpo: clip_low, clip_high, ...; sapo: tau_pos, tau_neg)."""
+    dual_clip_loss: bool = False
+    """ROLL's dual clip: for A < 0 the loss is capped at -c A with ROLL's c = 1 + 2 x 0.2 = 1.4
+    (loss_options.clip_ratio_c of gspo, gspo_token and grpo; set that instead for another c)."""
     num_mini_batches: int = 4
-    """Optimizer steps per rollout batch (the GSPO paper: 4)."""
+    """Mini-batches (one optimizer step each) per pass over the rollout batch (the GSPO paper: 4)."""
+    ppo_epochs: int = 1
+    """Passes over the rollout batch (ROLL's ppo_epochs): ppo_epochs x num_mini_batches optimizer steps."""
     old_logprobs: Literal["rollout", "recompute"] = "rollout"
     """pi_old: the rollout engine's log-probs, or a trainer forward before the first update."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Reweight / mask the loss by pi_old / pi_rollout (TIS, MIS, IcePop); off by default."""
-    reward_norm: str = "group"
-    """Advantage normalisation: group (GRPO/GSPO), batch, running or none."""
+    adv_estimator: Literal["grpo", "reinforce"] = "grpo"
+    """ROLL's estimator: grpo normalises rewards per group; reinforce takes the response's reward as
+    every token's return (gamma 1) and normalises as reward_norm says (null: not at all)."""
+    reward_norm: str | None = None
+    """Reward normalisation: group, batch, running or null/none (grpo: group, the only choice)."""
+    reward_shift: bool = False
+    """ROLL's: normalise by subtracting the mean only."""
+    reward_scale: bool = False
+    """ROLL's: normalise by dividing by the std only."""
     whiten_advantages: bool = False
-    """Batch-whiten advantages after normalisation."""
+    """ROLL's masked whitening of the advantages over the batch's response tokens."""
     reward_clip: float | None = None
-    """Symmetric reward clip before normalising."""
+    """Symmetric clip of the (normalised) rewards, after normalising as ROLL does."""
     advantage_clip: float | None = None
     """Symmetric advantage clip."""
     advantage_eps: float = 1e-6
     """Added to the std when normalising rewards."""
     use_kl_loss: bool = False
-    """Add a KL penalty to the initial (cold-start) policy."""
+    """Add kl_loss_coef x KL(pi_theta || pi_ref) to the policy loss, aggregated like it; pi_ref is a
+    frozen copy of the starting policy (after SFT) or model.ref_hf_path (training/reference.py)."""
     kl_loss_coef: float = 0.001
     """Coefficient of the KL penalty."""
     kl_estimator: str = "k3"
-    """KL estimator: k1, k2 or k3."""
+    """KL estimator: k1, k2 or k3 (low_var_kl: verl's and ROLL's name for k3)."""
+    add_token_level_kl: bool = False
+    """ROLL's reward-side KL: every response token's reward minus beta x KL(pi_old || pi_ref) and
+    per-token returns (algorithms/token_kl.py); needs a loss with per-token advantages."""
+    init_kl_coef: float = 0.2
+    """add_token_level_kl: beta at the start (ROLL's default 0.2)."""
+    kl_ctl: Literal["fixed", "adaptive"] = "fixed"
+    """add_token_level_kl: keep beta, or adapt it towards target_kl (Ziegler et al.; verl, ROLL)."""
+    target_kl: float | None = None
+    """kl_ctl=adaptive: the KL beta steers to."""
+    kl_horizon: int = 10000
+    """kl_ctl=adaptive: responses over which a full proportional step acts (ROLL's 10000)."""
+    kl_penalty: str = "k1"
+    """add_token_level_kl: the per-token KL estimator (ROLL's kl_penalty 'kl' is k1)."""
     routing_replay: Literal["none", "r2", "r3"] = "none"
     """Routing Replay: none, r2 (trainer's own pi_old routing) or r3 (rollout engine's routing)."""
     aux_loss_coeff: float = 0.0
@@ -521,12 +554,41 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             "weights each response by its length, which GSPO's length-normalised sequence ratio is meant to "
             "avoid; use seq-mean-token-mean (as published) or set algorithm.allow_token_sum_for_gspo=true"
         )
-    if algo.reward_norm not in REWARD_NORMS:
-        raise ConfigError(f"algorithm.reward_norm={algo.reward_norm!r}; valid: {', '.join(REWARD_NORMS)}")
+    if algo.reward_norm is not None and algo.reward_norm not in REWARD_NORMS:
+        raise ConfigError(
+            f"algorithm.reward_norm={algo.reward_norm!r}; valid: {', '.join(REWARD_NORMS)} or null"
+        )
+    if algo.adv_estimator == "grpo" and algo.reward_norm not in (None, "group"):
+        raise ConfigError(
+            f"algorithm.reward_norm={algo.reward_norm!r} with adv_estimator=grpo: grpo normalises per group "
+            "(as ROLL does whatever reward_norm says); use adv_estimator=reinforce for another normalisation"
+        )
+    if algo.reward_shift and algo.reward_scale:
+        raise ConfigError(
+            "algorithm.reward_shift and algorithm.reward_scale: one normalises by the mean only, the other "
+            "by the std only; set one"
+        )
+    if (algo.reward_shift or algo.reward_scale) and effective_reward_norm(algo) == "none":
+        raise ConfigError(
+            "algorithm.reward_shift / reward_scale choose how reward_norm normalises; with adv_estimator="
+            "reinforce and reward_norm=null there is nothing to shift or scale"
+        )
+    if algo.dual_clip_loss and "clip_ratio_c" in algo.loss_options:
+        raise ConfigError(
+            "algorithm.dual_clip_loss and algorithm.loss_options.clip_ratio_c both set the dual clip; "
+            "keep one"
+        )
+    if algo.dual_clip_loss and "clip_ratio_c" not in spec.options:
+        raise ConfigError(
+            f"algorithm.dual_clip_loss with loss_type={algo.loss_type!r}: that loss has no hard clip "
+            "to dual-clip"
+        )
     if algo.kl_estimator not in KL_ESTIMATORS:
         raise ConfigError(f"algorithm.kl_estimator={algo.kl_estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
     if algo.num_mini_batches < 1:
         raise ConfigError(f"algorithm.num_mini_batches must be >= 1, got {algo.num_mini_batches}")
+    if algo.ppo_epochs < 1:
+        raise ConfigError(f"algorithm.ppo_epochs must be >= 1 (passes over the batch), got {algo.ppo_epochs}")
     if algo.aux_loss_coeff < 0:
         raise ConfigError(f"algorithm.aux_loss_coeff must be >= 0 (0: off), got {algo.aux_loss_coeff}")
     _check_expert_tp(cfg)
@@ -579,8 +641,8 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         raise ConfigError(f"sft.batch_size={cfg.sft.batch_size} does not split over {dp} data-parallel ranks")
     if cfg.eval.num_problems < 1:
         raise ConfigError(f"eval.num_problems must be >= 1, got {cfg.eval.num_problems}")
-    if algo.use_kl_loss:
-        raise ConfigError("algorithm.use_kl_loss: a KL penalty needs a reference model, not available yet")
+    _check_reference(cfg)
+    _check_token_level_kl(algo, spec.sequence_ratio)
     if cfg.task.name not in available_tasks():
         raise ConfigError(f"task.name={cfg.task.name!r}; available: {', '.join(available_tasks())}")
     task = build_task(cfg)
@@ -601,6 +663,66 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
             f"({rollout.max_new_tokens}) = {longest} "
             f"tokens, {packed} positions packed (rows pad to a multiple of the sequence-parallel TP {pad})"
         )
+
+
+ROLL_DUAL_CLIP_C = 1 + 2 * 0.2
+"""ROLL's dual-clip bound: 1 + 2 x pg_clip with its default pg_clip 0.2."""
+
+
+def effective_reward_norm(algo: AlgorithmConfig) -> str:
+    """The normalisation `compute_group_advantages` runs: group for grpo, reward_norm (null: none) else."""
+    if algo.adv_estimator == "grpo":
+        return "group"
+    return algo.reward_norm or "none"
+
+
+def policy_loss_options(algo: AlgorithmConfig) -> dict[str, Any]:
+    """The policy loss's options, with `dual_clip_loss` as ROLL's `clip_ratio_c`."""
+    if algo.dual_clip_loss:
+        return {**algo.loss_options, "clip_ratio_c": ROLL_DUAL_CLIP_C}
+    return dict(algo.loss_options)
+
+
+def _check_token_level_kl(algo: AlgorithmConfig, sequence_ratio: bool) -> None:
+    """The reward-side KL gives per-token advantages: a loss that takes them, a valid controller."""
+    if not algo.add_token_level_kl:
+        return
+    if algo.loss_type == "gspo":
+        raise ConfigError(
+            "algorithm.add_token_level_kl with loss_type=gspo: the reward-side KL makes the advantages per "
+            "token and gspo takes one per response; use loss_type=gspo_token (GSPO's ratio, per-token "
+            "advantages) or grpo"
+        )
+    from megatron_gspo.algorithms import KL_ESTIMATORS
+
+    if algo.kl_penalty not in KL_ESTIMATORS:
+        raise ConfigError(f"algorithm.kl_penalty={algo.kl_penalty!r}; valid: {', '.join(KL_ESTIMATORS)}")
+    if algo.init_kl_coef < 0:
+        raise ConfigError(f"algorithm.init_kl_coef must be >= 0, got {algo.init_kl_coef}")
+    if algo.kl_ctl == "adaptive" and (algo.target_kl is None or algo.target_kl <= 0 or algo.kl_horizon < 1):
+        raise ConfigError(
+            "algorithm.kl_ctl=adaptive needs algorithm.target_kl > 0 and algorithm.kl_horizon >= 1, got "
+            f"target_kl={algo.target_kl}, kl_horizon={algo.kl_horizon}"
+        )
+
+
+def needs_reference(algo: AlgorithmConfig) -> bool:
+    """Whether the run builds the reference model (the KL loss or the reward-side KL)."""
+    return algo.use_kl_loss or algo.add_token_level_kl
+
+
+def _check_reference(cfg: RunConfig) -> None:
+    """The reference model's keys apply only when something uses the reference."""
+    if needs_reference(cfg.algorithm):
+        if cfg.algorithm.kl_loss_coef < 0:
+            raise ConfigError(f"algorithm.kl_loss_coef must be >= 0, got {cfg.algorithm.kl_loss_coef}")
+        return
+    for key in ("ref_hf_path", "ref_offload"):
+        if getattr(cfg.model, key):
+            raise ConfigError(
+                f"model.{key} is set but nothing uses a reference model: set algorithm.use_kl_loss=true "
+                f"(or add_token_level_kl) or remove model.{key}"
+            )
 
 
 def _check_pipeline(cfg: RunConfig) -> None:

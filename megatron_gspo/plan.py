@@ -2,11 +2,11 @@
 
 Validates the config for a world size exactly as `train` would, then prints how the
 policy is sharded and a per-GPU memory estimate: model states (weights, fp32 grad buffers,
-optimizer states) and the activations of one micro-batch (logits and the fp32 chunks the
-log-prob and entropy passes work in, the tensors each layer keeps for backward, with or
-without activation recompute), so a layout for H100 nodes can be checked on a laptop or in
-CI. A layout whose estimate plus a reserve (CUDA context, NCCL buffers, allocator
-fragmentation) exceeds the GPU memory is refused.
+optimizer states; with the KL loss the frozen reference's weights, unless offloaded) and the
+activations of one micro-batch (logits and the fp32 chunks the log-prob and entropy passes
+work in, the tensors each layer keeps for backward, with or without activation recompute), so
+a layout for H100 nodes can be checked on a laptop or in CI. A layout whose estimate plus a
+reserve (CUDA context, NCCL buffers, allocator fragmentation) exceeds the GPU memory is refused.
 The KV cache of colocated rollout engines is not included (rollouts run on other nodes).
 
 Under pipeline parallelism every stage is estimated on its own: its share of the layers,
@@ -34,11 +34,13 @@ class ShardPlan:
     weight_bytes: int
     grad_bytes: int
     optimizer_bytes: int
+    reference_bytes: int = 0
+    """The KL loss's frozen reference: weights only, sharded like the policy's (0 when offloaded)."""
 
     @property
     def total_bytes(self) -> int:
-        """Weights + grads + optimizer states."""
-        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+        """Weights + grads + optimizer states (+ the reference's weights on the GPU)."""
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.reference_bytes
 
 
 @dataclass(frozen=True)
@@ -243,6 +245,17 @@ class StagePlan:
         return self.states.total_bytes + self.activation.total_bytes
 
 
+def with_reference(plan: ShardPlan, cfg) -> ShardPlan:
+    """`plan` plus the KL reference's weights (same shard, same dtype, no grads or optimizer).
+
+    With `model.ref_offload` they sit in pinned host memory outside the reference's own pass,
+    so they add nothing to the training peak (`run_plan` checks the reference pass apart).
+    """
+    if not cfg.algorithm.use_kl_loss or cfg.model.ref_offload:
+        return plan
+    return dataclasses.replace(plan, reference_bytes=plan.weight_bytes)
+
+
 def stage_plans(cfg, model, world_size: int, *, tokens: int, seq_len: int) -> list[StagePlan]:
     """Every pipeline stage's estimate (one entry without pipeline parallelism)."""
     flash = cfg.engine.use_te is not False  # the TE spec's fused attention on a GPU node
@@ -253,7 +266,7 @@ def stage_plans(cfg, model, world_size: int, *, tokens: int, seq_len: int) -> li
         plans.append(
             StagePlan(
                 stage,
-                shard_plan(model, cfg.parallel, cfg.engine, world_size, stage),
+                with_reference(shard_plan(model, cfg.parallel, cfg.engine, world_size, stage), cfg),
                 activation_plan(model, cfg.parallel, cfg.engine, **kwargs),
                 activation_plan(model, cfg.parallel, no_recompute, **kwargs),
             )
@@ -292,8 +305,21 @@ def run_plan(args: argparse.Namespace) -> int:
     print(
         f"per rank: {where}{plan.dense_params / 1e6:.0f}M dense + {plan.expert_params / 1e6:.0f}M expert "
         f"params; weights {plan.weight_bytes / GIB:.1f} GiB, grads {plan.grad_bytes / GIB:.1f} GiB, "
-        f"optimizer {plan.optimizer_bytes / GIB:.1f} GiB = {plan.total_bytes / GIB:.1f} GiB model states"
+        f"optimizer {plan.optimizer_bytes / GIB:.1f} GiB"
+        + (f", reference weights {plan.reference_bytes / GIB:.1f} GiB" if plan.reference_bytes else "")
+        + f" = {plan.total_bytes / GIB:.1f} GiB model states"
     )
+    if cfg.algorithm.use_kl_loss:
+        ref = plan.weight_bytes / GIB
+        if cfg.model.ref_offload:
+            peak = (plan.total_bytes + plan.weight_bytes + act.logits_bytes) / GIB
+            where_ref = (
+                f"in pinned host memory between its passes (model.ref_offload); its no-grad pass holds "
+                f"model states + {ref:.1f} + logits {act.logits_bytes / GIB:.1f} = {peak:.1f} GiB"
+            )
+        else:
+            where_ref = "on the GPU (included above; model.ref_offload=true moves it to host memory)"
+        print(f"reference model (KL loss): {cfg.engine.dtype} weights {ref:.1f} GiB per rank, {where_ref}")
     recompute = "on" if act.recompute else "off"
     print(
         f"activation: micro-batch {cut}; logits "

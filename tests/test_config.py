@@ -95,7 +95,45 @@ RECOMPUTE = ["algorithm.old_logprobs=recompute", "rc.method=tis", "rc.level=sequ
         (["model.preset=gpt5"], 1, "unknown model preset 'gpt5'"),
         (["model.hf_path=/nonexistent"], 1, "model.overrides only apply to a preset"),
         (["sft.batch_size=63", "parallel.expert_parallel=2"], 2, "sft.batch_size=63"),
-        (["algorithm.use_kl_loss=true"], 1, "reference model"),
+        (["model.ref_hf_path=/x"], 1, "model.ref_hf_path is set but nothing uses a reference model"),
+        (["model.ref_offload=true"], 1, "(or add_token_level_kl) or remove model.ref_offload"),
+        (["algorithm.use_kl_loss=true", "algorithm.kl_estimator=k4"], 1, "valid: k1, k2, k3, low_var_kl"),
+        (["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=-1"], 1, "kl_loss_coef must be >= 0"),
+        (["algorithm.ppo_epochs=0"], 1, "algorithm.ppo_epochs must be >= 1"),
+        (["algorithm.reward_norm=batch"], 1, "use adv_estimator=reinforce for another normalisation"),
+        (["algorithm.reward_norm=whiten"], 1, "valid: group, batch, running, none or null"),
+        (["algorithm.reward_shift=true", "algorithm.reward_scale=true"], 1, "set one"),
+        (
+            ["algorithm.adv_estimator=reinforce", "algorithm.reward_shift=true"],
+            1,
+            "nothing to shift or scale",
+        ),
+        (["algorithm.reward_shift=0.5"], 1, "config key 'reward_shift' in section 'algorithm'"),
+        (["algorithm.adv_estimator=gae"], 1, "config key 'adv_estimator' in section 'algorithm'"),
+        (
+            ["algorithm.dual_clip_loss=true", "algorithm.loss_options.clip_ratio_c=3"],
+            1,
+            "both set the dual clip; keep one",
+        ),
+        (["algorithm.add_token_level_kl=true"], 1, "use loss_type=gspo_token"),
+        (
+            [
+                "algorithm.add_token_level_kl=true",
+                "algorithm.loss_type=gspo_token",
+                "algorithm.kl_ctl=adaptive",
+            ],
+            1,
+            "algorithm.kl_ctl=adaptive needs algorithm.target_kl > 0",
+        ),
+        (
+            [
+                "algorithm.add_token_level_kl=true",
+                "algorithm.loss_type=gspo_token",
+                "algorithm.kl_penalty=kl",
+            ],
+            1,
+            "algorithm.kl_penalty='kl'; valid: k1",
+        ),
         (["algorithm.aux_loss_coeff=-0.001"], 1, "aux_loss_coeff must be >= 0"),
         (
             ["algorithm.rollout_correction.method=tis", "algorithm.rollout_correction.level=sequence"],
@@ -112,8 +150,8 @@ RECOMPUTE = ["algorithm.old_logprobs=recompute", "rc.method=tis", "rc.level=sequ
             1,
             "algorithm.rollout_correction.cap must be >= 1",
         ),
-        ([*RECOMPUTE, "rc.method=mis", "rc.low=0.9", "rc.high=0.95"], 1, "0 <= low <= 1 <= high"),
-        ([*RECOMPUTE, "rc.method=mis", "rc.cap=2"], 1, "algorithm.rollout_correction.cap does not apply"),
+        ([*RECOMPUTE, "rc.method=reject", "rc.low=0.9", "rc.high=0.95"], 1, "0 <= low <= 1 <= high"),
+        ([*RECOMPUTE, "rc.method=reject", "rc.cap=2"], 1, "algorithm.rollout_correction.cap does not apply"),
         ([*RECOMPUTE, "rc.method=icepop", "rc.level=token"], 1, "icepop is token-level only"),
         ([*RECOMPUTE, "rc.high=.inf"], 1, "every number in the config must be finite"),
         ([*RECOMPUTE, "rc.method=trunc"], 1, "config key 'method' in section 'algorithm.rollout_correction'"),
@@ -164,7 +202,7 @@ def test_rollout_correction_configs_that_apply():
     rc = "algorithm.rollout_correction"
     recompute = "algorithm.old_logprobs=recompute"
     check([recompute, f"{rc}.method=tis", f"{rc}.level=sequence", f"{rc}.cap=1.5"])
-    check([recompute, f"{rc}.method=mis", f"{rc}.level=sequence", f"{rc}.low=0.999", f"{rc}.high=1.001"])
+    check([recompute, f"{rc}.method=reject", f"{rc}.level=sequence", f"{rc}.low=0.999", f"{rc}.high=1.001"])
     check([recompute, f"{rc}.method=icepop"], path=GRPO)
     check([recompute, f"{rc}.method=tis"], path=GRPO)  # token level composes with token ratios
     cfg = load_config(GRPO, [recompute, f"{rc}.method=icepop", f"{rc}.high=8"])
@@ -238,3 +276,55 @@ def test_sft_target_errors_name_the_field(overrides, message):
 
 def test_sft_target_accepted():
     check(["sft.target_accuracy=1.0", "sft.steps=1", "sft.check_every=1"])
+
+
+ROLL_GSPO_BLOCK = {  # ROLL's published GSPO configuration, its keys and values
+    "adv_estimator": "reinforce",
+    "importance_sampling": "seq",
+    "rollout_batch_size": 64,
+    "num_return_sequences_in_group": 8,
+    "prompt_length": 2048,
+    "response_length": 4096,
+    "ppo_epochs": 1,
+    "use_kl_loss": True,
+    "kl_loss_coef": 0.001,
+    "loss_agg_mode": "seq-mean-token-sum",
+    "whiten_advantages": True,
+    "advantage_clip": 2.0,
+    "dual_clip_loss": True,
+    "reward_clip": 10,
+    "reward_norm": None,
+    "reward_shift": False,
+    "reward_scale": False,
+    "add_token_level_kl": False,
+}
+SCALED = {"rollout_batch_size", "prompt_length", "response_length"}  # sizes the configs may scale
+
+
+def roll_value(cfg, key):
+    """The value of ROLL's `key` in a RunConfig (README's table of ROLL's keys)."""
+    if key == "importance_sampling":
+        return "seq" if cfg.algorithm.loss_type == "gspo" else "token"
+    if key == "num_return_sequences_in_group":
+        return cfg.rollout.group_size
+    if key == "rollout_batch_size":
+        return cfg.rollout.rollout_batch_size
+    if key == "response_length":
+        return cfg.rollout.max_new_tokens
+    return getattr(cfg.algorithm, key)
+
+
+@pytest.mark.parametrize(
+    "name,scaled", [("roll_gspo_tiny_cpu.yaml", True), ("qwen3_30b_a3b_gspo_roll.yaml", False)]
+)
+def test_roll_gspo_configs_hold_rolls_block(name, scaled, tmp_path):
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"problem": "What is $1+1$?", "answer": "2"}\n')
+    cfg = load_config(REPO / "configs" / name, [] if scaled else [f"task.options.path={data}"])
+    validate(cfg, world_size=1 if scaled else 16)
+    for key, value in ROLL_GSPO_BLOCK.items():
+        if key == "prompt_length" or (scaled and key in SCALED):
+            continue
+        assert roll_value(cfg, key) == value, key
+    if scaled:
+        assert cfg.rollout.rollout_batch_size < 64 and cfg.rollout.max_new_tokens < 4096

@@ -300,3 +300,23 @@ def test_plan_sizes_the_activation_by_the_token_budget(math_data):
         "trainer.max_tokens_per_micro_batch=9000 is below the longest possible row: prompt (1024) + "
         "rollout.max_new_tokens (8192) = 9216 tokens" in too_small.stdout + too_small.stderr
     )
+
+
+def test_plan_counts_the_reference_model_with_and_without_offload(math_data):
+    def run(offload):
+        result = plan(
+            "--config", "configs/qwen3_30b_a3b_gspo_roll.yaml", "--world-size", "16",
+            f"task.options.path={math_data}", f"model.ref_offload={str(offload).lower()}",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        lines = result.stdout.splitlines()
+        states = float(result.stdout.split(" GiB model states")[0].rsplit("= ", 1)[1])
+        return states, next(line for line in lines if line.startswith("reference model (KL loss): "))
+
+    resident, line = run(False)
+    offloaded, offload_line = run(True)
+    # 30B-A3B at TP4 / EP8: 385M dense + 3624M expert parameters per rank, bf16: 7.5 GiB of weights.
+    weights = float(line.split("bf16 weights ")[1].split(" GiB")[0])
+    assert weights == pytest.approx(7.5, abs=0.05)
+    assert resident - offloaded == pytest.approx(weights, abs=0.11)  # printed to 0.1 GiB
+    assert "on the GPU" in line and "pinned host memory" in offload_line

@@ -7,9 +7,13 @@ of G rewards the normalised advantages therefore have sample variance 1 (populat
 (G-1)/G). It needs at least two values per statistic; a group_size of 1 is refused for
 group normalisation.
 
-A group whose rewards are all equal gets exactly A = 0 (not rounding noise divided by eps), so
-it contributes no gradient; ``advantages/zero_adv_group_frac`` counts groups whose final
-advantages are all zero.
+A group whose rewards are all equal gets exactly A = 0 from group normalisation (not rounding
+noise divided by eps), so it contributes no gradient; ``advantages/zero_adv_group_frac`` counts
+groups whose final advantages are all zero. ROLL's whitening subtracts the batch's token mean,
+which moves such groups off zero (as in ROLL).
+
+The option names and their order follow ROLL (alibaba/ROLL ``reward_postprocess`` and
+``compute_advantage``); README "ROLL's keys" maps each to this project's config.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch import Tensor
 from megatron_gspo.algorithms.running_stats import RunningMeanStd
 
 REWARD_NORMS: tuple[str, ...] = ("group", "batch", "running", "none")
+_WHITEN_EPS = 1e-8  # ROLL's masked_whiten: rsqrt(var + 1e-8)
 
 
 def _check_number(name: str, value: object, *, positive: bool = False) -> float:
@@ -39,38 +44,46 @@ def compute_group_advantages(
     eps: float = 1e-6,
     reward_clip: float | None = None,
     reward_norm: str = "group",
-    reward_shift: float = 0.0,
-    reward_scale: float = 1.0,
+    reward_shift: bool = False,
+    reward_scale: bool = False,
     whiten_advantages: bool = False,
     advantage_clip: float | None = None,
     running_stats: RunningMeanStd | None = None,
+    response_lengths: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Turns scalar rewards into one advantage per response.
+    """Turns scalar rewards into one advantage per response, in ROLL's order and meaning.
 
-    Steps, in order: clip rewards to [-reward_clip, reward_clip]; normalise (``reward_norm``):
-    ``group`` = (r - group mean) / (group std + eps), ``batch`` = the same over the whole
-    batch, ``running`` = (r - running mean) / (running std + eps) after adding this batch to
-    ``running_stats``, ``none`` = (r + reward_shift) * reward_scale; whiten over the batch
-    ((A - mean) / (std + eps); after ``group`` the mean is 0 by construction and is not
-    subtracted) if ``whiten_advantages``; clip to [-advantage_clip, advantage_clip].
+    Steps, in order (ROLL's ``reward_postprocess`` then ``compute_advantage`` with the
+    ``reinforce`` / ``grpo`` estimators, gamma 1, no token-level reward):
+
+    1. normalise (``reward_norm``): ``group`` = (r - group mean) / (group std + eps), ``batch``
+       = the same over the whole batch, ``running`` = (r - running mean) / (running std + eps)
+       after adding this batch to ``running_stats``, ``none`` = r unchanged. ``reward_shift``
+       only subtracts the mean, ``reward_scale`` only divides by the std (ROLL's booleans);
+    2. clip the normalised rewards to [-reward_clip, reward_clip] (ROLL clips after normalising);
+    3. whiten (``whiten_advantages``) as ROLL's ``masked_whiten`` over the batch's response
+       tokens: every response's advantage counts once per token (``response_lengths``; one
+       token each when not given), A = (A - token mean) / sqrt(token sample variance + 1e-8);
+    4. clip to [-advantage_clip, advantage_clip].
 
     Args:
         rewards: [B] rewards, B = number of groups * group_size, consecutive rows one group.
         group_size: G, responses per prompt.
-        eps: added to every std before dividing.
-        reward_clip: symmetric reward clip before normalising, or None.
+        eps: added to every std of step 1 before dividing.
+        reward_clip: symmetric clip of the normalised rewards, or None.
         reward_norm: ``group`` (GRPO/GSPO), ``batch``, ``running`` or ``none``.
-        reward_shift: added to rewards, only with ``reward_norm="none"`` (normalisation would
-            cancel it).
-        reward_scale: multiplies rewards, only with ``reward_norm="none"``.
-        whiten_advantages: batch-whiten the advantages after normalisation.
+        reward_shift: normalise by subtracting the mean only (not with ``none``).
+        reward_scale: normalise by dividing by the std only (not with ``none``).
+        whiten_advantages: token-weighted batch whitening after normalisation.
         advantage_clip: symmetric advantage clip, or None.
         running_stats: state for ``reward_norm="running"`` (updated in place); only then.
+        response_lengths: [B] response tokens of each row, the whitening weights.
 
     Returns:
         (advantages [B] float32, metrics): ``advantages/zero_adv_group_frac``,
         ``advantages/mean|std|min|max``, ``rewards/mean|std`` (of the raw rewards),
-        ``advantages/clipfrac`` (if ``advantage_clip``), all detached 0-dim tensors.
+        ``advantages/clipfrac`` (if ``advantage_clip``), ``rewards/clipfrac`` (if
+        ``reward_clip``), all detached 0-dim tensors.
 
     Raises:
         ValueError: bad shapes, non-finite rewards, or inconsistent options (the message says why).
@@ -91,12 +104,20 @@ def compute_group_advantages(
         reward_clip = _check_number("reward_clip", reward_clip, positive=True)
     if advantage_clip is not None:
         advantage_clip = _check_number("advantage_clip", advantage_clip, positive=True)
-    reward_shift = _check_number("reward_shift", reward_shift)
-    reward_scale = _check_number("reward_scale", reward_scale, positive=True)
-    if reward_norm != "none" and (reward_shift != 0.0 or reward_scale != 1.0):
+    for name, value in (("reward_shift", reward_shift), ("reward_scale", reward_scale)):
+        if not isinstance(value, bool):
+            raise ValueError(
+                f"{name} must be a bool (ROLL's: normalise by the mean only / the std only), got {value!r}"
+            )
+    if reward_shift and reward_scale:
         raise ValueError(
-            f"reward_shift / reward_scale only apply with reward_norm='none': {reward_norm!r} "
-            "normalisation subtracts the mean and divides by the std, which cancels them"
+            "reward_shift and reward_scale together: one subtracts the mean only, the other divides "
+            "by the std only; set one"
+        )
+    if reward_norm == "none" and (reward_shift or reward_scale):
+        raise ValueError(
+            "reward_shift / reward_scale choose how reward_norm normalises; with reward_norm='none' "
+            "there is nothing to shift or scale"
         )
     if reward_norm == "group" and group_size < 2:
         raise ValueError("reward_norm='group' needs group_size >= 2 (a sample std needs two rewards)")
@@ -106,36 +127,43 @@ def compute_group_advantages(
         raise ValueError("running_stats is required with reward_norm='running' and only applies to it")
     if not isinstance(whiten_advantages, bool):
         raise ValueError(f"whiten_advantages must be a bool, got {whiten_advantages!r}")
+    if response_lengths is not None and (
+        response_lengths.shape != rewards.shape or bool((response_lengths < 1).any())
+    ):
+        raise ValueError(f"response_lengths must be [B] = {tuple(rewards.shape)} positive counts")
     if not bool(torch.isfinite(rewards).all()):
         bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
         raise ValueError(f"rewards are NaN or inf at index(es) {bad[:8]}")
 
     # float64 so that equal rewards give an exactly zero centred value.
     raw = r = rewards.detach().to(torch.float64)
-    if reward_clip is not None:
-        r = r.clamp(-reward_clip, reward_clip)
     groups = r.view(-1, group_size)
-    constant_group = groups.amax(dim=-1) == groups.amin(dim=-1)
-
+    centre, divide = not reward_scale, not reward_shift
     if reward_norm == "group":
-        centred = groups - groups.mean(dim=-1, keepdim=True)
-        centred = torch.where(constant_group.unsqueeze(-1), 0.0, centred)
-        std = groups.std(dim=-1, keepdim=True) if group_size > 1 else torch.zeros_like(centred)
-        adv = (centred / (std + eps)).flatten()
+        constant_group = (groups.amax(dim=-1) == groups.amin(dim=-1)).unsqueeze(-1)
+        adv = groups - groups.mean(dim=-1, keepdim=True) if centre else groups
+        adv = torch.where(constant_group & centre, 0.0, adv)
+        adv = (adv / (groups.std(dim=-1, keepdim=True) + eps) if divide else adv).flatten()
     elif reward_norm == "batch":
-        adv = (r - r.mean()) / (r.std() + eps)
+        adv = r - r.mean() if centre else r
+        adv = adv / (r.std() + eps) if divide else adv
     elif reward_norm == "running":
         running_stats.update(r)
-        adv = (r - running_stats.mean) / (running_stats.std + eps)
+        adv = r - running_stats.mean if centre else r
+        adv = adv / (running_stats.std + eps) if divide else adv
     else:
-        adv = (r + reward_shift) * reward_scale
+        adv = r
 
-    if whiten_advantages:
-        # Group-centred advantages have batch mean 0 by construction: only rescale them, so
-        # that zero-advantage groups stay exactly zero instead of picking up rounding noise.
-        centre = 0.0 if reward_norm == "group" else adv.mean()
-        adv = (adv - centre) / (adv.std() + eps)
     metrics: dict[str, Tensor] = {}
+    if reward_clip is not None:
+        metrics["rewards/clipfrac"] = (adv.abs() > reward_clip).float().mean()
+        adv = adv.clamp(-reward_clip, reward_clip)
+    if whiten_advantages:
+        weights = torch.ones_like(adv) if response_lengths is None else response_lengths.to(adv)
+        tokens = weights.sum()
+        mean = (weights * adv).sum() / tokens
+        var = (weights * (adv - mean).square()).sum() / (tokens - 1)
+        adv = (adv - mean) * torch.rsqrt(var + _WHITEN_EPS)
     if advantage_clip is not None:
         metrics["advantages/clipfrac"] = (adv.abs() > advantage_clip).float().mean()
         adv = adv.clamp(-advantage_clip, advantage_clip)

@@ -5,7 +5,10 @@ KL divergence", 2020), with ``d = log pi_theta - log pi_ref``:
 
 - ``k1``: ``d`` (unbiased, high variance, can be negative),
 - ``k2``: ``d^2 / 2`` (biased, low variance),
-- ``k3``: ``exp(-d) - 1 + d`` (unbiased, low variance, always >= 0).
+- ``k3``: ``exp(-d) - 1 + d`` (unbiased, low variance, always >= 0); ``low_var_kl`` is verl's and
+  ROLL's name for it. As both compute it, ``d`` is clamped to [-20, 20] before the exponential and
+  the estimate to at most 10 (verl ``kl_penalty("low_var_kl")``, ROLL ``compute_approx_kl("k3")``):
+  past the clamp a token's KL term has no gradient.
 """
 
 from __future__ import annotations
@@ -18,9 +21,23 @@ from torch import Tensor
 from megatron_gspo.algorithms.aggregation import aggregate_token_losses, check_loss_agg_mode, local_normalizer
 from megatron_gspo.algorithms.inputs import validate_token_inputs, zero_masked
 
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl")
+_ALIASES = {"low_var_kl": "k3"}
 # exp(20) ~ 4.9e8 stays finite in fp32 and bf16; k3's exponential needs the bound.
 _K3_LOG_RATIO_BOUND = 20.0
+# verl and ROLL clamp the k3 estimate itself to [-10, 10] (it is >= 0, so only the top acts).
+_K3_VALUE_BOUND = 10.0
+
+
+def canonical_estimator(estimator: str) -> str:
+    """``k1``, ``k2`` or ``k3`` for any accepted name (``low_var_kl`` is k3).
+
+    Raises:
+        ValueError: unknown estimator.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+    return _ALIASES.get(estimator, estimator)
 
 
 def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, estimator: str = "k3") -> Tensor:
@@ -29,7 +46,8 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, estimator: str = "k3") 
     Args:
         log_probs: [B, T] log pi_theta (differentiable).
         ref_log_probs: [B, T] log pi_ref (treated as constant).
-        estimator: ``k1``, ``k2`` or ``k3``; k3 clamps ``d`` to [-20, 20] before exp.
+        estimator: ``k1``, ``k2``, ``k3`` or ``low_var_kl`` (= k3: ``d`` clamped to [-20, 20]
+            before exp, the estimate to at most 10).
 
     Returns:
         [B, T] per-token estimates (no masking: see :func:`compute_kl_loss`).
@@ -37,8 +55,7 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, estimator: str = "k3") 
     Raises:
         ValueError: unknown estimator or mismatched shapes.
     """
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+    estimator = canonical_estimator(estimator)
     if log_probs.shape != ref_log_probs.shape:
         raise ValueError(
             f"log_probs {tuple(log_probs.shape)} and ref_log_probs {tuple(ref_log_probs.shape)} "
@@ -50,7 +67,7 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, estimator: str = "k3") 
     if estimator == "k2":
         return 0.5 * log_ratio.square()
     log_ratio = log_ratio.clamp(-_K3_LOG_RATIO_BOUND, _K3_LOG_RATIO_BOUND)
-    return torch.expm1(-log_ratio) + log_ratio
+    return (torch.expm1(-log_ratio) + log_ratio).clamp(max=_K3_VALUE_BOUND)
 
 
 def compute_kl_loss(
@@ -75,7 +92,7 @@ def compute_kl_loss(
         coef: KL loss coefficient (``kl_loss_coef``, e.g. 0.001), finite and >= 0.
         loss_agg_mode: see :mod:`megatron_gspo.algorithms.aggregation`.
         normalizer: global normaliser from ``compute_loss_normalizer``; None uses the local batch.
-        estimator: ``k1``, ``k2`` or ``k3``.
+        estimator: ``k1``, ``k2``, ``k3`` or ``low_var_kl``.
 
     Returns:
         (loss, metrics) with ``actor/kl_ref`` (mean per-token estimate) and ``actor/kl_loss``.
@@ -87,8 +104,7 @@ def compute_kl_loss(
     if isinstance(coef, bool) or not isinstance(coef, int | float) or not math.isfinite(coef) or coef < 0:
         raise ValueError(f"coef must be a finite number >= 0, got {coef!r}")
     check_loss_agg_mode(loss_agg_mode)
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+    canonical_estimator(estimator)
     mask = validate_token_inputs(
         response_mask, {"log_probs": log_probs, "ref_log_probs": ref_log_probs}, normalizer=normalizer
     )

@@ -50,12 +50,34 @@ def clipped_surrogate(
     return loss, clipped_low, clipped_high
 
 
+def dual_clip(loss: Tensor, advantages: Tensor, clip_ratio_c: float | None) -> tuple[Tensor, Tensor | None]:
+    """Dual clip (Ye et al., arXiv 1912.09729): for A < 0 cap the loss at ``-clip_ratio_c A``.
+
+    Args:
+        loss: the clipped surrogate's loss, any shape.
+        advantages: advantages of the same shape.
+        clip_ratio_c: c > 1, or None (no dual clip).
+
+    Returns:
+        (loss, capped): ``capped`` marks where the cap won (None without dual clip).
+    """
+    if clip_ratio_c is None:
+        return loss, None
+    clip_ratio_c = check_positive("clip_ratio_c", clip_ratio_c, above=1.0)
+    bound = -advantages * clip_ratio_c
+    negative = advantages < 0
+    with torch.no_grad():
+        capped = negative & (loss > bound)
+    return torch.where(negative, torch.minimum(loss, bound), loss), capped
+
+
 @register_policy_loss("gspo", sequence_ratio=True)
 def gspo_loss(
     inputs: PolicyLossInputs,
     *,
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
+    clip_ratio_c: float | None = None,
     log_ratio_clamp: float = 20.0,
 ) -> PolicyLossTerms:
     """GSPO, Group Sequence Policy Optimization (Zheng et al., arXiv 2507.18071).
@@ -69,10 +91,12 @@ def gspo_loss(
         inputs: validated inputs; ``sequence_advantages`` must be set.
         clip_low: eps_low (paper: 3e-4).
         clip_high: eps_high (paper: 4e-4).
+        clip_ratio_c: dual-clip bound c > 1 on each response's loss for A < 0 (ROLL's
+            ``dual_clip_loss``: 1.4), or None.
         log_ratio_clamp: bound on the sequence log-ratio before exp.
 
     Returns:
-        Terms with [B] sequence ratios.
+        Terms with [B] sequence ratios; ``actor/clipfrac_dual_tokens`` when dual clip is on.
     """
     clip_low = check_fraction("clip_low", clip_low, upper_open=1.0)
     clip_high = check_fraction("clip_high", clip_high)
@@ -80,12 +104,18 @@ def gspo_loss(
     advantages = inputs.require_sequence_advantages("gspo")
     seq_ratio = torch.exp(inputs.sequence_log_ratio(log_ratio_clamp))
     seq_loss, low, high = clipped_surrogate(seq_ratio, advantages, clip_low, clip_high)
+    seq_loss, dual = dual_clip(seq_loss, advantages, clip_ratio_c)
     mask = inputs.response_mask
+    token_metrics = {}
+    if dual is not None:
+        high = high | dual
+        token_metrics["actor/clipfrac_dual_tokens"] = dual.unsqueeze(-1) & mask
     return PolicyLossTerms(
         token_losses=zero_masked(seq_loss.unsqueeze(-1).expand_as(inputs.log_probs), mask),
         ratio=seq_ratio.detach(),
         clipped_low=low.unsqueeze(-1) & mask,
         clipped_high=high.unsqueeze(-1) & mask,
+        token_metrics=token_metrics,
     )
 
 
@@ -95,6 +125,7 @@ def gspo_token_loss(
     *,
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
+    clip_ratio_c: float | None = None,
     log_ratio_clamp: float = 20.0,
 ) -> PolicyLossTerms:
     """GSPO-token (arXiv 2507.18071, section 4.3): GSPO's ratio with per-token advantages.
@@ -107,10 +138,11 @@ def gspo_token_loss(
         inputs: validated inputs; advantages [B] or [B, T].
         clip_low: eps_low (paper: 3e-4).
         clip_high: eps_high (paper: 4e-4).
+        clip_ratio_c: dual-clip bound c > 1 for A < 0, or None.
         log_ratio_clamp: bound on the (detached) sequence log-ratio before exp.
 
     Returns:
-        Terms with [B] sequence ratios.
+        Terms with [B] sequence ratios; ``actor/clipfrac_dual_tokens`` when dual clip is on.
     """
     clip_low = check_fraction("clip_low", clip_low, upper_open=1.0)
     clip_high = check_fraction("clip_high", clip_high)
@@ -118,13 +150,21 @@ def gspo_token_loss(
     seq_log_ratio = inputs.sequence_log_ratio(log_ratio_clamp).detach()
     log_probs = inputs.log_probs
     token_ratio = torch.exp(seq_log_ratio.unsqueeze(-1) + log_probs - log_probs.detach())
-    token_loss, low, high = clipped_surrogate(token_ratio, inputs.advantages, clip_low, clip_high)
+    advantages = inputs.advantages
+    advantages = advantages.unsqueeze(-1).expand_as(token_ratio) if advantages.dim() == 1 else advantages
+    token_loss, low, high = clipped_surrogate(token_ratio, advantages, clip_low, clip_high)
+    token_loss, dual = dual_clip(token_loss, advantages, clip_ratio_c)
     mask = inputs.response_mask
+    token_metrics = {}
+    if dual is not None:
+        high = high | dual
+        token_metrics["actor/clipfrac_dual_tokens"] = dual & mask
     return PolicyLossTerms(
         token_losses=zero_masked(token_loss, mask),
         ratio=torch.exp(seq_log_ratio),
         clipped_low=low & mask,
         clipped_high=high & mask,
+        token_metrics=token_metrics,
     )
 
 
@@ -160,14 +200,9 @@ def grpo_loss(
     ratio = torch.exp(inputs.token_log_ratio(log_ratio_clamp))
     advantages = inputs.advantages
     loss, low, high = clipped_surrogate(ratio, advantages, clip_low, clip_high)
+    loss, dual = dual_clip(loss, advantages, clip_ratio_c)
     token_metrics = {}
-    if clip_ratio_c is not None:
-        clip_ratio_c = check_positive("clip_ratio_c", clip_ratio_c, above=1.0)
-        dual_bound = -advantages * clip_ratio_c
-        negative = advantages < 0
-        with torch.no_grad():
-            dual = negative & (loss > dual_bound)
-        loss = torch.where(negative, torch.minimum(loss, dual_bound), loss)
+    if dual is not None:
         high = high | dual
         token_metrics["actor/clipfrac_dual_tokens"] = dual
     mask = inputs.response_mask

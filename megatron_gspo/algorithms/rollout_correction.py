@@ -7,7 +7,13 @@ policy loss clips pi_theta / pi_old. The engines' numeric gap pi_old != pi_rollo
 correction acts on, through the per-token ratio and its length-normalised sequence form::
 
     rho_it = pi_old(y_it) / pi_rollout(y_it)
-    rho_i  = exp(1/|y_i| sum_t log rho_it)       (geometric mean, GSPO's length normalisation)
+    rho_i  = exp(1/|y_i| sum_t log rho_it)   level sequence: the geometric mean (GSPO's length
+                                             normalisation)
+    rho_i  = exp(sum_t log rho_it)           level sequence_product: the product of the token
+                                             ratios (the papers' sequence-level TIS / MIS)
+
+Every comparison with a bound is made in log space, so a product over thousands of tokens never
+overflows: a weight is only exponentiated at or below its cap.
 
 Each method gives a detached weight ``w`` multiplying the per-token loss ``l_it`` before
 aggregation (``rho`` is ``rho_it`` at token level, ``rho_i`` on every token of response i at
@@ -15,7 +21,9 @@ sequence level):
 
 - ``tis``, truncated importance sampling (Yao et al. 2025, "Your efficient RL framework
   secretly brings you off-policy RL training"; verl ``rollout_is``): ``w = min(rho, C)``.
-- ``mis``, masked importance sampling as rejection (verl ``rollout_rs``):
+- ``mis``, masked importance sampling as published ("When Speed Kills Stability", Liu et al.
+  2025): ``w = rho if rho <= C else 0``: reweighted below the cap, dropped above it.
+- ``reject``, rejection sampling in a band (verl ``rollout_rs``):
   ``w = 1 if lo <= rho <= hi else 0``: the token (or the whole response) is dropped.
 - ``icepop`` (Ring-1T report, arXiv 2510.18855), token level only: ``w = M(rho_it)`` with
   ``M(k) = k`` on ``[lo, hi]`` (default [0.5, 5]) and 0 outside: reweighted inside the band,
@@ -48,10 +56,10 @@ from torch import Tensor
 
 from megatron_gspo.algorithms.inputs import zero_masked
 
-CORRECTION_METHODS: tuple[str, ...] = ("none", "tis", "mis", "icepop")
-CORRECTION_LEVELS: tuple[str, ...] = ("token", "sequence")
-DEFAULT_TIS_CAP = 2.0
-DEFAULT_BANDS = {"mis": (0.5, 2.0), "icepop": (0.5, 5.0)}
+CORRECTION_METHODS: tuple[str, ...] = ("none", "tis", "mis", "reject", "icepop")
+CORRECTION_LEVELS: tuple[str, ...] = ("token", "sequence", "sequence_product")
+DEFAULT_CAPS = {"tis": 2.0, "mis": 2.0}
+DEFAULT_BANDS = {"reject": (0.5, 2.0), "icepop": (0.5, 5.0)}
 
 
 def _real(name: str, value) -> float:
@@ -67,9 +75,9 @@ class RolloutCorrection:
     Attributes:
         method: one of :data:`CORRECTION_METHODS`.
         level: ``token`` or ``sequence``.
-        cap: C of ``tis`` (None for the other methods).
-        low: lower bound of the kept band (``mis``, ``icepop``), else None.
-        high: upper bound of the kept band (``mis``, ``icepop``), else None.
+        cap: C of ``tis`` and ``mis`` (None for the other methods).
+        low: lower bound of the kept band (``reject``, ``icepop``), else None.
+        high: upper bound of the kept band (``reject``, ``icepop``), else None.
     """
 
     method: str = "none"
@@ -91,12 +99,12 @@ class RolloutCorrection:
         """Checks the options and fills the method's defaults.
 
         Args:
-            method: ``none``, ``tis``, ``mis`` or ``icepop``.
-            level: ``token`` or ``sequence`` (``icepop``: token only).
-            cap: ``tis`` only: C >= 1 (default 2); a cap below 1 would down-weight tokens on
-                which the engines agree.
-            low: ``mis`` / ``icepop`` only: lower bound, 0 <= low <= 1 (default 0.5).
-            high: ``mis`` / ``icepop`` only: upper bound >= 1, > low (defaults 2 / 5).
+            method: ``none``, ``tis``, ``mis``, ``reject`` or ``icepop``.
+            level: ``token``, ``sequence`` or ``sequence_product`` (``icepop``: token only).
+            cap: ``tis`` / ``mis`` only: C >= 1 (default 2); a cap below 1 would down-weight
+                (tis) or drop (mis) tokens on which the engines agree.
+            low: ``reject`` / ``icepop`` only: lower bound, 0 <= low <= 1 (default 0.5).
+            high: ``reject`` / ``icepop`` only: upper bound >= 1, > low (defaults 2 / 5).
 
         Raises:
             ValueError: naming ``rollout_correction.<field>``: an unknown method or level, an
@@ -107,7 +115,13 @@ class RolloutCorrection:
         if level not in CORRECTION_LEVELS:
             raise ValueError(f"rollout_correction.level={level!r}; valid: {', '.join(CORRECTION_LEVELS)}")
         given = {name for name, value in (("cap", cap), ("low", low), ("high", high)) if value is not None}
-        takes = {"none": set(), "tis": {"cap"}, "mis": {"low", "high"}, "icepop": {"low", "high"}}[method]
+        takes = {
+            "none": set(),
+            "tis": {"cap"},
+            "mis": {"cap"},
+            "reject": {"low", "high"},
+            "icepop": {"low", "high"},
+        }[method]
         if given - takes:
             raise ValueError(
                 f"rollout_correction.{', '.join(sorted(given - takes))} does not apply to method {method!r} "
@@ -117,15 +131,15 @@ class RolloutCorrection:
             return cls()
         if method == "icepop" and level != "token":
             raise ValueError(
-                "rollout_correction.level=sequence with method 'icepop': IcePop masks tokens; "
-                "use method 'mis' for sequence-level rejection"
+                f"rollout_correction.level={level} with method 'icepop': IcePop masks tokens; "
+                "use method 'reject' (or 'mis') for sequence-level rejection"
             )
-        if method == "tis":
-            cap = DEFAULT_TIS_CAP if cap is None else _real("cap", cap)
+        if method in DEFAULT_CAPS:
+            cap = DEFAULT_CAPS[method] if cap is None else _real("cap", cap)
             if cap < 1:
                 raise ValueError(
-                    f"rollout_correction.cap must be >= 1, got {cap}: a cap below 1 would down-weight "
-                    "tokens on which the rollout and training engines agree (rho = 1)"
+                    f"rollout_correction.cap must be >= 1, got {cap}: a cap below 1 would down-weight or "
+                    "drop tokens on which the rollout and training engines agree (rho = 1)"
                 )
             return cls(method, level, cap=cap)
         default_low, default_high = DEFAULT_BANDS[method]
@@ -159,7 +173,7 @@ class RolloutCorrection:
                 f"rollout_correction.level=token with loss {loss_type!r}: GSPO clips one sequence ratio "
                 "s_i built from every token, so a token weight or mask cannot remove a token from it (it "
                 "would only rescale the response); use level=sequence, whose geometric-mean weight "
-                f"matches s_i's length normalisation{icepop}"
+                f"matches s_i's length normalisation, or sequence_product{icepop}"
             )
 
     @torch.no_grad()
@@ -177,7 +191,7 @@ class RolloutCorrection:
             (weights, metrics): [B, T] float32 weights, 0 off the response; detached 0-dim
             metrics ``rollout_corr/weight_mean`` and ``_max`` (of ``w`` over response tokens),
             and for ``tis`` ``rollout_corr/truncfrac_tokens`` / ``_seq`` (tokens truncated /
-            responses with a truncated token), for ``mis`` and ``icepop``
+            responses with a truncated token), for ``mis``, ``reject`` and ``icepop``
             ``rollout_corr/maskfrac_tokens`` / ``_seq`` (tokens dropped / responses with a
             dropped token). Method ``none``: all-ones weights, no metrics.
         """
@@ -187,11 +201,14 @@ class RolloutCorrection:
         log_rho = zero_masked(old_log_probs.float() - rollout_log_probs.float(), mask)
         if self.level == "sequence":
             log_rho = (log_rho.sum(dim=-1) / mask.sum(dim=-1)).unsqueeze(-1).expand_as(log_rho)
-        if self.method == "tis":
+        elif self.level == "sequence_product":
+            log_rho = log_rho.sum(dim=-1, keepdim=True).expand_as(log_rho)
+        if self.method in DEFAULT_CAPS:
             log_cap = math.log(self.cap)
             changed = log_rho > log_cap
-            w = torch.exp(log_rho.clamp(max=log_cap))
-            kind = "truncfrac"
+            below = torch.exp(log_rho.clamp(max=log_cap))  # never exponentiated above the cap
+            w = below if self.method == "tis" else torch.where(changed, 0.0, below)
+            kind = "truncfrac" if self.method == "tis" else "maskfrac"
         else:  # compared in log space: exact, and no overflow for wild tokens
             log_low = math.log(self.low) if self.low > 0 else -math.inf
             log_high = math.log(self.high)

@@ -26,6 +26,7 @@ class MicroBatch:
         old_logprobs: [B, T] log pi_old of the sampled tokens (rollout or recomputed), 0 elsewhere.
         rollout_logprobs: [B, T] the rollout engine's log-probs, 0 off the response.
         advantages: [B] one advantage per response.
+        ref_logprobs: [B, T] log pi_ref of the sampled tokens, 0 elsewhere (KL loss only, else None).
     """
 
     indices: list[int]
@@ -34,6 +35,7 @@ class MicroBatch:
     old_logprobs: torch.Tensor
     rollout_logprobs: torch.Tensor
     advantages: torch.Tensor
+    ref_logprobs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

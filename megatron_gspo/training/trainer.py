@@ -33,7 +33,17 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.algorithms import RunningMeanStd, compute_group_advantages
-from megatron_gspo.config import ConfigError, RunConfig, build_model_config, build_task, to_yaml, validate
+from megatron_gspo.algorithms.token_kl import KLController
+from megatron_gspo.config import (
+    ConfigError,
+    RunConfig,
+    build_model_config,
+    build_task,
+    effective_reward_norm,
+    needs_reference,
+    to_yaml,
+    validate,
+)
 from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.control_plane import broadcast_from_rank0, call_on_rank0, on_rank0
 from megatron_gspo.model.convert import ConversionError, export_hf_checkpoint, load_hf_checkpoint
@@ -48,10 +58,12 @@ from megatron_gspo.training.batch_scatter import scatter_rank_rows
 from megatron_gspo.training.checkpoint import load_checkpoint, resumable_step, save_checkpoint
 from megatron_gspo.training.metrics import MetricsLogger, ZeroRewardWatch
 from megatron_gspo.training.micro_batching import DataLayout
+from megatron_gspo.training.reference import ReferencePolicy
 from megatron_gspo.training.rollout_step import RolloutEngine, rollout_servers
 from megatron_gspo.training.routing_step import StepRouting
 from megatron_gspo.training.sft import run_sft
 from megatron_gspo.training.shm_exports import claim_export_dir
+from megatron_gspo.training.token_kl_step import apply_token_level_kl
 from megatron_gspo.training.update import (
     plan_metrics,
     plan_rank_rows,
@@ -163,6 +175,12 @@ class Trainer:
         except ValueError as err:
             raise ConfigError(str(err)) from None
         replay = cfg.algorithm.routing_replay
+        # Built first: megatron's builder clears the routing-replay handles the policy registers.
+        self.reference = (
+            ReferencePolicy(self.model_cfg, cfg.parallel, cfg.engine, offload=cfg.model.ref_offload)
+            if needs_reference(cfg.algorithm)
+            else None
+        )
         model = build_model(
             self.model_cfg,
             cfg.parallel,
@@ -196,7 +214,13 @@ class Trainer:
             max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch or 0,
         )
         self.stream = PromptStream(self.task, cfg.rollout.rollout_batch_size, seed=cfg.trainer.seed)
-        self.running = RunningMeanStd() if cfg.algorithm.reward_norm == "running" else None
+        self.running = RunningMeanStd() if effective_reward_norm(cfg.algorithm) == "running" else None
+        algo = cfg.algorithm
+        self.kl_ctl = (
+            KLController(algo.init_kl_coef, algo.kl_ctl, algo.target_kl, algo.kl_horizon)
+            if algo.add_token_level_kl
+            else None
+        )
         self.counters = {"skipped_steps": 0, "all_zero_adv_batches": 0, "dropped_groups": 0}
         self.zero_reward = ZeroRewardWatch(cfg.logging.zero_reward_warn_steps)
         self.step, self.weight_version = 0, 0
@@ -242,7 +266,7 @@ class Trainer:
                 heldout=self.heldout,
                 max_new_tokens=cfg.rollout.max_new_tokens,
             )
-        total = max(cfg.trainer.steps * cfg.algorithm.num_mini_batches, 1)
+        total = max(cfg.trainer.steps * cfg.algorithm.num_mini_batches * cfg.algorithm.ppo_epochs, 1)
         self.optimizer, self.scheduler = build_optimizer(
             self.model, cfg.optim, distributed_optimizer=cfg.parallel.distributed_optimizer, total_steps=total
         )
@@ -259,7 +283,24 @@ class Trainer:
             self.counters = dict(state["counters"])
             if self.running is not None:
                 self.running.load_state_dict(state["running_stats"])
+            if self.kl_ctl is not None and state.get("kl_controller") is not None:
+                self.kl_ctl.load_state_dict(state["kl_controller"])
             logger.info("resumed from step %d (weight_version %d)", self.step, self.weight_version)
+        if self.reference is not None:
+            try:
+                source = self.reference.initialise(
+                    self.model,
+                    ref_hf_path=cfg.model.ref_hf_path,
+                    policy_hf_path=cfg.model.hf_path,
+                    run_dir=self.run_dir,
+                    resumed=resume_step is not None,
+                    on_disk=bool(cfg.model.hf_path) and cfg.sft.steps == 0,
+                    tokenizer=self.tokenizer,
+                )
+            except FileNotFoundError as err:
+                raise ConfigError(str(err)) from None
+            self.reference.start_offloaded()
+            logger.info("reference model (KL loss): %s", source)
         return start
 
     def _trainer_state(self) -> dict[str, Any]:
@@ -268,6 +309,7 @@ class Trainer:
             "weight_version": self.weight_version,
             "prompt_stream": self.stream.state_dict(),
             "running_stats": None if self.running is None else self.running.state_dict(),
+            "kl_controller": None if self.kl_ctl is None else self.kl_ctl.state_dict(),
             "counters": dict(self.counters),
             "config": to_yaml(self.cfg),
         }
@@ -314,14 +356,18 @@ class Trainer:
         )
         metrics = rollout_metrics(batch)
         self.sample_rows = batch.stats.get("sample_rows", [])  # rank 0 writes them with the step's record
+        token_kl = algo.add_token_level_kl  # then whitening and the advantage clip act per token, later
         advantages, adv_metrics = compute_group_advantages(
             batch.rewards,
             batch.group_size,
             eps=algo.advantage_eps,
             reward_clip=algo.reward_clip,
-            reward_norm=algo.reward_norm,
-            whiten_advantages=algo.whiten_advantages,
-            advantage_clip=algo.advantage_clip,
+            reward_norm=effective_reward_norm(algo),
+            reward_shift=algo.reward_shift,
+            reward_scale=algo.reward_scale,
+            whiten_advantages=algo.whiten_advantages and not token_kl,
+            response_lengths=batch.response_lengths,
+            advantage_clip=None if token_kl else algo.advantage_clip,
             running_stats=self.running,
         )
         metrics.update({k: float(v) for k, v in adv_metrics.items()})
@@ -366,14 +412,19 @@ class Trainer:
             routing = self.routing if self.routing.active else None
             if routing is not None:
                 routing.begin_step(rows)
+            temperature, reference = cfg.rollout.temperature, self.reference
             if algo.old_logprobs == "recompute":
                 metrics.update(
-                    recompute_and_measure(self.model, plan, cfg.rollout.temperature, routing=routing)
+                    recompute_and_measure(self.model, plan, temperature, routing=routing, reference=reference)
                 )
             elif self.routing.needs_old_pass:  # pi_old's routing only (R2 targets, drift reference)
                 recompute_old_logprobs(
-                    self.model, plan, cfg.rollout.temperature, routing=routing, set_logprobs=False
+                    self.model, plan, temperature, routing=routing, set_logprobs=False, reference=reference
                 )
+            elif reference is not None:  # no pi_old pass to share: the reference runs alone
+                reference.fill_plan(plan, temperature)
+            if self.kl_ctl is not None:
+                metrics.update(apply_token_level_kl(self.model, plan, algo, self.kl_ctl, _dp_group()))
             metrics.update(
                 train_on_batch(
                     self.model,
@@ -499,6 +550,12 @@ class Trainer:
         if self.rank0 and str(self.sync_dir).startswith("/dev/shm/"):
             shutil.rmtree(self.sync_dir.parent, ignore_errors=True)
         destroy_distributed()
+
+
+def _dp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group()
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:

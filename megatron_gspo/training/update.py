@@ -32,13 +32,14 @@ import torch.distributed as dist
 
 from megatron_gspo.algorithms import (
     NUM_LENGTH_BUCKETS,
+    compute_kl_loss,
     compute_loss_normalizer,
     compute_policy_loss,
     mismatch_by_length,
     mismatch_sums,
 )
 from megatron_gspo.algorithms.mismatch import SUM_COLUMNS
-from megatron_gspo.config import AlgorithmConfig
+from megatron_gspo.config import AlgorithmConfig, policy_loss_options
 from megatron_gspo.model.aux_loss import AuxLossWeights, aux_loss_scale
 from megatron_gspo.model.distributed import all_reduce, compute_device
 from megatron_gspo.model.logprobs import is_last_stage
@@ -174,12 +175,20 @@ class _Mismatch:
 
 @torch.no_grad()
 def recompute_old_logprobs(
-    model, plan: list[list[MicroBatch]], temperature: float, *, routing=None, set_logprobs: bool = True
+    model,
+    plan: list[list[MicroBatch]],
+    temperature: float,
+    *,
+    routing=None,
+    set_logprobs: bool = True,
+    reference=None,
 ) -> None:
     """The pi_old pass (weights = rollout weights): the trainer's own `old_logprobs` and routing.
 
     One forward-only schedule run per mini-batch (`model/pipeline.py`); `old_logprobs` are
     set on the last pipeline stage, the only one that computes log-probs (and uses them).
+    With a `reference`, the same pass also runs the reference model over each mini-batch's
+    packed rows right after the policy (`ref_logprobs`): one pass over the step's data, two models.
 
     Args:
         model: the DDP-wrapped policy, still holding the rollout weights.
@@ -187,25 +196,34 @@ def recompute_old_logprobs(
         temperature: sampling temperature of the rollouts.
         routing: a `StepRouting` that records / captures pi_old's routing in this pass.
         set_logprobs: replace `old_logprobs` (False: the pass only serves `routing`).
+        reference: a `ReferencePolicy` whose log-probs the KL loss needs, or None.
     """
-    for micro_batches in plan:
+    with reference.on_device() if reference is not None else contextlib.nullcontext():
+        for micro_batches in plan:
+            _old_pass(model, micro_batches, temperature, routing, set_logprobs)
+            if reference is not None:
+                reference.fill_logprobs(micro_batches, temperature)
 
-        def keep(i: int, logprobs: torch.Tensor, _entropy, micro_batches=micro_batches):
-            micro = micro_batches[i]
-            if set_logprobs:
-                micro.old_logprobs = torch.where(micro.response_mask, logprobs.float(), 0.0)
-            return logprobs.new_zeros(()), {}
 
-        passing = routing.old_pass(micro_batches) if routing is not None else contextlib.nullcontext([])
-        with passing as hooks:
-            run_micro_batches(
-                model,
-                [micro.packed for micro in micro_batches],
-                keep,
-                forward_only=True,
-                temperature=temperature,
-                hooks=hooks,
-            )
+def _old_pass(model, micro_batches: list[MicroBatch], temperature: float, routing, set_logprobs: bool):
+    """One mini-batch of `recompute_old_logprobs` through the policy."""
+
+    def keep(i: int, logprobs: torch.Tensor, _entropy):
+        micro = micro_batches[i]
+        if set_logprobs:
+            micro.old_logprobs = torch.where(micro.response_mask, logprobs.float(), 0.0)
+        return logprobs.new_zeros(()), {}
+
+    passing = routing.old_pass(micro_batches) if routing is not None else contextlib.nullcontext([])
+    with passing as hooks:
+        run_micro_batches(
+            model,
+            [micro.packed for micro in micro_batches],
+            keep,
+            forward_only=True,
+            temperature=temperature,
+            hooks=hooks,
+        )
 
 
 def _dp_group():
@@ -216,6 +234,10 @@ def _dp_group():
 
 # Globally normalised losses: a mini-batch's loss is the SUM of its micro-batch losses over DP ranks.
 _SUMMED_KEYS = frozenset({"actor/pg_loss", "actor/kl_loss"})
+# Per-token means weighted by the micro-batch's response tokens (`_TOKENS`), so the step's value is
+# the mean over all its tokens whatever the split.
+_TOKEN_WEIGHTED_KEYS = frozenset({"actor/kl_ref"})
+_TOKENS = "_response_tokens"
 
 
 def _reduce_metrics(
@@ -224,12 +246,15 @@ def _reduce_metrics(
     """One value per metric for the step, one collective per kind.
 
     Losses (`_SUMMED_KEYS`) are summed over micro-batches and DP ranks and averaged over
-    mini-batches; `*_max` / `*_min` keys take the max / min; the rest are means of the
-    micro-batch statistics over micro-batches and DP ranks.
+    mini-batches; `*_max` / `*_min` keys take the max / min; `_TOKEN_WEIGHTED_KEYS` (and their
+    `_first_mb` / `_later_mbs` forms) are means over all response tokens when the micro-batches
+    carry their token count (`_TOKENS`); the rest are means of the micro-batch statistics over
+    micro-batches and DP ranks.
     """
     if not per_micro:
         return {}
-    keys = sorted(per_micro[0])
+    out = _token_weighted(per_micro, group)
+    keys = sorted(k for k in per_micro[0] if k not in out and k != _TOKENS)
     device = compute_device()
     stacked = {k: torch.stack([m[k].to(device, torch.float32) for m in per_micro]) for k in keys}
     kinds = {
@@ -250,7 +275,6 @@ def _reduce_metrics(
         "sum": dist.ReduceOp.SUM,
         "mean": dist.ReduceOp.SUM,
     }
-    out = {}
     for kind, names in kinds.items():
         if not names:
             continue
@@ -260,6 +284,21 @@ def _reduce_metrics(
             values /= dist.get_world_size(group)
         out.update({k: float(v) for k, v in zip(names, values)})
     return out
+
+
+def _token_weighted(per_micro: list[dict[str, torch.Tensor]], group) -> dict[str, float]:
+    """The token-weighted means of `_reduce_metrics` (one collective)."""
+    if _TOKENS not in per_micro[0]:
+        return {}
+    keys = sorted(k for k in per_micro[0] if k.startswith(tuple(_TOKEN_WEIGHTED_KEYS)))
+    if not keys:
+        return {}
+    device = compute_device()
+    tokens = torch.stack([m[_TOKENS].to(device, torch.float64) for m in per_micro])
+    sums = [torch.stack([m[k].to(device, torch.float64) for m in per_micro]).mul(tokens).sum() for k in keys]
+    totals = torch.stack([*sums, tokens.sum()])
+    all_reduce(totals, group=group)
+    return {k: float(totals[i] / totals[-1]) for i, k in enumerate(keys)}
 
 
 def _correction_weights(
@@ -288,16 +327,26 @@ def _correction_weights(
     return weights, metrics
 
 
-def _clipfrac_by_phase(per_micro: list[dict[str, torch.Tensor]], first_count: int, group) -> dict[str, float]:
-    """`actor/clipfrac_seq` of the first mini-batch and of the later ones, apart.
+_BY_PHASE = ("actor/clipfrac_seq", "actor/kl_ref")
+
+
+def _by_phase(per_micro: list[dict[str, torch.Tensor]], first_count: int, group) -> dict[str, float]:
+    """`actor/clipfrac_seq` (and `actor/kl_ref`, KL loss) of the first mini-batch and of the later ones.
 
     The first mini-batch trains on the rollout weights, so its clipped responses measure pi_old's
     gap to the trainer (the rollout/trainer mismatch with `old_logprobs=rollout`, 0 with
-    `recompute`); the later ones add the policy's own drift. `_later_mbs` is absent with one
-    mini-batch.
+    `recompute`); the later ones add the policy's own drift. On the first step's first
+    mini-batch the policy still equals the reference, so `actor/kl_ref_first_mb` is 0 there.
+    `_later_mbs` keys are absent with one mini-batch.
     """
-    first = [{"actor/clipfrac_seq_first_mb": m["actor/clipfrac_seq"]} for m in per_micro[:first_count]]
-    later = [{"actor/clipfrac_seq_later_mbs": m["actor/clipfrac_seq"]} for m in per_micro[first_count:]]
+    keys = [k for k in _BY_PHASE if per_micro and k in per_micro[0]]
+    extra = [_TOKENS] if per_micro and _TOKENS in per_micro[0] else []
+
+    def phase(m: dict, suffix: str) -> dict:
+        return {**{f"{k}{suffix}": m[k] for k in keys}, **{k: m[k] for k in extra}}
+
+    first = [phase(m, "_first_mb") for m in per_micro[:first_count]]
+    later = [phase(m, "_later_mbs") for m in per_micro[first_count:]]
     return {**_reduce_metrics(first, 1, group), **_reduce_metrics(later, 1, group)}
 
 
@@ -319,15 +368,16 @@ def train_on_batch(
         model: the DDP-wrapped policy.
         optimizer: megatron optimizer.
         scheduler: its LR scheduler.
-        plan: from `plan_mini_batches` (old log-probs already set).
-        algo: loss type, options and aggregation.
+        plan: from `plan_mini_batches` (old log-probs, and with the KL loss ref log-probs, set).
+        algo: loss type, options, aggregation, KL loss and `ppo_epochs` (passes over `plan`).
         temperature: sampling temperature of the rollouts.
         max_response_length: the constant L of `seq-mean-token-sum-norm`.
         nan_loss: multiply the first mini-batch's loss by NaN (fault injection for tests).
         routing: a `StepRouting` (routing replay and drift capture around each forward/backward).
 
     Returns:
-        `actor/*` loss metrics (with `actor/clipfrac_seq_first_mb` / `_later_mbs`),
+        `actor/*` loss metrics (with `actor/clipfrac_seq_first_mb` / `_later_mbs`; with the KL
+        loss `actor/kl_loss`, `actor/kl_ref` and its `_first_mb` / `_later_mbs`),
         `train/grad_norm` (mean over taken steps), `train/lr`, `train/optimizer_steps`,
         `train/skipped_steps` (non-finite, weights untouched), the rollout correction's
         `rollout_corr/*` when it is on and, unless pi_old was recomputed, the rollout/trainer
@@ -341,7 +391,8 @@ def train_on_batch(
     per_micro: list[dict[str, torch.Tensor]] = []
     first_mb_count = 0
     grad_norms, skipped = [], 0
-    for m, micro_batches in enumerate(plan):
+    passes = [(epoch, m, mbs) for epoch in range(algo.ppo_epochs) for m, mbs in enumerate(plan)]
+    for epoch, m, micro_batches in passes:
         shares = [
             compute_loss_normalizer(mb.response_mask, mode, **norm_kwargs).to(device) for mb in micro_batches
         ]
@@ -349,10 +400,14 @@ def train_on_batch(
         all_reduce(normalizer, group=group)
         zero_grads(model, optimizer)
 
-        def loss_fn(j, logprobs, entropy, m=m, micro_batches=micro_batches, normalizer=normalizer):
+        first = epoch == 0 and m == 0
+
+        def loss_fn(
+            j, logprobs, entropy, m=m, first=first, micro_batches=micro_batches, normalizer=normalizer
+        ):
             nonlocal first_mb_count
             micro = micro_batches[j]
-            if m == 0 and mismatch is not None:
+            if first and mismatch is not None:
                 mismatch.add(logprobs, micro)
             loss, metrics = compute_policy_loss(
                 algo.loss_type,
@@ -364,13 +419,26 @@ def train_on_batch(
                 normalizer=normalizer,
                 allow_token_sum_for_gspo=algo.allow_token_sum_for_gspo,
                 token_weights=None if weights is None else weights[m][j],
-                **algo.loss_options,
+                **policy_loss_options(algo),
             )
-            if nan_loss and m == 0:
+            if algo.use_kl_loss:
+                kl_loss, kl_metrics = compute_kl_loss(
+                    logprobs,
+                    micro.ref_logprobs,
+                    micro.response_mask,
+                    coef=algo.kl_loss_coef,
+                    loss_agg_mode=mode,
+                    normalizer=normalizer,
+                    estimator=algo.kl_estimator,
+                )
+                loss = loss + kl_loss
+                metrics.update(kl_metrics)
+                metrics[_TOKENS] = micro.response_mask.sum()
+            if nan_loss and first:
                 loss = loss * math.nan
             metrics["actor/entropy"] = entropy[micro.response_mask].mean()
             per_micro.append(metrics)
-            first_mb_count += m == 0
+            first_mb_count += first
             return loss * dp_loss_scale(), metrics
 
         aux = AuxLossWeights([aux_loss_scale(share, normalizer, dp_loss_scale()) for share in shares])
@@ -392,8 +460,8 @@ def train_on_batch(
             skipped += 1
     out = {}
     if is_last_stage(model):  # losses, log-probs and pi_old live on the last pipeline stage
-        out = _reduce_metrics(per_micro, len(plan), group)
-        out.update(_clipfrac_by_phase(per_micro, first_mb_count, group))
+        out = _reduce_metrics(per_micro, len(passes), group)
+        out.update(_by_phase(per_micro, first_mb_count, group))
         out.update(_reduce_metrics(correction_metrics, 1, group))
         if mismatch is not None:
             out.update(mismatch.reduce(group))
@@ -409,10 +477,10 @@ def train_on_batch(
 
 
 def recompute_and_measure(
-    model, plan: list[list[MicroBatch]], temperature: float, *, routing=None
+    model, plan: list[list[MicroBatch]], temperature: float, *, routing=None, reference=None
 ) -> dict[str, float]:
     """`recompute_old_logprobs`, and the rollout/trainer mismatch it reveals (before any update)."""
-    recompute_old_logprobs(model, plan, temperature, routing=routing)
+    recompute_old_logprobs(model, plan, temperature, routing=routing, reference=reference)
     out = {}
     if is_last_stage(model):
         mismatch = _Mismatch(compute_device())

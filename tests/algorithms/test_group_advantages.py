@@ -37,20 +37,42 @@ def test_batch_normalisation_matches_statistics_module():
     assert metrics["advantages/zero_adv_group_frac"].item() == 0.0
 
 
-def test_no_normalisation_applies_shift_and_scale():
-    adv, _ = compute_group_advantages(
-        torch.tensor([1.0, 0.0, 2.0, 2.0]), 2, reward_norm="none", reward_shift=-0.5, reward_scale=2.0
-    )
-    assert adv.tolist() == pytest.approx([1.0, -1.0, 3.0, 3.0])
+def test_no_normalisation_keeps_the_rewards():
+    adv, _ = compute_group_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), 2, reward_norm="none")
+    assert adv.tolist() == [1.0, 0.0, 2.0, 2.0]
 
 
-def test_reward_clip_applies_before_normalising():
-    adv, metrics = compute_group_advantages(torch.tensor([5.0, -5.0, 0.0, 1.0]), 4, reward_clip=2.0)
-    clipped = [2.0, -2.0, 0.0, 1.0]
-    mu, sd = statistics.mean(clipped), statistics.stdev(clipped)
-    assert adv.tolist() == pytest.approx([(r - mu) / (sd + EPS) for r in clipped], rel=1e-5)
-    # Raw-reward statistics are reported before clipping.
-    assert metrics["rewards/mean"].item() == pytest.approx(0.25)
+@pytest.mark.parametrize("norm", ["group", "batch", "running"])
+def test_reward_shift_and_scale_are_roll_booleans(norm):
+    # ROLL: reward_shift subtracts the mean only, reward_scale divides by the std only.
+    rewards = [1.0, 0.0, 4.0, 2.0]
+    size = 2 if norm == "group" else 4
+
+    def run(**flag):
+        options = {"running_stats": RunningMeanStd()} if norm == "running" else {}
+        return compute_group_advantages(torch.tensor(rewards), size, reward_norm=norm, **flag, **options)[0]
+
+    shifted, scaled = run(reward_shift=True), run(reward_scale=True)
+    if norm == "group":
+        assert shifted.tolist() == pytest.approx([0.5, -0.5, 1.0, -1.0])
+        sds = [statistics.stdev([1.0, 0.0])] * 2 + [statistics.stdev([4.0, 2.0])] * 2
+        assert scaled.tolist() == pytest.approx([r / (s + EPS) for r, s in zip(rewards, sds)], rel=1e-6)
+    else:
+        mu, sd = statistics.mean(rewards), statistics.stdev(rewards)
+        assert shifted.tolist() == pytest.approx([r - mu for r in rewards])
+        assert scaled.tolist() == pytest.approx([r / (sd + EPS) for r in rewards], rel=1e-6)
+
+
+def test_reward_clip_applies_after_normalising_as_roll():
+    # reward_norm none (ROLL's GSPO recipe): the raw rewards are clipped.
+    adv, metrics = compute_group_advantages(torch.tensor([15.0, -15.0, 0.0, 1.0]), 4, reward_norm="none",
+                                            reward_clip=10.0)  # fmt: skip
+    assert adv.tolist() == [10.0, -10.0, 0.0, 1.0]
+    assert metrics["rewards/clipfrac"].item() == 0.5
+    assert metrics["rewards/mean"].item() == pytest.approx(0.25)  # raw-reward statistics, before clipping
+    # After group normalisation: the normalised values are clipped (ROLL's reward_postprocess order).
+    adv, _ = compute_group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, reward_clip=1.0)
+    assert adv.tolist() == pytest.approx([1.0] + [-0.25 / (0.5 + EPS)] * 3, rel=1e-6)
 
 
 def test_advantage_clip_and_its_fraction():
@@ -59,24 +81,37 @@ def test_advantage_clip_and_its_fraction():
     assert metrics["advantages/clipfrac"].item() == pytest.approx(0.25)
 
 
-def test_whitening_after_group_rescales_and_keeps_zero_groups_zero():
+def roll_masked_whiten(values, lengths):
+    """ROLL's masked_whiten over the tokens: each response's value repeated once per token."""
+    tokens = [v for v, n in zip(values, lengths) for _ in range(n)]
+    mu, var = statistics.mean(tokens), statistics.variance(tokens)
+    return [(v - mu) / math.sqrt(var + 1e-8) for v in values]
+
+
+def test_whitening_is_rolls_token_weighted_masked_whiten():
     rewards = torch.tensor([1.0, 0.0, 0.0, 2.0, 1.0, 1.0])
+    lengths = [3, 1, 2, 5, 4, 1]
     group_adv, _ = compute_group_advantages(rewards, 3)
-    adv, metrics = compute_group_advantages(rewards, 3, whiten_advantages=True)
-    values = group_adv.double().tolist()
-    sd = statistics.stdev(values)  # mean is zero by construction
-    assert adv.tolist() == pytest.approx([v / (sd + EPS) for v in values], rel=1e-5)
-    const, m = compute_group_advantages(torch.tensor([1.0, 0.0, 3.0, 3.0]), 2, whiten_advantages=True)
-    assert const[2:].tolist() == [0.0, 0.0]
-    assert m["advantages/zero_adv_group_frac"].item() == 0.5
-    assert statistics.stdev(adv.double().tolist()) == pytest.approx(1.0, rel=1e-4)
+    adv, _ = compute_group_advantages(
+        rewards, 3, whiten_advantages=True, response_lengths=torch.tensor(lengths)
+    )
+    assert adv.tolist() == pytest.approx(roll_masked_whiten(group_adv.double().tolist(), lengths), rel=1e-5)
+    # Without lengths every response weighs one token.
+    adv, _ = compute_group_advantages(rewards, 3, whiten_advantages=True)
+    assert adv.tolist() == pytest.approx(roll_masked_whiten(group_adv.double().tolist(), [1] * 6), rel=1e-5)
 
 
-def test_whitening_after_batch_norm_centres_and_scales():
-    rewards = [0.0, 3.0, 1.0, 1.0]
-    adv, _ = compute_group_advantages(torch.tensor(rewards), 2, reward_norm="none", whiten_advantages=True)
-    mu, sd = statistics.mean(rewards), statistics.stdev(rewards)
-    assert adv.tolist() == pytest.approx([(r - mu) / (sd + EPS) for r in rewards], rel=1e-5)
+def test_rolls_gspo_recipe_raw_rewards_whitened_then_clipped():
+    # reinforce, reward_norm null, reward_clip 10, whiten_advantages, advantage_clip 2.
+    rewards = [0.0, 1.0, 1.0, 12.0, 0.0, 0.0, 1.0, 0.0]
+    lengths = [4, 2, 3, 1, 5, 2, 2, 1]
+    adv, metrics = compute_group_advantages(
+        torch.tensor(rewards), 4, reward_norm="none", reward_clip=10.0, whiten_advantages=True,
+        advantage_clip=2.0, response_lengths=torch.tensor(lengths),
+    )  # fmt: skip
+    expected = [max(-2.0, min(2.0, a)) for a in roll_masked_whiten([min(r, 10.0) for r in rewards], lengths)]
+    assert adv.tolist() == pytest.approx(expected, rel=1e-5)
+    assert metrics["advantages/clipfrac"].item() == pytest.approx(1 / 8)
 
 
 def test_running_normalisation_tracks_all_rewards_and_checkpoints():
@@ -113,9 +148,10 @@ def test_running_normalisation_tracks_all_rewards_and_checkpoints():
         (torch.zeros(4), 1, {}, "group_size >= 2"),
         (torch.zeros(4), 2, {"reward_norm": "whiten"}, "unknown reward_norm 'whiten'; valid: group"),
         (torch.zeros(4), 2, {"reward_norm": None}, "unknown reward_norm None"),
-        (torch.zeros(4), 2, {"reward_shift": 1.0}, "reward_shift / reward_scale only apply"),
-        (torch.zeros(4), 2, {"reward_norm": "batch", "reward_scale": 2.0}, "cancels them"),
-        (torch.zeros(4), 2, {"reward_norm": "none", "reward_scale": 0.0}, "reward_scale must be > 0"),
+        (torch.zeros(4), 2, {"reward_shift": 1.0}, "reward_shift must be a bool"),
+        (torch.zeros(4), 2, {"reward_shift": True, "reward_scale": True}, "set one"),
+        (torch.zeros(4), 2, {"reward_norm": "none", "reward_scale": True}, "nothing to shift or scale"),
+        (torch.zeros(4), 2, {"response_lengths": torch.tensor([1, 0, 1, 1])}, "positive counts"),
         (torch.zeros(4), 2, {"reward_norm": "running"}, "running_stats is required"),
         (torch.zeros(4), 2, {"running_stats": RunningMeanStd()}, "running_stats is required"),
         (torch.zeros(4), 2, {"reward_clip": -1.0}, "reward_clip must be > 0"),

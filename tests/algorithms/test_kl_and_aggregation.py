@@ -31,6 +31,17 @@ def test_kl_estimators_hand_values_and_gradients():
         assert log_probs.grad[0].tolist() == pytest.approx(grads, abs=1e-12)
 
 
+def test_k3_clamps_like_verl_and_roll_and_low_var_kl_is_k3():
+    # verl low_var_kl / ROLL k3: d clamped to [-20, 20], the estimate to at most 10 (no gradient past it).
+    log_probs = torch.tensor([[0.0, 0.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[15.0, 2.0, -30.0]], dtype=torch.float64)
+    out = kl_penalty(log_probs, ref, "low_var_kl")
+    assert out[0].tolist() == pytest.approx([10.0, math.exp(2.0) - 1 - 2.0, 10.0])  # d = -15, -2, 30
+    out.sum().backward()
+    assert log_probs.grad[0].tolist() == pytest.approx([0.0, 1 - math.exp(2.0), 0.0])
+    assert torch.equal(kl_penalty(log_probs, ref, "k3"), out)
+
+
 def test_k3_is_finite_for_extreme_log_ratios():
     log_probs = torch.tensor([[0.0, 0.0]])
     ref = torch.tensor([[200.0, -200.0]])

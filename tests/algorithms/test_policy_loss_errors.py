@@ -30,6 +30,7 @@ def test_builtin_losses_are_registered_with_their_defaults():
     assert dict(POLICY_LOSSES.get("gspo").options) == {
         "clip_low": 3e-4,
         "clip_high": 4e-4,
+        "clip_ratio_c": None,
         "log_ratio_clamp": 20.0,
     }
     assert dict(POLICY_LOSSES.get("grpo").options) == {
@@ -120,7 +121,8 @@ def test_registry_enforces_the_function_contract():
     "loss_type,options,match",
     [
         ("grpo", {"tau_pos": 1.0}, r"\['tau_pos'\] do not apply to policy loss 'grpo'"),
-        ("gspo", {"clip_ratio_c": 3.0}, r"\['clip_ratio_c'\] do not apply to policy loss 'gspo'"),
+        ("gspo", {"tau_pos": 3.0}, r"\['tau_pos'\] do not apply to policy loss 'gspo'"),
+        ("gspo", {"clip_ratio_c": 0.5}, "clip_ratio_c must be finite and > 1.0"),
         ("sapo", {"clip_low": 0.2}, r"\['clip_low'\] do not apply to policy loss 'sapo'"),
         ("grpo", {"allow_token_sum_for_gspo": True}, "only applies to sequence-ratio losses"),
         ("sapo", {"loss_agg_mode": "seq-mean"}, "unknown loss_agg_mode 'seq-mean'"),

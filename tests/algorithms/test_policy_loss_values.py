@@ -179,3 +179,25 @@ def test_bf16_inputs_are_computed_in_float32(token_batch):
     loss16, _ = compute_policy_loss("grpo", log_probs.detach().bfloat16(), old.bfloat16(), adv, mask)
     assert loss16.dtype == torch.float32
     assert loss16.item() == pytest.approx(loss32.item(), abs=2e-2)
+
+
+@pytest.mark.parametrize("loss_type", ["gspo", "gspo_token"])
+def test_gspo_dual_clip_caps_negative_advantage_responses_as_roll(loss_type):
+    # ROLL: loss = -max(-loss, c A) for A < 0 with c = 1 + 2 x 0.2 = 1.4, on GSPO's sequence ratio.
+    # Response 0: s = e^0.5 ~ 1.65, A = -1: PPO loss max(1.65, 1.0003) = 1.65 > 1.4, capped to 1.4.
+    # Response 1: s = e^0.1, A = -1: 1.105 < 1.4, untouched. Response 2: A = +1, no dual clip.
+    log_probs = torch.tensor(
+        [[-0.5, -0.5], [-0.9, -0.9], [-0.5, -0.5]], dtype=torch.float64, requires_grad=True
+    )
+    old = torch.tensor([[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
+    adv = torch.tensor([-1.0, -1.0, 1.0], dtype=torch.float64)
+    mask = torch.ones(3, 2, dtype=torch.bool)
+    loss, metrics = compute_policy_loss(
+        loss_type, log_probs, old, adv, mask, loss_agg_mode="seq-mean-token-mean", clip_ratio_c=1.4
+    )
+    expected = (1.4 + math.exp(0.1) + -(1 + 4e-4)) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+    assert metrics["actor/clipfrac_dual_tokens"].item() == pytest.approx(2 / 6)
+    loss.backward()
+    assert log_probs.grad[0].abs().max().item() == 0.0  # the cap is constant: no gradient
+    assert log_probs.grad[1].abs().min().item() > 0.0

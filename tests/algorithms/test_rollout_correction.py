@@ -101,16 +101,16 @@ def test_sequence_tis_with_grpo_weights_every_token_of_the_response(token_batch)
     assert token.item() == pytest.approx((1.5 + 1 / 1.5) / 2, abs=1e-6)
 
 
-def test_token_mis_with_grpo_drops_tokens_outside_the_band(token_batch):
+def test_token_reject_with_grpo_drops_tokens_outside_the_band(token_batch):
     # Band [0.5, 2]. Row 0, A=+1, r=1: rho 3 (dropped), 1.5 (kept, weight 1), 0.4 (dropped):
     #   (0 - 1 + 0) / 3 -- dropped tokens stay in the 1/|y| normaliser.
     # Row 1, A=-1, r=1: rho 0.6, 1.9 kept: loss +1 per token.
     log_probs, old, mask = token_batch([[0.0, 0.0, 0.0], [0.0, 0.0]])
     rollout = rollout_from(old, mask, [[ln(3), ln(1.5), ln(0.4)], [ln(0.6), ln(1.9)]])
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    mis = RolloutCorrection.build("mis", "token")
-    assert (mis.low, mis.high) == (0.5, 2.0)
-    loss, weights, metrics = corrected_loss("grpo", mis, log_probs, old, rollout, mask, adv)
+    rej = RolloutCorrection.build("reject", "token")
+    assert (rej.low, rej.high) == (0.5, 2.0)
+    loss, weights, metrics = corrected_loss("grpo", rej, log_probs, old, rollout, mask, adv)
     assert loss.item() == pytest.approx((-1 / 3 + 1.0) / 2, abs=1e-6)
     loss.backward()
     expected = torch.tensor([[0.0, -1 / 6, 0.0], [0.25, 0.25, 0.0]], dtype=torch.float64)
@@ -122,15 +122,15 @@ def test_token_mis_with_grpo_drops_tokens_outside_the_band(token_batch):
     assert "rollout_corr/truncfrac_tokens" not in metrics
 
 
-def test_sequence_mis_with_gspo_drops_whole_responses(token_batch):
+def test_sequence_reject_with_gspo_drops_whole_responses(token_batch):
     # Band [0.5, 2]. Row 0, A=+1: rho 4, 4 -> geometric mean 4: the response is dropped (no loss,
     # no gradient). Row 1, A=-1: rho 3 and 1/3, each outside the band, but geometric mean 1:
     # kept whole; s = 1, loss +1, gradient 1/2 per token, / 2 responses.
     log_probs, old, mask = token_batch([[0.0001, 0.0001], [0.0, 0.0]])
     rollout = rollout_from(old, mask, [[ln(4), ln(4)], [ln(3), -ln(3)]])
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    mis = RolloutCorrection.build("mis", "sequence")
-    loss, weights, metrics = corrected_loss("gspo", mis, log_probs, old, rollout, mask, adv)
+    rej = RolloutCorrection.build("reject", "sequence")
+    loss, weights, metrics = corrected_loss("gspo", rej, log_probs, old, rollout, mask, adv)
     assert loss.item() == pytest.approx(0.5, abs=1e-6)
     loss.backward()
     torch.testing.assert_close(
@@ -141,10 +141,10 @@ def test_sequence_mis_with_gspo_drops_whole_responses(token_batch):
     assert metrics["rollout_corr/maskfrac_tokens"].item() == pytest.approx(2 / 4)
 
 
-def test_mis_band_is_inclusive():
+def test_reject_band_is_inclusive():
     old = torch.tensor([[ln(0.5), ln(2.0), ln(0.49), ln(2.01)]])
     rollout = torch.zeros(1, 4)
-    weights, _ = RolloutCorrection.build("mis", "token").weights(
+    weights, _ = RolloutCorrection.build("reject", "token").weights(
         old, rollout, torch.ones(1, 4, dtype=torch.bool)
     )
     assert weights.tolist() == [[1.0, 1.0, 0.0, 0.0]]
@@ -184,13 +184,13 @@ def test_none_is_all_ones_and_leaves_the_loss_unchanged(token_batch):
     "loss_type, method, level, refused",
     [
         ("gspo", "tis", "token", True),
-        ("gspo", "mis", "token", True),
+        ("gspo", "reject", "token", True),
         ("gspo", "icepop", "token", True),
         ("gspo_token", "tis", "token", True),
         ("gspo", "tis", "sequence", False),
-        ("gspo_token", "mis", "sequence", False),
+        ("gspo_token", "reject", "sequence", False),
         ("grpo", "tis", "token", False),
-        ("grpo", "mis", "sequence", False),
+        ("grpo", "reject", "sequence", False),
         ("grpo", "icepop", "token", False),
         ("sapo", "tis", "token", False),
     ],
@@ -217,18 +217,20 @@ def test_token_level_refused_for_sequence_ratio_losses(loss_type, method, level,
         ("tis", {"cap": math.nan}, "cap must be a finite number"),
         ("tis", {"cap": True}, "cap must be a finite number"),
         ("tis", {"low": 0.5}, "low does not apply to method 'tis'"),
-        ("mis", {"cap": 2.0}, "cap does not apply to method 'mis'"),
-        ("mis", {"low": 0.8, "high": 0.8}, "low < high"),
-        ("mis", {"low": 1.0, "high": 1.0}, "low < high"),
-        ("mis", {"low": 1.5, "high": 3.0}, "0 <= low <= 1 <= high"),
-        ("mis", {"low": 0.2, "high": 0.9}, "0 <= low <= 1 <= high"),
-        ("mis", {"low": -0.1}, "0 <= low <= 1 <= high"),
+        ("reject", {"cap": 2.0}, "cap does not apply to method 'reject'"),
+        ("mis", {"low": 0.5}, "low does not apply to method 'mis'"),
+        ("mis", {"cap": 0.9}, "cap must be >= 1"),
+        ("reject", {"low": 0.8, "high": 0.8}, "low < high"),
+        ("reject", {"low": 1.0, "high": 1.0}, "low < high"),
+        ("reject", {"low": 1.5, "high": 3.0}, "0 <= low <= 1 <= high"),
+        ("reject", {"low": 0.2, "high": 0.9}, "0 <= low <= 1 <= high"),
+        ("reject", {"low": -0.1}, "0 <= low <= 1 <= high"),
         ("icepop", {"high": math.inf}, "high must be a finite number"),
         ("icepop", {"low": math.nan}, "low must be a finite number"),
         ("icepop", {"level": "sequence"}, "IcePop masks tokens"),
         ("none", {"cap": 2.0}, "cap does not apply to method 'none'"),
         ("tis", {"level": "response"}, "level='response'; valid: token, sequence"),
-        ("is", {}, "method='is'; valid: none, tis, mis, icepop"),
+        ("is", {}, "method='is'; valid: none, tis, mis, reject, icepop"),
     ],
 )
 def test_bad_options_are_refused_naming_the_field(method, kwargs, message):
@@ -245,3 +247,37 @@ def test_weights_stay_on_the_inputs_device_and_dtype_is_float32():
     assert weights.dtype == torch.float32 and weights.device == old.device
     assert weights.tolist() == [[2.0, 2.0, 0.0], [2.0, 0.0, 0.0]]  # rho = e^5 truncated to 2
     assert all(v.dim() == 0 and not v.requires_grad for v in metrics.values())
+
+
+def test_mis_as_published_keeps_rho_below_the_cap_and_drops_above():
+    # "When Speed Kills Stability": w = rho if rho <= C else 0 (C = 2 by default); rho = 2 is kept.
+    old = torch.tensor([[ln(0.3), ln(1.5), ln(2.0), ln(2.5), ln(40.0)]])
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    weights, metrics = RolloutCorrection.build("mis", "token").weights(old, torch.zeros(1, 5), mask)
+    assert weights[0].tolist() == pytest.approx([0.3, 1.5, 2.0, 0.0, 0.0], rel=1e-6)
+    assert metrics["rollout_corr/maskfrac_tokens"].item() == pytest.approx(2 / 5)
+    assert RolloutCorrection.build("mis", "token", cap=3.0).cap == 3.0
+
+
+def test_sequence_product_multiplies_the_token_ratios_in_log_space():
+    # Row 0: rho 1.2 x 1.5 = 1.8 (geometric mean 1.342); row 1: 1.5 x 1.5 = 2.25 > 2: MIS drops it,
+    # TIS caps it at 2. Row 2: 5000 tokens of rho 1.2: the product e^(5000 ln 1.2) overflows any
+    # float, its log does not: dropped (mis) / capped (tis) without an inf or a NaN.
+    log_rho = torch.zeros(3, 5000)
+    mask = torch.zeros(3, 5000, dtype=torch.bool)
+    log_rho[0, :2] = torch.tensor([ln(1.2), ln(1.5)])
+    log_rho[1, :2] = ln(1.5)
+    log_rho[2] = ln(1.2)
+    mask[:2, :2] = True
+    mask[2] = True
+    old = log_rho.clone()
+    rollout = torch.zeros(3, 5000)
+    mis, _ = RolloutCorrection.build("mis", "sequence_product").weights(old, rollout, mask)
+    tis, _ = RolloutCorrection.build("tis", "sequence_product").weights(old, rollout, mask)
+    geo, _ = RolloutCorrection.build("tis", "sequence").weights(old, rollout, mask)
+    assert mis[0, :2].tolist() == pytest.approx([1.8, 1.8], rel=1e-6)
+    assert mis[1].abs().sum().item() == 0.0 and mis[2].abs().sum().item() == 0.0
+    assert tis[1, :2].tolist() == pytest.approx([2.0, 2.0]) and tis[2].max().item() == pytest.approx(2.0)
+    assert geo[0, 0].item() == pytest.approx(math.sqrt(1.8), rel=1e-6)
+    assert torch.isfinite(mis).all() and torch.isfinite(tis).all()
+    RolloutCorrection.build("mis", "sequence_product").check_loss("gspo", True)  # a sequence level: allowed

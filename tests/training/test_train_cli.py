@@ -1,8 +1,9 @@
 """`megatron-gspo train` end to end on the tiny MoE with the embedded rollout server.
 
-One uninterrupted 4-step run (checkpoints at steps 2 and 4, a NaN injected into step 2's first
-mini-batch) is checked for its metrics records, and compared with a run killed by SIGKILL
-after its step-2 checkpoint and resumed with --resume: the per-step metrics must be identical.
+One uninterrupted 4-step run with the KL loss on (checkpoints at steps 2 and 4, a NaN injected
+into step 2's first mini-batch) is checked for its metrics records, and compared with a run killed
+by SIGKILL after its step-2 checkpoint and resumed with --resume: the per-step metrics must be
+identical, the KL to the reference model (reloaded from the run dir after SFT) included.
 """
 
 import math
@@ -33,6 +34,7 @@ TINY = [
     "algorithm.num_mini_batches=2",
     "debug.nan_loss_at_step=2",
     "logging.progress_bar=false",
+    "algorithm.use_kl_loss=true",  # a reference model: the policy after SFT
 ]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 REQUIRED = [
@@ -51,6 +53,9 @@ REQUIRED = [
     "actor/ratio_min",
     "actor/ratio_max",
     "actor/entropy",
+    "actor/kl_ref",
+    "actor/kl_ref_first_mb",
+    "actor/kl_loss",
     "train/grad_norm",
     "train/lr",
     "train/skipped_steps",
@@ -65,7 +70,15 @@ REQUIRED = [
     "time/step_s",
     "weight_version",
 ]
-COMPARED = ["rollout/reward_mean", "actor/pg_loss", "train/grad_norm", "actor/ratio_mean", "eval/accuracy"]
+COMPARED = [
+    "rollout/reward_mean",
+    "actor/pg_loss",
+    "train/grad_norm",
+    "actor/ratio_mean",
+    "eval/accuracy",
+    "actor/kl_ref",  # equal only if the resumed run's reference gives the same log-probs, bit for bit
+    "actor/kl_loss",
+]
 
 
 def train_cmd(run_dir, *extra):
@@ -97,6 +110,9 @@ def test_metrics_records(reference):
     assert records[2]["train/optimizer_steps"] == 1
     # Before any update the trainer reproduces the rollout engine's log-probs (same weights).
     assert records[1]["rollout/logprob_mismatch_max"] < 1e-3
+    # The policy is the reference until its first optimizer step; then they part.
+    assert records[1]["actor/kl_ref_first_mb"] == 0.0
+    assert all(r["actor/kl_ref"] > 0 for r in records[2:]) and records[4]["actor/kl_ref_first_mb"] > 0
     assert any(Path(run_dir, "tensorboard").iterdir())
     assert latest_step(run_dir / "checkpoints") == 4
     assert "held-out accuracy" in done.stdout

@@ -318,3 +318,17 @@ def test_mismatch_metrics_of_a_hand_made_batch():
     assert out[two_three + "log_seq_ratio_mean"] == pytest.approx((0.0 / 3 + 0.4 / 2) / 2, abs=1e-6)
     assert out[two_three + "k3_kl"] == pytest.approx(sum(k3(d) for d in flat[1:]) / 5, rel=1e-5)
     assert not any("/4-7/" in k for k in out)  # empty buckets are not reported
+
+
+def test_ppo_epochs_pass_over_the_batch_again(model):
+    batch, adv = make_batch(model, seed=6)
+    before = snapshot(model)
+    optimizer, scheduler = build_optimizer(model, OptimConfig(optimizer="sgd", lr=1e-2, clip_grad=0.0))
+    algo = AlgorithmConfig(loss_type="gspo", num_mini_batches=2, ppo_epochs=3, old_logprobs="recompute")
+    plan = plan_mini_batches(batch, adv, 2, DataLayout())
+    recompute_and_measure(model, plan, T)
+    metrics = train_on_batch(model, optimizer, scheduler, plan, algo, temperature=T, max_response_length=4)
+    restore(model, before)
+    assert metrics["train/optimizer_steps"] == 6.0  # 3 passes x 2 mini-batches
+    assert metrics["actor/clipfrac_seq_first_mb"] == 0.0  # only the very first mini-batch is pi_old's
+    assert metrics["actor/ratio_max"] > 1.0

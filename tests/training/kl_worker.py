@@ -1,0 +1,134 @@
+"""torchrun worker of the KL-loss parallel test (see test_reference_multiprocess.py).
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 kl_worker.py \
+        --hf DIR --ref DIR --tp 2 --ep 1 --result FILE
+
+From the same HF weights (policy) and a second checkpoint (reference), one RL update of the same
+batch with the KL loss on (pi_old recomputed, reference log-probs in the same pass, SGD), once
+per KL estimator, and once with ROLL's reward-side KL (gspo_token, token-level advantages
+whitened over the data-parallel ranks), the policy restored in between. Rank 0 writes the
+metrics per estimator to FILE; a world of one (`run` in the test's own process) gives the
+numbers the layouts must reproduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.algorithms import compute_group_advantages
+from megatron_gspo.algorithms.token_kl import KLController
+from megatron_gspo.config import AlgorithmConfig
+from megatron_gspo.model.builder import EngineConfig, build_model
+from megatron_gspo.model.config import tiny
+from megatron_gspo.model.convert import load_hf_checkpoint
+from megatron_gspo.model.distributed import (
+    ParallelConfig,
+    compute_device,
+    destroy_distributed,
+    init_distributed,
+)
+from megatron_gspo.model.optim import OptimConfig, build_optimizer, wrap_ddp
+from megatron_gspo.rollout import RolloutBatch, RolloutSample
+from megatron_gspo.training.batch_scatter import scatter_rank_rows
+from megatron_gspo.training.micro_batching import DataLayout
+from megatron_gspo.training.reference import ReferencePolicy
+from megatron_gspo.training.token_kl_step import apply_token_level_kl
+from megatron_gspo.training.update import plan_rank_rows, recompute_and_measure, train_on_batch
+
+G, GROUPS, MINI, T, LR = 4, 4, 2, 0.7, 0.1
+MODEL = tiny(vocab_size=80)
+ESTIMATORS = ("k1", "k2", "k3")
+KEYS = ("actor/kl_ref", "actor/kl_ref_first_mb", "actor/kl_loss", "actor/pg_loss", "train/grad_norm")
+TOKEN_KL_KEYS = ("critic/kl", "actor/pg_loss", "train/grad_norm")
+
+
+def make_batch() -> tuple[RolloutBatch, torch.Tensor]:
+    """Groups of 2..6-token prompts and 1..8-token responses with 0/1 rewards."""
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for g in range(GROUPS):
+        prompt = torch.randint(3, 80, (int(torch.randint(2, 7, (1,), generator=gen)),), generator=gen)
+        for _ in range(G):
+            r = int(torch.randint(1, 9, (1,), generator=gen))
+            response = torch.randint(3, 80, (r,), generator=gen)
+            reward = float(torch.rand((), generator=gen) > 0.5)
+            samples.append(
+                RolloutSample(prompt, response, torch.zeros(r), "stop", "0", group_index=g, reward=reward)
+            )
+    batch = RolloutBatch.from_samples(samples, G)
+    return batch, compute_group_advantages(batch.rewards, G)[0]
+
+
+def run(parallel: ParallelConfig, hf: str, ref_hf: str) -> dict[str, dict[str, float]]:
+    """The update under `parallel` for every estimator (call after `init_distributed`)."""
+    reference = ReferencePolicy(MODEL, parallel, EngineConfig())
+    reference.load(ref_hf)
+    policy = build_model(MODEL, parallel)
+    load_hf_checkpoint(policy, hf, MODEL)
+    policy = wrap_ddp(policy)
+    start = {k: v.detach().clone() for k, v in policy.module.named_parameters()}
+    rank0 = dist.get_rank() == 0
+    batch, advantages = make_batch()
+    sp = parallel.tensor_parallel if parallel.use_sequence_parallel else 1
+    out = {}
+    for estimator in (*ESTIMATORS, "token_kl"):
+        with torch.no_grad():
+            for k, v in policy.module.named_parameters():
+                v.copy_(start[k])
+        layout = DataLayout.from_megatron(0, sp)
+        rows = scatter_rank_rows(
+            batch if rank0 else None,
+            advantages if rank0 else None,
+            num_mini_batches=MINI,
+            layout=layout,
+            routed_experts=False,
+            device=compute_device(),
+        )
+        plan = plan_rank_rows(rows, MINI, layout)
+        recompute_and_measure(policy, plan, T, reference=reference)
+        optimizer, scheduler = build_optimizer(policy, OptimConfig(optimizer="sgd", lr=LR, clip_grad=0.0))
+        if estimator == "token_kl":
+            from megatron.core import parallel_state as ps
+
+            algo = AlgorithmConfig(
+                loss_type="gspo_token", num_mini_batches=MINI, old_logprobs="recompute",
+                add_token_level_kl=True, whiten_advantages=True, advantage_clip=2.0,
+            )  # fmt: skip
+            kl = apply_token_level_kl(policy, plan, algo, KLController(0.5), ps.get_data_parallel_group())
+        else:
+            algo = AlgorithmConfig(
+                loss_type="gspo", num_mini_batches=MINI, old_logprobs="recompute", use_kl_loss=True,
+                kl_loss_coef=0.5, kl_estimator=estimator,
+            )  # fmt: skip
+        metrics = train_on_batch(
+            policy, optimizer, scheduler, plan, algo, temperature=T, max_response_length=8
+        )
+        if estimator == "token_kl":
+            out[estimator] = {"critic/kl": kl["critic/kl"], **{k: metrics[k] for k in TOKEN_KL_KEYS[1:]}}
+        else:
+            out[estimator] = {k: metrics[k] for k in KEYS}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("--hf", "--ref", "--result"):
+        parser.add_argument(name, required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    args = parser.parse_args()
+    parallel = ParallelConfig(tensor_parallel=args.tp, expert_parallel=args.ep)
+    init_distributed(parallel, seed=3)
+    out = run(parallel, args.hf, args.ref)
+    if dist.get_rank() == 0:
+        Path(args.result).write_text(json.dumps(out))
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
