@@ -18,6 +18,8 @@ import pytest
 from megatron_gspo.training.checkpoint import latest_step
 from megatron_gspo.training.metrics import read_metrics
 
+pytestmark = pytest.mark.slow  # end-to-end training runs of 20-70 s each
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = [
     "--config",
@@ -162,7 +164,6 @@ def test_bf16_on_one_side_shows_as_train_inference_mismatch(reference, tmp_path,
     assert step1["train/skipped_steps"] == 0 and math.isfinite(step1["actor/pg_loss"])
 
 
-@pytest.mark.slow
 def test_resume_of_a_checkpoint_saved_before_any_update(tmp_path):
     """20 SFT steps leave the policy too weak for any reward: every RL step so far was skipped
     (all-zero advantages) when the checkpoints were written. Resuming continues as the
