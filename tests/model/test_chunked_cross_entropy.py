@@ -62,6 +62,7 @@ def test_chunks_hold_an_eighth_of_the_logits_above_a_floor():
     assert chunked.chunk_tokens(small) >= 384
 
 
+@pytest.mark.multiprocess
 def test_tp2_equals_megatrons_cross_entropy_and_the_full_vocabulary(tmp_path):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     proc = subprocess.run(
