@@ -84,6 +84,7 @@ def test_nproc_layout_error_before_workers_start(tmp_path):
     assert "ChildFailedError" not in result.stderr and result.stderr.count("\n") == 1, result.stderr
 
 
+@pytest.mark.multiprocess
 def test_nproc_worker_error_reported_once(tmp_path):
     """An error raised inside the torchrun workers: the message once, no torchrun failure dump."""
     result = run_cli(

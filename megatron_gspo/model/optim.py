@@ -151,7 +151,7 @@ def grads_are_finite(ddp_model: torch.nn.Module) -> bool:
     """
     grads = _grad_tensors(ddp_model)
     norms = torch._foreach_norm(grads) if grads else []
-    if _any_on_any_rank([~torch.isfinite(torch.stack(norms)).any()] if norms else []):
+    if _any_on_any_rank([(~torch.isfinite(torch.stack(norms))).any()] if norms else []):
         return not _any_on_any_rank([(~torch.isfinite(grad)).any() for grad in grads])
     return True
 

@@ -6,6 +6,7 @@ Layout of a checkpoint root::
       latest                  name of the newest complete checkpoint directory (one line)
       step_00000003/
         meta.json             step, weight_version, parallel layout, scheduler state, Adam step,
+                              whether optimizer state was saved (not before the first step),
                               versions, every file's size and SHA-256, and meta.json's own checksum
         trainer_state.pt      the trainer's own state (data position, running stats, counters, config)
         rank_00000.pt         this rank's RNG streams
@@ -55,6 +56,7 @@ from megatron_gspo.training.checkpoint_dist import (
     leaf_optimizers,
     load_model_sharded,
     load_sharded,
+    optimizer_has_state,
     optimizer_step_count,
     save_sharded,
 )
@@ -263,8 +265,9 @@ def save_checkpoint(
 
     files: dict[str, tuple[int, str]] = {}  # name -> (bytes, checksum)
     failure = None
+    with_optimizer = any(_all_gather(optimizer_has_state(optimizer)))
     try:
-        save_sharded(tmp / DIST_DIR, model, optimizer)
+        save_sharded(tmp / DIST_DIR, model, optimizer, with_optimizer=with_optimizer)
         files |= _checksum_share(tmp, _broadcast(_dist_files(tmp) if rank == 0 else None))
         files[rank_file_name(rank)] = save_durably(
             {"format_version": FORMAT_VERSION, "rank": rank, "rng": capture_rng_state()},
@@ -284,7 +287,8 @@ def save_checkpoint(
 
     if rank == 0:
         try:
-            write_meta(tmp / META_FILE, _meta(step, optimizer, scheduler, trainer_state, all_files))
+            meta = _meta(step, optimizer, scheduler, trainer_state, all_files, with_optimizer)
+            write_meta(tmp / META_FILE, meta)
             fsync_dir(tmp / DIST_DIR)
             fsync_dir(tmp)
             if final.exists():  # left by an abandoned run or a crash before `latest` moved on
@@ -325,7 +329,12 @@ def _checksum_share(directory: Path, names: list[str]) -> dict[str, tuple[int, s
 
 
 def _meta(
-    step: int, optimizer, scheduler, trainer_state: dict[str, Any], files: dict[str, tuple[int, str]]
+    step: int,
+    optimizer,
+    scheduler,
+    trainer_state: dict[str, Any],
+    files: dict[str, tuple[int, str]],
+    with_optimizer: bool,
 ) -> dict[str, Any]:
     from importlib.metadata import version
 
@@ -339,6 +348,7 @@ def _meta(
         "weight_version": trainer_state.get("weight_version"),
         "layout": current_layout(optimizer),
         "optimizer_step": optimizer_step_count(optimizer),
+        "optimizer_state": with_optimizer,  # False: saved before the first step, model only
         "scheduler": scheduler.state_dict(),
         "versions": {"megatron-core": version("megatron-core"), "torch": torch.__version__},
         "files": {name: size for name, (size, _) in sorted(files.items())},
@@ -558,7 +568,13 @@ def _restore(directory: Path, model: torch.nn.Module, optimizer, scheduler) -> d
     rank, _ = world_rank_size()
     meta = read_meta(directory)
     try:
-        load_sharded(directory / DIST_DIR, model, optimizer, meta["optimizer_step"])
+        load_sharded(
+            directory / DIST_DIR,
+            model,
+            optimizer,
+            meta["optimizer_step"],
+            with_optimizer=meta.get("optimizer_state", True),  # absent from older checkpoints
+        )
     except Exception as exc:  # megatron names the tensor that does not fit
         raise CheckpointError(
             f"{directory / DIST_DIR} does not fit this model: {type(exc).__name__}: {exc}"

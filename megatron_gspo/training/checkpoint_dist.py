@@ -86,6 +86,14 @@ def optimizer_step_count(optimizer) -> int | None:
     return steps.pop()
 
 
+def optimizer_has_state(optimizer) -> bool:
+    """Whether any leaf holds state a freshly built optimizer lacks (Adam moments, momenta).
+
+    None do before the first step, when the main params also still equal the weights.
+    """
+    return any(bool(leaf.optimizer.state) for leaf in leaf_optimizers(optimizer))
+
+
 def sharded_state(model: torch.nn.Module, optimizer, *, loading: bool) -> tuple[dict[str, Any], list]:
     """The dict `dist_checkpointing` saves or fills, and each leaf's non-tensor rest.
 
@@ -127,19 +135,32 @@ def _parallel_group():
     return ps.get_data_parallel_group(with_context_parallel=True)
 
 
-def save_sharded(directory: Path, model: torch.nn.Module, optimizer) -> None:
-    """Write model and optimizer tensors into `directory` (collective; the directory must exist)."""
+def save_sharded(directory: Path, model: torch.nn.Module, optimizer, *, with_optimizer: bool = True) -> None:
+    """Write model and optimizer tensors into `directory` (collective; the directory must exist).
+
+    Args:
+        directory: the `dist_checkpointing` directory.
+        model: this rank's model shard (DDP-wrapped or bare).
+        optimizer: megatron's optimizer.
+        with_optimizer: False before the optimizer's first step (see `optimizer_has_state`):
+            megatron cannot describe state that does not exist yet, so only the model is written.
+    """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
-    state, _ = sharded_state(model, optimizer, loading=False)
+    if with_optimizer:
+        state, _ = sharded_state(model, optimizer, loading=False)
+    else:
+        state = {"model": _model_sharded(model)}
     base = get_default_save_sharded_strategy("torch_dist")
     strategy = FullyParallelSaveStrategyWrapper(base, _parallel_group())
     dist_checkpointing.save(state, str(directory), strategy)
 
 
-def load_sharded(directory: Path, model: torch.nn.Module, optimizer, step: int | None) -> None:
+def load_sharded(
+    directory: Path, model: torch.nn.Module, optimizer, step: int | None, *, with_optimizer: bool = True
+) -> None:
     """Fill model and optimizer from `directory`, whatever layout wrote it (collective).
 
     Args:
@@ -147,7 +168,13 @@ def load_sharded(directory: Path, model: torch.nn.Module, optimizer, step: int |
         model: this rank's model shard (DDP-wrapped or bare).
         optimizer: megatron's optimizer, built as for a fresh run.
         step: Adam's step count recorded at save time (None: the optimizer had not stepped).
+        with_optimizer: whether the directory holds optimizer state; without it the optimizer
+            stays as built (it had not stepped when saved), its main params taken from the weights.
     """
+    if not with_optimizer:
+        load_model_sharded(directory, model)
+        optimizer.reload_model_params()  # fp32 main params of a bf16 model: copies of the loaded weights
+        return
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject

@@ -10,7 +10,9 @@ Every rank writes `<out>.rank<r>.json`:
 - `wrong_key`: the same with the classic bug, backward replay keyed by the last forwarded
   micro-batch instead of the one being recomputed (must be caught on the first stage);
 - `r2` / `r3`: `recompute_old_logprobs` + `train_on_batch` with `StepRouting` after a heavy
-  router perturbation: used == recorded (R2) / rollout (R3) routing, per layer and micro-batch.
+  router perturbation: used == what the routers chose in the pi_old pass (R2, recorded by the
+  hook) / the rollout's routing placed by the packing's segments here (R3), per layer and
+  micro-batch.
 """
 
 import argparse
@@ -68,7 +70,11 @@ def random_routing(tokens, seed):
 
 
 def same(used, target):
-    return bool(torch.equal(used.sort(dim=1).values, target.to(torch.long).sort(dim=1).values))
+    """Whether `used` chose `target`'s experts on every token `target` names (-1: not compared)."""
+    target = target.to(torch.long)
+    named = (target >= 0).all(dim=1)
+    assert named.sum() > 0
+    return bool(torch.equal(used[named].sort(dim=1).values, target[named].sort(dim=1).values))
 
 
 def compare(split, targets_per_layer):
@@ -155,6 +161,17 @@ def make_rows(model_cfg):
     return local, layout
 
 
+def rollout_routing(micro, rows, layer):
+    """The rollout's routing of global `layer` in the router's token order (position-major over
+    the packed rows), written out here from the packing's segments: routed tokens carry their
+    sample's rows; padding and each sample's last token are compared as whatever sits there."""
+    n_rows, length = micro.packed.tokens.shape
+    out = torch.full((length, n_rows, K), -1, dtype=torch.long)
+    for b, (row, start, n) in zip(micro.indices, micro.packed.segments):
+        out[start : start + n - 1, row] = rows.routed_experts[b][:, layer].long()
+    return out.view(length * n_rows, K)
+
+
 def step_check(model, mode, model_cfg):
     ddp = model
     optimizer, scheduler = build_optimizer(ddp, OptimConfig(lr=1e-3))
@@ -162,7 +179,9 @@ def step_check(model, mode, model_cfg):
     plan = plan_rank_rows(rows, 2, layout)
     routing = StepRouting(ddp, mode=mode, drift=False)
     routing.begin_step(rows)
+    recorded = UsedRouting(ddp)  # what the routers chose in the pi_old pass (R2's targets)
     recompute_old_logprobs(ddp, plan, 1.0, routing=routing)
+    recorded.close()
     with torch.no_grad():  # the policy moved a lot: without replay most tokens would route elsewhere
         for router in moe_routers(ddp):
             router.weight.add_(torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(9)))
@@ -174,10 +193,10 @@ def step_check(model, mode, model_cfg):
     used.close()
     micro_batches = [micro for mini in plan for micro in mini]
     if mode == "r2":
-        targets = [routing._targets[id(micro)].as_int64() for micro in micro_batches]
+        per_layer = [forward for forward, _ in recorded.split()]
     else:
-        targets = [routing._rollout_routing(micro).as_int64() for micro in micro_batches]
-    per_layer = [[t[j] for t in targets] for j in range(len(targets[0]))]
+        layers = [r.layer_number - 1 for r in moe_routers(ddp)]
+        per_layer = [[rollout_routing(micro, rows, layer) for micro in micro_batches] for layer in layers]
     routing.close()
     own = UsedRouting(ddp)  # the perturbed router left to itself: replay had work to do
     with torch.no_grad():

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 WORKER = Path(__file__).with_name("packing_worker.py")
 
 
+@pytest.mark.multiprocess
 def test_tp2_sequence_parallel_packing_equals_one_sample_per_row(tmp_path):
     out = tmp_path / "result"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]

@@ -48,9 +48,13 @@ def test_transformer_engine_names_map_to_local_spec_names():
 
 
 def test_global_state_round_trip_and_named_errors(world_one_model):
-    state = gather_global_state_dict(world_one_model)
+    state = {k: v.clone() for k, v in gather_global_state_dict(world_one_model).items()}
+    with torch.no_grad():  # what is loaded must come from `state`, not be left from before
+        for param in world_one_model.parameters():
+            param.zero_()
     load_global_state_dict(world_one_model, state)
     assert all(torch.equal(v, gather_global_state_dict(world_one_model)[k]) for k, v in state.items())
+    assert all(v.abs().max() > 0 for k, v in state.items() if "layernorm" not in k)
     missing = dict(state)
     missing.pop("output_layer.weight")
     with pytest.raises(ShardingError, match="no tensor 'output_layer.weight'"):

@@ -202,7 +202,10 @@ STILL_NEEDED = [
 
 
 @needs_cpu
-@pytest.mark.parametrize("name,nproc,tp,ep,failure,site", STILL_NEEDED, ids=[row[0] for row in STILL_NEEDED])
+@pytest.mark.parametrize(
+    "name,nproc,tp,ep,failure,site",
+    [pytest.param(*row, id=row[0], marks=[pytest.mark.multiprocess] * (row[1] > 1)) for row in STILL_NEEDED],
+)
 def test_patch_is_still_needed(name, nproc, tp, ep, failure, site, single_process_runs):
     if nproc == 1:
         returncode, output = single_process_runs[name]

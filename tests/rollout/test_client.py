@@ -491,7 +491,7 @@ def test_batch_timeout_names_the_pending_server_cancels_and_aborts(servers, batc
             (client.generate_batched if batched else client.generate)(requests_for(6))
         elapsed = time.monotonic() - start
         err = info.value
-        assert 0.5 <= elapsed < 1.5  # not the 3 s of the slow server, nor its 10 s request timeout
+        assert elapsed >= 0.5 and slow.served == 0  # raised before the slow server answered any request
         assert err.pending_urls == [slow.url] and fast.url not in str(err) and slow.url in str(err)
         assert err.total == 6 and 1 <= err.pending < 6 and "rollout.batch_timeout_s" in str(err)
         # The in-flight requests are aborted by rid on the slow server only.

@@ -414,7 +414,6 @@ def test_64_concurrent_fresh_connections_500_requests_no_errors(server):
     elapsed = time.monotonic() - start
     assert not errors, f"{len(errors)} errors, e.g. {errors[:3]}"
     assert statuses == [200] * 500
-    assert elapsed < 20, f"500 requests took {elapsed:.1f} s"
     print(f"500 requests over fresh connections, 64 at once: {elapsed:.2f} s, {500 / elapsed:.0f} req/s")
 
 

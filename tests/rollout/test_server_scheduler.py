@@ -1,7 +1,6 @@
 """The embedded server's batcher: which rows run together, and when a batch starts."""
 
 import threading
-import time
 
 from megatron_gspo.rollout.engine import GenerationOutput
 from megatron_gspo.rollout.server_scheduler import BatchScheduler
@@ -32,12 +31,10 @@ class RecordingEngine:
 
 def test_a_batch_request_starts_without_waiting_out_the_window():
     engine = RecordingEngine()
-    scheduler = BatchScheduler(engine, batch_window_s=5.0)
+    scheduler = BatchScheduler(engine, batch_window_s=600.0)  # waiting it out would time out below
     try:
-        start = time.monotonic()
         futures = scheduler.submit_many(["r-0", "r-1", "r-2"], [10, 11, 12])
-        outputs = [f.result(timeout=2.0) for f in futures]
-        assert time.monotonic() - start < 2.0
+        outputs = [f.result(timeout=60.0) for f in futures]
         assert [o.output_ids for o in outputs] == [[10], [11], [12]]
         assert engine.batches == [[10, 11, 12]]
     finally:

@@ -317,9 +317,7 @@ def test_bad_response_is_rejected_with_a_named_error(name):
     assert f"field `{field}`" in str(err)
 
 
-def test_corpus_is_large_and_each_case_breaks_a_good_response():
-    assert len(BAD) >= 25
-    assert len({error for _, error, _ in BAD.values()}) >= 8  # many distinct error classes
+def test_the_good_response_each_bad_case_breaks_is_accepted():
     parse_generate_response(PROMPT, good_response(), expect_routed_experts=True, rid="req-0", **LAYOUT)
 
 

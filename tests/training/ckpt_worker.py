@@ -1,6 +1,7 @@
 """Train the tiny run, checkpoint it, and either continue uninterrupted or resume in a new process.
 
     python ckpt_worker.py full   --root R --out O [--save-at 3 [4 ...]] [--steps 5] [--ep 2] [--distopt]
+                                 (--save-at 0: a checkpoint before the first optimizer step)
     python ckpt_worker.py resume --root R --out O [--steps 5] [--ep 2] [--distopt] [--fallback]
 
 Under torchrun every rank writes `O.rank<r>.pt`: the metrics of the steps after the checkpoint,
@@ -41,11 +42,8 @@ def main() -> None:
     run = build_run(ParallelConfig(expert_parallel=args.ep, distributed_optimizer=args.distopt))
     metrics, probes = [], None
     if args.mode == "full":
-        while run.step < args.steps:
-            step_metrics = train_step(run)
-            if run.step > min(args.save_at):
-                metrics.append(step_metrics)
-            if run.step in args.save_at:
+        while True:
+            if run.step in args.save_at:  # step 0: before the first optimizer step
                 save_checkpoint(
                     args.root,
                     run.step,
@@ -56,6 +54,11 @@ def main() -> None:
                 )
                 if run.step == min(args.save_at):
                     probes = draw_probes()
+            if run.step == args.steps:
+                break
+            step_metrics = train_step(run)
+            if run.step > min(args.save_at):
+                metrics.append(step_metrics)
     else:
         state = load_checkpoint(
             args.root,

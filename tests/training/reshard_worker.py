@@ -1,9 +1,10 @@
 """Save a checkpoint at one parallel layout, or load it at another; dump what must agree.
 
-    python reshard_worker.py save --root R --out O --tp 2 [--ep 1] [--pp 1] [--distopt]
+    python reshard_worker.py save --root R --out O --tp 2 [--ep 1] [--pp 1] [--distopt] [--steps 2]
     python reshard_worker.py load --root R --out O --tp 1 --ep 2 [--distopt]   (or under torchrun)
 
-`save` trains two steps and checkpoints; `load` resumes from it. Both then write on rank 0
+`save` trains `--steps` steps (two; 0: a checkpoint before the first optimizer step) and
+checkpoints; `load` resumes from it. Both then write on rank 0
 `O.pt`: the global weights, the global Adam moments (gathered with the sharding code, not with
 `dist_checkpointing`; plain optimizer only), Adam's step count, per-token log-probs of a fixed
 batch, the same log-probs from the checkpointed weights loaded through
@@ -98,6 +99,7 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--distopt", action="store_true")
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--reference", help="global weights to load through the sharding code")
     args = parser.parse_args()
     parallel = ParallelConfig(
@@ -108,14 +110,14 @@ def main() -> None:
     )
     run = build_run(parallel, vocab_size=VOCAB)
     if args.mode == "save":
-        for _ in range(2):
+        for _ in range(args.steps):
             train_step(run)
         save_run(run, args.root)
     else:
         run.load_trainer_state(load_run(run, args.root))
     result = {
         "weights": gather_global_state_dict(run.model),
-        "moments": None if args.distopt else global_moments(run),
+        "moments": None if args.distopt or run.step == 0 else global_moments(run),
         "adam_step": optimizer_step_count(run.optimizer),
         "scheduler_steps": run.scheduler.num_steps,
         "logprobs": logprobs(run),

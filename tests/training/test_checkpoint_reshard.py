@@ -20,7 +20,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 CROSS_LAYOUT_TOLERANCE = 1e-5  # TP splits reductions differently: rounding, not state
 
 
-def _launch(mode, root, out, *, tp=1, ep=1, pp=1, distopt=False, reference=None):
+def _launch(mode, root, out, *, tp=1, ep=1, pp=1, distopt=False, reference=None, steps=2):
     world = tp * ep * pp
     prefix = [sys.executable]
     if world > 1:
@@ -41,6 +41,7 @@ def _launch(mode, root, out, *, tp=1, ep=1, pp=1, distopt=False, reference=None)
         str(pp),
     ]
     cmd += ["--distopt"] * distopt + (["--reference", str(reference)] if reference else [])
+    cmd += ["--steps", str(steps)] if mode == "save" else []
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return torch.load(f"{out}.pt", weights_only=False), done.stderr
@@ -137,3 +138,28 @@ def test_pp2_checkpoint_resumes_at_ep2(tmp_path):
         "load", tmp_path / "from_pp2", tmp_path / "ep2", ep=2, reference=tmp_path / "pp2_weights.pt"
     )
     _assert_resumed_like_saved(resumed, saved, "PP2 -> EP2")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("distopt", [False, True], ids=["adam", "distributed_optimizer"])
+def test_tp2_checkpoint_saved_before_the_first_optimizer_step_resumes_at_ep2(tmp_path, distopt):
+    """No optimizer state exists yet: the weights reshard and the optimizer stays fresh.
+
+    (The run's first step has learning rate 0 in warm-up, so the continuation is checked by the
+    world-1 test in `test_checkpoint_resume.py`, which trains two steps after the resume.)
+    """
+    root = tmp_path / "ckpt"
+    saved, _ = _launch("save", root, tmp_path / "tp2", tp=2, distopt=distopt, steps=0)
+    torch.save(saved["weights"], tmp_path / "weights.pt")
+    assert saved["adam_step"] is None and saved["trainer_step"] == 0
+    resumed, _ = _launch(
+        "load", root, tmp_path / "ep2", ep=2, distopt=distopt, reference=tmp_path / "weights.pt"
+    )
+    weights = resumed["weights"]
+    assert weights.keys() == saved["weights"].keys()
+    assert all(torch.equal(weights[k], saved["weights"][k]) for k in weights)
+    assert resumed["adam_step"] is None and resumed["trainer_step"] == 0
+    assert resumed["scheduler_steps"] == saved["scheduler_steps"] == 0
+    assert torch.equal(resumed["logprobs"], resumed["reference_logprobs"])
+    assert (resumed["logprobs"] - saved["logprobs"]).abs().max().item() <= CROSS_LAYOUT_TOLERANCE

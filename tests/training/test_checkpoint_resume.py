@@ -1,5 +1,6 @@
-"""Resume in a fresh process equals the uninterrupted run: world 1, and EP2 x DP2 under torchrun,
-also when the newest checkpoint is damaged on one rank (all ranks fall back together)."""
+"""Resume in a fresh process equals the uninterrupted run: world 1 (also from a checkpoint saved
+before the first optimizer step), and EP2 x DP2 under torchrun, also when the newest checkpoint
+is damaged on one rank (all ranks fall back together)."""
 
 import os
 import subprocess
@@ -44,6 +45,17 @@ def test_resume_in_a_fresh_process_matches_the_uninterrupted_run(tmp_path):
     (full,) = _launch("full", tmp_path / "ckpt", tmp_path / "full")
     assert latest_step(tmp_path / "ckpt") == 3
     (resumed,) = _launch("resume", tmp_path / "ckpt", tmp_path / "resumed")
+    _assert_same_continuation(full, resumed)
+
+
+@pytest.mark.parametrize("distopt", [False, True], ids=["adam", "distributed_optimizer"])
+def test_checkpoint_saved_before_the_first_optimizer_step_resumes_exactly(tmp_path, distopt):
+    """A run stopped before any update (every step skipped so far) continues as if never stopped."""
+    extra = ("--save-at", "0", "--steps", "2", *("--distopt",) * distopt)
+    (full,) = _launch("full", tmp_path / "ckpt", tmp_path / "full", extra=extra)
+    meta = read_meta(tmp_path / "ckpt" / "step_00000000")
+    assert meta["optimizer_step"] is None and meta["optimizer_state"] is False
+    (resumed,) = _launch("resume", tmp_path / "ckpt", tmp_path / "resumed", extra=extra)
     _assert_same_continuation(full, resumed)
 
 

@@ -91,6 +91,7 @@ def test_export_round_trip_from_tp2_ep2(checkpoint, world_of_one, tmp_path, layo
     assert torch.equal(_logprobs(imported), _logprobs(reference))
 
 
+@pytest.mark.multiprocess  # the checkpoint fixture runs 4 workers
 def test_analysis_tools_take_a_training_checkpoint(checkpoint, tmp_path):
     ckpt, _ = checkpoint
     with hf_directory(ckpt) as hf:
@@ -116,6 +117,7 @@ def test_bad_checkpoint_path_is_one_named_line(tmp_path):
     _assert_user_error(done, f"--checkpoint {missing} is not a training checkpoint")
 
 
+@pytest.mark.multiprocess  # the checkpoint fixture runs 4 workers
 def test_pipeline_layout_that_does_not_split_the_layers_is_one_named_line(checkpoint, tmp_path):
     ckpt, _ = checkpoint
     done = run_cli(
@@ -125,6 +127,7 @@ def test_pipeline_layout_that_does_not_split_the_layers_is_one_named_line(checkp
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.multiprocess  # the checkpoint fixture runs 4 workers
 def test_damaged_checkpoint_is_named_not_exported(checkpoint, tmp_path):
     ckpt, _ = checkpoint
     copy = tmp_path / "step_00000002"

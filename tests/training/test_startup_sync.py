@@ -18,6 +18,8 @@ from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 from megatron_gspo.training.metrics import read_metrics
 
+pytestmark = pytest.mark.slow  # end-to-end training runs
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):

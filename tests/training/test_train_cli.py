@@ -19,6 +19,8 @@ import pytest
 from megatron_gspo.training.checkpoint import latest_step
 from megatron_gspo.training.metrics import read_metrics
 
+pytestmark = pytest.mark.slow  # end-to-end training runs of 20-70 s each
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = [
     "--config",
@@ -176,3 +178,33 @@ def test_bf16_on_one_side_shows_as_train_inference_mismatch(reference, tmp_path,
     assert 1e-3 < step1["rollout/logprob_mismatch_mean"] < 0.05
     assert step1["rollout/logprob_mismatch_max"] < 0.5
     assert step1["train/skipped_steps"] == 0 and math.isfinite(step1["actor/pg_loss"])
+
+
+def test_resume_of_a_checkpoint_saved_before_any_update(tmp_path):
+    """20 SFT steps leave the policy too weak for any reward: every RL step so far was skipped
+    (all-zero advantages) when the checkpoints were written. Resuming continues as the
+    uninterrupted run does (same rollouts, from the restored data position and RNG streams)."""
+    weak = [
+        "--config",
+        str(REPO / "configs" / "tiny_moe_cpu.yaml"),
+        "sft.steps=20",
+        "trainer.save_every=1",
+        "eval.num_problems=20",
+        "logging.progress_bar=false",
+    ]
+
+    def train(run_dir, steps, *extra):
+        cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", *weak, f"trainer.steps={steps}"]
+        done = subprocess.run([*cmd, f"trainer.run_dir={run_dir}", *extra], env=ENV, capture_output=True,
+                              text=True, timeout=400)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-4000:]
+        return read_metrics(run_dir / "metrics.jsonl")
+
+    stopped = train(tmp_path / "stopped", 2)
+    assert [r["counters/all_zero_adv_batches"] for r in stopped[1:]] == [1.0, 2.0]  # nothing updated
+    resumed = train(tmp_path / "stopped", 4, "--resume")
+    uninterrupted = train(tmp_path / "uninterrupted", 4)
+    assert [r["step"] for r in resumed] == [r["step"] for r in uninterrupted] == [0, 1, 2, 3, 4]
+    for got, want in zip(resumed[3:], uninterrupted[3:]):
+        for key in ("rollout/response_length_mean", "rollout/response_length_max", "counters/skipped_steps"):
+            assert got[key] == want[key], (got["step"], key)

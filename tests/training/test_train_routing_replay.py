@@ -9,6 +9,8 @@ import pytest
 
 from megatron_gspo.training.metrics import read_metrics
 
+pytestmark = pytest.mark.slow  # end-to-end training runs of 20-40 s each
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = [
     "--config",

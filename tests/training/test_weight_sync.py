@@ -28,10 +28,12 @@ TOKENS = random_tokens(CFG.vocab_size, batch=2, length=16, seed=3)
 
 
 class FaultyProxy:
-    """Forwards every request to `target`; answers the n-th POST to `path` with 503 instead."""
+    """Forwards every request to `target`; answers the n-th POST to `path` with 503 instead, or
+    (`hang_once`) holds it unanswered and unforwarded until `release` is set, as a hung server."""
 
     def __init__(self, target: str):
         self.target, self.fail_path, self.fail_at, self.seen = target, None, 0, 0
+        self.hang, self.release, self.hang_over = False, threading.Event(), False
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -44,6 +46,11 @@ class FaultyProxy:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if method == "POST" and self.path == proxy.fail_path:
                     proxy.seen += 1
+                    if proxy.seen == proxy.fail_at and proxy.hang:
+                        proxy.release.wait(60)
+                        proxy.hang_over = True
+                        self._answer(503, b'{"error": "released"}')
+                        return
                     if proxy.seen == proxy.fail_at:
                         self._answer(503, b'{"error": "injected fault"}')
                         return
@@ -67,8 +74,10 @@ class FaultyProxy:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def fail_once(self, path: str, at: int) -> None:
-        self.fail_path, self.fail_at, self.seen = path, at, 0
+    def fail_once(self, path: str, at: int, *, hang: bool = False) -> None:
+        self.fail_path, self.fail_at, self.seen, self.hang = path, at, 0, hang
+        self.release.clear()
+        self.hang_over = False
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +126,7 @@ def perturb(model, scale: float) -> None:
 
 
 def make_sync(model, export_dir, **overrides) -> WeightSync:
-    cfg = WeightSyncConfig(bucket_mb=0.05, timeout_s=60, **overrides)
+    cfg = WeightSyncConfig(**{"bucket_mb": 0.05, "timeout_s": 60, **overrides})
     return WeightSync(cfg, model, CFG, export_dir)
 
 
@@ -142,6 +151,25 @@ def test_failed_bucket_leaves_old_weights_and_version_then_retry_succeeds(setup)
     sync.close(client)
     assert stats.attempts == 2 and stats.buckets > 3
     assert served_version(client) == "7"
+    assert (served_logprobs(client) - trainer_logprobs(model)).abs().max() <= 1e-5
+
+
+def test_a_hung_server_times_out_and_the_retry_serves_the_weights(setup):
+    """The timeout path: the first bucket's announcement never reaches the server (it hangs);
+    the attempt ends at weight_sync.timeout_s, long before the hang would, and the retry succeeds."""
+    model, client, proxy, _, export_dir = setup
+    perturb(model, 1.05)
+    old_version = served_version(client)
+    sync = make_sync(model, export_dir, retries=1, timeout_s=2.0)
+    proxy.fail_once("/update_weights_from_distributed", at=1, hang=True)
+    try:
+        stats = sync.sync(client, 11)
+        still_hung = not proxy.hang_over  # the attempt was ended by the timeout, not by the hang
+    finally:
+        proxy.release.set()
+    sync.close(client)
+    assert still_hung and stats.attempts == 2
+    assert old_version != "11" and served_version(client) == "11"
     assert (served_logprobs(client) - trainer_logprobs(model)).abs().max() <= 1e-5
 
 
