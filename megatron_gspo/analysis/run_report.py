@@ -43,6 +43,7 @@ SUMMARY_KEYS = (
 )
 _KL = re.compile(r"(^|/)([a-z0-9_]*kl[a-z0-9_]*)$")
 _CLIP = re.compile(r"^actor/clipfrac")
+_IN_BUCKET = re.compile(r"^rollout/mismatch_by_len/")
 _MISMATCH_BY_LEN = re.compile(r"^rollout/mismatch_by_len/([^/]+)/abs_diff_mean$")
 _LAYER = re.compile(r"^drift/([^/]+)/layer_(\d+)$")
 
@@ -177,7 +178,7 @@ def _section(title: str, png: str | None, missing: str) -> str:
 
 def render_html(records: Sequence[dict], title: str, config_text: str | None = None) -> str:
     """The whole page (no external resource: styles inline, figures as data URIs)."""
-    kl_keys = keys_matching(records, _KL)
+    kl_keys = [k for k in keys_matching(records, _KL) if not _IN_BUCKET.match(k)]
     clip_keys = keys_matching(records, _CLIP)
     steps = [r["step"] for r in records if "step" in r]
     sections = [

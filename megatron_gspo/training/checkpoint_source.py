@@ -83,7 +83,7 @@ def _damage(step_dir: Path) -> str | None:
     return None
 
 
-def _newest_intact(root: Path, option: str) -> Path:
+def _newest_intact(root: Path, option: str, given: Path) -> Path:
     """The newest intact step directory under a checkpoint root (what `latest` names first)."""
     from megatron_gspo.training.checkpoint import latest_step, list_steps
     from megatron_gspo.training.checkpoint_meta import CheckpointError, step_dir_name
@@ -94,7 +94,7 @@ def _newest_intact(root: Path, option: str) -> Path:
         if latest is not None:
             steps = [latest, *(s for s in steps if s != latest)]
     if not steps:
-        raise ConfigError(f"{option} {root}: holds no checkpoint yet (no step_NNNNNNNN directory)")
+        raise ConfigError(f"{option} {given}: holds no checkpoint yet (no step_NNNNNNNN directory in {root})")
     problems = []
     for step in steps:
         directory = root / step_dir_name(step)
@@ -104,7 +104,7 @@ def _newest_intact(root: Path, option: str) -> Path:
                 logger.warning("%s: skipped damaged checkpoint(s): %s", option, "; ".join(problems))
             return directory
         problems.append(f"{directory.name}: {damage}")
-    raise ConfigError(f"{option} {root}: no intact checkpoint: " + "; ".join(problems))
+    raise ConfigError(f"{option} {given}: no intact checkpoint under {root}: " + "; ".join(problems))
 
 
 def resolve_checkpoint(path: str | os.PathLike, option: str) -> CheckpointSource:
@@ -130,7 +130,7 @@ def resolve_checkpoint(path: str | os.PathLike, option: str) -> CheckpointSource
         from megatron_gspo.training.checkpoint import list_steps
 
         if list_steps(root) or (root / "latest").is_file():
-            return CheckpointSource("training", _newest_intact(root, option), given)
+            return CheckpointSource("training", _newest_intact(root, option, given), given)
     if (given / CHECKPOINTS_DIR).is_dir():
         raise ConfigError(
             f"{option} {given}: run directory without a checkpoint yet ({given / CHECKPOINTS_DIR})"
