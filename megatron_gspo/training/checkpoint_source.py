@@ -126,9 +126,9 @@ def resolve_checkpoint(path: str | os.PathLike, option: str) -> CheckpointSource
         return CheckpointSource("training", given, given)
     if _is_hf_directory(given):
         return CheckpointSource("hf", given, given)
-    for root in (given / CHECKPOINTS_DIR, given):  # a run directory, or its checkpoint root
-        from megatron_gspo.training.checkpoint import list_steps
+    from megatron_gspo.training.checkpoint import list_steps
 
+    for root in (given / CHECKPOINTS_DIR, given):  # a run directory, or its checkpoint root
         if list_steps(root) or (root / "latest").is_file():
             return CheckpointSource("training", _newest_intact(root, option, given), given)
     if (given / CHECKPOINTS_DIR).is_dir():
