@@ -285,7 +285,7 @@ def collect(jobs: list[Job], outcomes: dict[Job, Outcome]) -> tuple[list[Run], l
         outcome = outcomes[job]
         ok = outcome.status != "failed"
         records = read_metrics(job.run_dir / "metrics.jsonl") if ok else []
-        log = str(job.run_dir / "train.log")
+        log = os.path.relpath(job.run_dir / "train.log", REPO)  # committed summaries: no machine's paths
         if job.variant is None:
             colds.append(ColdStart(job.seed, outcome.status, log, records))
         else:
@@ -305,13 +305,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--jobs", type=int, default=2, help="trainings at once (each one process + its server)"
     )
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "reproduce")
+    parser.add_argument(
+        "--out", type=Path, default=None,
+        help="report directory (default: benchmarks/results/reproduce; --quick: benchmarks/quick/reproduce, "
+        "which git ignores, so a smoke test never overwrites the committed report)",
+    )  # fmt: skip
     parser.add_argument("--work-dir", type=Path, default=REPO / "runs" / "reproduce")
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--target", type=float, default=None, help="absolute held-out accuracy target")
     target.add_argument("--target-gain", type=float, default=0.1, help="target = cold start + this (default)")
     parser.add_argument("--quick", action="store_true", help="smoke test: 2 variants x 1 seed, tiny settings")
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = REPO / "benchmarks" / ("quick" if args.quick else "results") / "reproduce"
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     variants = args.variants or (QUICK_VARIANTS if args.quick else list(VARIANTS))

@@ -1,9 +1,10 @@
 """Every benchmark ratio measured in one run, side by side with its goal.
 
-    OMP_NUM_THREADS=1 python benchmarks/run.py [--quick] [--out benchmarks]
+    OMP_NUM_THREADS=1 python benchmarks/run.py [--quick] [--out DIR]
 
 Writes `<out>/RESULTS.md` (the table, the machine it ran on) and `<out>/results/results.json`
-(the same rows plus every figure each benchmark returned). Each ratio compares two things
+(the same rows plus every figure each benchmark returned); `<out>` is `benchmarks/` (the
+committed results) or, with `--quick`, `benchmarks/quick/`, which git ignores. Each ratio compares two things
 measured in this run, interleaved where timed: these machines are noisy, and a ratio from one
 run says more than two timings from two. `--quick` (under a minute here) shrinks every
 benchmark for a smoke test; its figures are not the ones to quote.
@@ -207,11 +208,23 @@ def write(out: Path, quick: bool, info: dict, results: dict, seconds: dict) -> P
     return report
 
 
+def output_dir(out: Path | None, quick: bool) -> Path:
+    """`out`, else benchmarks/ for a full run and the git-ignored benchmarks/quick/ for --quick."""
+    if out is not None:
+        return out
+    return HERE / "quick" if quick else HERE
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, under a minute (smoke test)")
-    parser.add_argument("--out", type=Path, default=HERE, help="where RESULTS.md and results/ go")
+    parser.add_argument(
+        "--out", type=Path, default=None,
+        help="where RESULTS.md and results/ go (default: benchmarks/; with --quick benchmarks/quick/, "
+        "so a smoke test never overwrites the committed results)",
+    )  # fmt: skip
     args = parser.parse_args()
+    args.out = output_dir(args.out, args.quick)
     info = machine()
     results, seconds = run_all(args.quick)
     info["load_average_1min_at_end"] = f"{os.getloadavg()[0]:.1f}"

@@ -7,7 +7,9 @@ megatron-gspo plan   --config C --world-size N       dry-run a GPU layout: valid
 megatron-gspo export --checkpoint RUN/checkpoints/step_N --out HF_DIR   training checkpoint -> HF
 megatron-gspo drift  --a CKPT (--b CKPT | --dump F)  expert-activation drift tables, plots, summary
 megatron-gspo mismatch --checkpoint CKPT [--server-url U]  rollout vs trainer log-prob mismatch report
-(CKPT: an HF checkpoint directory, or a training checkpoint, exported to a temporary one first)
+megatron-gspo report RUN_DIR [--out F.html]            a run's metrics as one self-contained HTML page
+(CKPT: an HF checkpoint directory, a training checkpoint (exported to a temporary HF directory
+first), or a run directory: its newest intact checkpoint)
 """
 
 from __future__ import annotations
@@ -55,6 +57,12 @@ COMMANDS = {
         "megatron_gspo.analysis.mismatch_cli",
         "add_mismatch_args",
         "run_mismatch_command",
+    ),
+    "report": (
+        "a run's metrics.jsonl as one self-contained HTML page (curves, drift heatmaps)",
+        "megatron_gspo.analysis.run_report",
+        "add_report_args",
+        "run_report",
     ),
 }
 

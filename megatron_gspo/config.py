@@ -326,11 +326,34 @@ class WeightSyncConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Optional Weights & Biases logging of the step metrics, beside TensorBoard.
+
+    Needs the `wandb` package (`pip install 'megatron-gspo[wandb]'`). A resumed run continues the
+    same W&B run (its id is kept in run_dir/wandb_run_id).
+    """
+
+    project: str | None = None
+    """W&B project; unset: no W&B logging."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """online: sync while training; offline: write under run_dir/wandb only (no network; upload
+    later with `wandb sync`); disabled: W&B calls do nothing."""
+    entity: str | None = None
+    """W&B team or user (default: the logged-in user's)."""
+    name: str | None = None
+    """Run name (default: the run directory's name)."""
+    tags: list[str] = field(default_factory=list)
+    """Tags of the W&B run."""
+
+
+@dataclass
 class LoggingConfig:
     """Metrics and text logs."""
 
     tensorboard: bool = True
     """Write TensorBoard event files under run_dir/tensorboard."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases logging (off unless logging.wandb.project is set)."""
     progress_bar: bool = True
     """Show a tqdm progress bar with the key numbers."""
     level: str = "INFO"
@@ -508,6 +531,14 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         check_weight_sync(cfg.weight_sync, cfg.rollout)
     except ValueCheckError as err:
         raise ConfigError(str(err)) from None
+    if cfg.logging.wandb.project is not None and cfg.logging.wandb.mode != "disabled":
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError(
+                "logging.wandb.project is set but the wandb package is not installed: "
+                "pip install 'megatron-gspo[wandb]', or unset logging.wandb.project"
+            )
     try:
         dp = cfg.parallel.check_world_size(world_size)
     except ValueError as err:

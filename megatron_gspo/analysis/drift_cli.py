@@ -1,8 +1,14 @@
 """`megatron-gspo drift` (also `tools/expert_drift.py`): drift tables and plots for a report.
 
 megatron-gspo drift --a CKPT_A --b CKPT_B --task addition --out report/
+megatron-gspo drift --a RUN_DIR --b HF_DIR --task math_jsonl --task-option path=gsm8k.jsonl \
+    --task-option prompt_key=question --out report/
+megatron-gspo drift --a CKPT_A --b CKPT_B --config RUN/config.yaml --out report/   (the run's task)
 megatron-gspo drift --a CKPT --dump rollouts.jsonl --out report/
 megatron-gspo drift --metrics runs/x/metrics.jsonl --a CKPT_A --b CKPT_B --out report/
+
+CKPT: an HF directory, a training checkpoint or a run directory (`training/checkpoint_source.py`).
+Prompts (with --b): see `analysis/tool_prompts.py` (chat template and BOS as the trainer's).
 """
 
 from __future__ import annotations
@@ -11,7 +17,9 @@ import argparse
 import contextlib
 import json
 
-from megatron_gspo.training.export import hf_directory
+from megatron_gspo.analysis.tool_prompts import add_prompt_args, prompt_source
+from megatron_gspo.config import ConfigError
+from megatron_gspo.training.checkpoint_source import hf_checkpoint_dir
 
 
 def add_drift_args(parser: argparse.ArgumentParser) -> None:
@@ -19,28 +27,14 @@ def add_drift_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--a",
         required=True,
-        help="reference checkpoint (old policy / trainer): HF dir or training checkpoint",
+        help="reference checkpoint (old policy / trainer): HF dir, training checkpoint or run dir",
     )
-    parser.add_argument("--b", help="second checkpoint (new policy): HF dir or training checkpoint")
+    parser.add_argument("--b", help="second checkpoint (new policy): HF dir, training checkpoint or run dir")
     parser.add_argument("--dump", help="rollout dump (JSON lines with tokens, prompt_length, routed_experts)")
-    parser.add_argument("--prompts", help="text file, one prompt per line (with --b)")
-    parser.add_argument("--task", default="addition", help="task whose held-out prompts are used (with --b)")
-    parser.add_argument("--num-prompts", type=int, default=32)
+    add_prompt_args(parser, default_num_prompts=32)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--metrics", help="metrics.jsonl of a run: also plot drift over steps")
     parser.add_argument("--out", required=True, help="output directory")
-
-
-def _prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
-    if args.prompts:
-        with open(args.prompts) as f:
-            texts = [line.rstrip("\n") for line in f if line.strip()]
-    else:
-        from megatron_gspo.tasks import get_task
-
-        texts = [p.prompt for p in get_task(args.task).heldout(args.num_prompts)]
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    return [bos + tokenizer.encode(t, add_special_tokens=False) for t in texts[: args.num_prompts]]
 
 
 def run_drift(args: argparse.Namespace) -> int:
@@ -50,16 +44,17 @@ def run_drift(args: argparse.Namespace) -> int:
     from megatron_gspo.analysis.drift_report import compare, greedy_samples, load_dump, load_hf, write_report
 
     if (args.b is None) == (args.dump is None):
-        raise SystemExit("drift: give exactly one of --b (second checkpoint) or --dump (rollout dump)")
+        raise ConfigError("drift: give exactly one of --b (second checkpoint) or --dump (rollout dump)")
+    prompts = prompt_source(args) if args.b else None  # bad prompt options fail before any export
     with contextlib.ExitStack() as stack:  # training checkpoints are exported to HF first
-        dir_a = stack.enter_context(hf_directory(args.a))
+        dir_a = stack.enter_context(hf_checkpoint_dir(args.a, "--a"))
         model_a = load_hf(dir_a)
         if args.dump:
             report = compare(model_a, load_dump(args.dump), label="inference (dump) -> checkpoint")
         else:
             tokenizer = AutoTokenizer.from_pretrained(dir_a)
-            samples = greedy_samples(model_a, _prompts(args, tokenizer), args.max_new_tokens)
-            model_b = load_hf(stack.enter_context(hf_directory(args.b)))
+            samples = greedy_samples(model_a, prompts.encode(tokenizer), args.max_new_tokens)
+            model_b = load_hf(stack.enter_context(hf_checkpoint_dir(args.b, "--b")))
             report = compare(model_a, samples, model_b=model_b, label="checkpoint a -> b")
     summary = write_report(report, args.out, metrics=args.metrics)
     print(json.dumps(summary, indent=2))

@@ -34,12 +34,10 @@ ratio_spread.png.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -401,7 +399,7 @@ def run_mismatch(
 
     Args:
         cfg: what to generate and compare.
-        prompts: prompt token ids, each `[P_i]` (e.g. from `task_prompts` or `load_prompt_file`).
+        prompts: prompt token ids, each `[P_i]` (e.g. from `analysis.tool_prompts.PromptSource.encode`).
         model: the Megatron policy already holding `cfg.checkpoint`'s weights; default: built and
             loaded here in a world of one.
     """
@@ -450,35 +448,3 @@ def _mode_gap(scaled: Sequence[RolloutSample], original: Sequence[RolloutSample]
         gap = torch.cat([(a.rollout_logprobs.double() - b.rollout_logprobs.double()).abs() for a, b in same])
         out.update(abs_diff_mean=float(gap.mean()), abs_diff_max=float(gap.max()))
     return out
-
-
-# ----------------------------------------------------------------------------- prompts
-
-
-def task_prompts(task: str, num_prompts: int, tokenizer) -> list[list[int]]:
-    """BOS + token ids of `num_prompts` held-out prompts of a registered task."""
-    from megatron_gspo.tasks import get_task
-
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    return [
-        bos + tokenizer.encode(p.prompt, add_special_tokens=False)
-        for p in get_task(task).heldout(num_prompts)
-    ]
-
-
-def load_prompt_file(path: str | os.PathLike) -> list[list[int]]:
-    """Prompt token ids from JSON lines: each line a list of ints or an object with `input_ids`."""
-    prompts = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        ids = row.get("input_ids") if isinstance(row, dict) else row
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-            raise ValueError(
-                f"{path}:{i}: expected a non-empty list of token ids (or {{'input_ids': [...]}})"
-            )
-        prompts.append(ids)
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return prompts

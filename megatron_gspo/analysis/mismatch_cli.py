@@ -3,6 +3,10 @@
 megatron-gspo mismatch --checkpoint CKPT --temperatures 1.0 0.7 --out report/
 megatron-gspo mismatch --checkpoint CKPT --original-logprob --ignore-eos --out report/
 megatron-gspo mismatch --checkpoint CKPT --server-url http://gpu-node:30000 --prompts p.jsonl --out r/
+megatron-gspo mismatch --checkpoint RUN_DIR --config RUN_DIR/config.yaml --out r/   (the run's task)
+
+CKPT: an HF directory, a training checkpoint or a run directory (`training/checkpoint_source.py`);
+prompts as `analysis/tool_prompts.py` says (chat template and BOS as the trainer's).
 
 Outputs: summary.json (every number), summary.md (a table of comparisons and one by response
 length per comparison, the latter also printed), mismatch_per_position.png (mean |diff| by
@@ -17,14 +21,9 @@ import json
 import os
 from pathlib import Path
 
-from megatron_gspo.analysis.logprob_mismatch import (
-    MismatchConfig,
-    MismatchReport,
-    load_prompt_file,
-    run_mismatch,
-    task_prompts,
-)
-from megatron_gspo.training.export import hf_directory
+from megatron_gspo.analysis.logprob_mismatch import MismatchConfig, MismatchReport, run_mismatch
+from megatron_gspo.analysis.tool_prompts import PromptSource, add_prompt_args, prompt_source
+from megatron_gspo.training.checkpoint_source import hf_checkpoint_dir
 
 # ----------------------------------------------------------------------------- report
 
@@ -156,12 +155,10 @@ def add_mismatch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint",
         required=True,
-        help="HF checkpoint dir or training checkpoint (server and trainer weights)",
+        help="HF checkpoint dir, training checkpoint or run dir (server and trainer weights)",
     )
     parser.add_argument("--server-url", help="running SGLang server on the checkpoint (default: embedded)")
-    parser.add_argument("--task", default="addition", help="task whose held-out prompts are used")
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--prompts", help="JSON lines of prompt token ids (instead of --task)")
+    add_prompt_args(parser, default_num_prompts=16)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0])
     parser.add_argument("--trainer-temperature", type=float, help="override the trainer's temperature")
     parser.add_argument("--samples-per-prompt", type=int, default=1)
@@ -184,11 +181,12 @@ def run_mismatch_command(args: argparse.Namespace) -> int:
 
     A training checkpoint is exported to a temporary HF directory first (server and trainer load that).
     """
-    with hf_directory(args.checkpoint) as checkpoint:
-        return _run_mismatch(args, str(checkpoint))
+    prompts = prompt_source(args)  # bad prompt options fail before any export
+    with hf_checkpoint_dir(args.checkpoint, "--checkpoint") as checkpoint:
+        return _run_mismatch(args, str(checkpoint), prompts)
 
 
-def _run_mismatch(args: argparse.Namespace, checkpoint: str) -> int:
+def _run_mismatch(args: argparse.Namespace, checkpoint: str, source: PromptSource) -> int:
     try:
         cfg = MismatchConfig(
             checkpoint=checkpoint,
@@ -206,12 +204,9 @@ def _run_mismatch(args: argparse.Namespace, checkpoint: str) -> int:
         )
     except ValueError as err:
         raise SystemExit(f"mismatch: {err}") from None
-    if args.prompts:
-        prompts = load_prompt_file(args.prompts)
-    else:
-        from transformers import AutoTokenizer
+    from transformers import AutoTokenizer
 
-        prompts = task_prompts(args.task, args.num_prompts, AutoTokenizer.from_pretrained(checkpoint))
+    prompts = source.encode(AutoTokenizer.from_pretrained(checkpoint))
     summary = write_report(run_mismatch(cfg, prompts), args.out)
     print(json.dumps(summary, indent=2))
     print("\n".join(by_length_tables(summary)))

@@ -22,6 +22,10 @@ sign of near-zero gradients and the rounding of some weights, so the max |d weig
 relative grad-norm difference. The bf16 model uses init std `BF16_INIT_STD`, sharp enough
 (log-probs ~ -4.6 nats) for a bug to stand out of the rounding noise.
 
+With `--hf-path CKPT` the model is the user's own checkpoint (an HF directory, a training
+checkpoint or a run directory, `training/checkpoint_source.py`): its architecture and weights
+replace the tiny random policy, so a layout is checked on the model it will train.
+
 On a CPU machine without an outer torchrun, the command re-launches itself under torchrun
 with gloo workers; on GPU nodes run it under torchrun directly.
 """
@@ -68,6 +72,10 @@ def add_parity_args(parser: argparse.ArgumentParser) -> None:
         help=f"fp32: bound on every max difference (default {DEFAULT_TOLERANCE:g}); bf16 has its own bounds",
     )
     parser.add_argument("--distributed-optimizer", action="store_true", help="shard Adam states over DP")
+    parser.add_argument(
+        "--hf-path",
+        help="check on this checkpoint (HF dir, training checkpoint or run dir), not the tiny random model",
+    )
 
 
 def required_world_size(tp: int, ep: int, pp: int = 1) -> int:
@@ -82,6 +90,8 @@ def run_parity(args: argparse.Namespace) -> int:
             "--tolerance applies to --dtype fp32; bf16 is bounded relative to bf16 rounding", file=sys.stderr
         )
         return 2
+    if args.hf_path:
+        _check_layout_fits(_checkpoint_model(args)[1], args)
     world = required_world_size(args.tp, args.ep, args.pp)
     if "RANK" not in os.environ and world > 1:
         if torch.cuda.is_available():
@@ -89,6 +99,42 @@ def run_parity(args: argparse.Namespace) -> int:
             return 2
         return _relaunch_on_cpu(world)
     return _check(args)
+
+
+def _checkpoint_model(args: argparse.Namespace):
+    """(resolved checkpoint, its architecture) of `--hf-path`."""
+    from megatron_gspo.model.convert import read_hf_config
+    from megatron_gspo.training.checkpoint_meta import MODEL_DIR
+    from megatron_gspo.training.checkpoint_source import resolve_checkpoint
+
+    source = resolve_checkpoint(args.hf_path, "--hf-path")
+    return source, read_hf_config(source.path if source.kind == "hf" else source.path / MODEL_DIR)
+
+
+def _check_layout_fits(model_cfg, args: argparse.Namespace) -> None:
+    """The layout divides what it splits; else a `ConfigError` naming the flag."""
+    from megatron_gspo.config import ConfigError
+
+    splits = [
+        ("--tp", args.tp, "attention heads", model_cfg.num_attention_heads),
+        ("--tp", args.tp, "key/value heads", model_cfg.num_query_groups),
+        ("--ep", args.ep, "experts", model_cfg.num_experts),
+        ("--pp", args.pp, "layers", model_cfg.num_layers),
+    ]
+    for flag, size, what, count in splits:
+        if size < 1 or count % size:
+            raise ConfigError(f"{flag} {size} does not divide the {count} {what} of --hf-path {args.hf_path}")
+
+
+def _load_checkpoint(model, source, model_cfg) -> None:
+    """The checkpoint's weights into this rank's shard (HF: per-shard reads; training: dist ckpt)."""
+    from megatron_gspo.model.convert import load_hf_checkpoint
+    from megatron_gspo.training.checkpoint import load_weights
+
+    if source.kind == "hf":
+        load_hf_checkpoint(model, source.path, model_cfg)
+    else:
+        load_weights(source.path, model)
 
 
 def _relaunch_on_cpu(world: int) -> int:
@@ -144,11 +190,12 @@ def _schedule_logprobs(ddp, seqs: list[torch.Tensor], tp: int) -> torch.Tensor:
     return share_from_last_stage(out)
 
 
-def _one_step(model_cfg, parallel, seqs, masks, weights, args):
+def _one_step(model_cfg, parallel, seqs, masks, weights, args, source=None):
     """Build, load weights, log-probs of every sample, one Adam step on this DP rank's share.
 
     Both go through megatron's schedule (`model/pipeline.py`) in micro-batches of
-    `MICRO_BATCH_SIZE`, so a pipeline has several micro-batches in flight.
+    `MICRO_BATCH_SIZE`, so a pipeline has several micro-batches in flight. The weights are
+    `weights` (global), else the checkpoint `source`, else the seeded random init.
     """
     from megatron.core import parallel_state as ps
 
@@ -170,6 +217,8 @@ def _one_step(model_cfg, parallel, seqs, masks, weights, args):
     model = build_model(model_cfg, parallel, engine)
     if weights is not None:
         load_global_state_dict(model, weights)
+    elif source is not None:
+        _load_checkpoint(model, source, model_cfg)
     initial = gather_global_state_dict(model)
     ddp = wrap_ddp(model, distributed_optimizer=parallel.distributed_optimizer)
     optimizer, scheduler = build_optimizer(
@@ -241,10 +290,16 @@ def _check(args: argparse.Namespace) -> int:
     from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed
 
     bf16 = args.dtype == "bf16"
-    model_cfg = model_configs.tiny(vocab_size=96, **({"init_std": BF16_INIT_STD} if bf16 else {}))
+    source = None
+    if args.hf_path:
+        source, model_cfg = _checkpoint_model(args)
+    else:
+        model_cfg = model_configs.tiny(vocab_size=96, **({"init_std": BF16_INIT_STD} if bf16 else {}))
     seqs, masks = _batch(model_cfg.vocab_size, args.seed)
     reference = ParallelConfig(token_dispatcher=args.dispatcher)
-    weights, ref_logprobs, ref_updated, ref_norm = _one_step(model_cfg, reference, seqs, masks, None, args)
+    weights, ref_logprobs, ref_updated, ref_norm = _one_step(
+        model_cfg, reference, seqs, masks, None, args, source
+    )
     if bf16:
         rounding = _Diffs.of(_fp32_logprobs(model_cfg, reference, seqs, weights, args), ref_logprobs, seqs)
     layout = ParallelConfig(
@@ -256,9 +311,14 @@ def _check(args: argparse.Namespace) -> int:
     )
     _, logprobs, updated, grad_norm = _one_step(model_cfg, layout, seqs, masks, weights, args)
     diffs = _Diffs.of(logprobs, ref_logprobs, seqs, updated, ref_updated)
+    model = "tiny random model" if source is None else f"{source.path}"
+    model += (
+        f" ({model_cfg.num_layers} layers, {model_cfg.num_experts} experts top-{model_cfg.moe_topk}, "
+        f"vocab {model_cfg.vocab_size})"
+    )
     head = (
         f"parity tp={args.tp} ep={args.ep} pp={args.pp} dispatcher={args.dispatcher} dtype={args.dtype} "
-        f"world={dist.get_world_size()} vs tp=1 ep=1: max|dlogprob|={diffs.logprob_max:.3e} "
+        f"world={dist.get_world_size()} on {model} vs tp=1 ep=1: max|dlogprob|={diffs.logprob_max:.3e} "
         f"max|dweight| after one Adam step={diffs.weight_max:.3e} grad_norm {grad_norm:.6f} vs {ref_norm:.6f}"
     )
     if bf16:

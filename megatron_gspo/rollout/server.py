@@ -46,8 +46,10 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import gc
 import logging
+import signal
 import sys
 import time
 import uuid
@@ -426,7 +428,11 @@ def _bad_request(message: str) -> tuple[int, dict]:
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Arguments of `megatron-gspo serve` (and `python -m megatron_gspo.rollout.server`)."""
     parser.add_argument(
-        "--model", required=True, help="HF checkpoint directory (safetensors + config + tokenizer)"
+        "--model",
+        required=True,
+        help="HF checkpoint directory (safetensors + config + tokenizer), training checkpoint "
+        "(RUN/checkpoints/step_N, exported to a temporary HF directory first) or run directory (its newest "
+        "intact checkpoint)",
     )
     parser.add_argument("--port", type=int, default=30000, help="TCP port (0 picks a free one)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -502,6 +508,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_body_mb <= 0:
         parser.error(f"--max-body-mb must be > 0, got {args.max_body_mb}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from megatron_gspo.config import ConfigError
+    from megatron_gspo.training.checkpoint_source import hf_checkpoint_dir
+
+    with contextlib.ExitStack() as stack:  # a training checkpoint's export lives as long as the server
+        try:
+            model = str(stack.enter_context(hf_checkpoint_dir(args.model, "--model")))
+        except ConfigError as err:
+            print(f"megatron-gspo serve: {err}", file=sys.stderr, flush=True)
+            return 2
+        if model != args.model:  # SIGTERM then unwinds like Ctrl-C, so the temporary export is removed
+            signal.signal(signal.SIGTERM, _interrupt)
+            args.model = model
+        return _serve(args)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _serve(args: argparse.Namespace) -> int:
     service = build_service(args)
     sock = server_http.bind(args.host, args.port)
     service.host, service.port = sock.getsockname()[:2]

@@ -16,15 +16,11 @@ own layers and the stages take turns sending theirs, one tensor at a time.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import subprocess
-import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 from megatron_gspo.config import ConfigError
+from megatron_gspo.training.checkpoint_source import is_training_checkpoint
 
 
 def add_export_args(parser: argparse.ArgumentParser) -> None:
@@ -40,14 +36,6 @@ def add_export_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-shard-bytes", type=int, default=None, help="safetensors shard size limit")
     parser.add_argument("--nproc", type=int, default=1, help="re-launch under torchrun with N CPU workers")
-
-
-def is_training_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether `path` is a checkpoint directory `save_checkpoint` wrote (not an HF directory)."""
-    from megatron_gspo.training.checkpoint import DIST_DIR, META_FILE
-
-    path = Path(path)
-    return (path / META_FILE).is_file() and (path / DIST_DIR).is_dir()
 
 
 def _model_description(checkpoint: Path):
@@ -136,32 +124,3 @@ def export_training_checkpoint(
         return export_hf_checkpoint(model, out, model_cfg, tokenizer, max_shard_bytes=max_shard_bytes)
     finally:
         destroy_distributed()
-
-
-@contextlib.contextmanager
-def hf_directory(path: str | os.PathLike) -> Iterator[Path]:
-    """`path` itself if it is an HF checkpoint; a training checkpoint is exported to a temp dir first.
-
-    The export runs in a child process (`megatron-gspo export`), so the caller's process keeps
-    no distributed state; the temporary directory is removed on exit.
-    """
-    if not is_training_checkpoint(path):
-        yield Path(path)
-        return
-    with tempfile.TemporaryDirectory(prefix="megatron-gspo-export-") as tmp:
-        out = Path(tmp) / "hf"
-        cmd = [
-            sys.executable,
-            "-m",
-            "megatron_gspo.cli",
-            "export",
-            "--checkpoint",
-            str(path),
-            "--out",
-            str(out),
-        ]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise ConfigError(f"exporting training checkpoint {path} failed: {last}")
-        yield out

@@ -1,9 +1,10 @@
-"""Per-step metrics: one JSON line per step (metrics.jsonl), TensorBoard scalars and a progress bar.
+"""Per-step metrics: one JSON line per step (metrics.jsonl), TensorBoard, W&B, a progress bar.
 
-Only global rank 0 writes. Non-finite values are written as JSON null. On resume, lines of
-steps after the checkpoint (written by the interrupted run) are dropped, so the file reads
-like one uninterrupted run. The same holds for samples.jsonl: a few (prompt, completion,
-reward) rows per step, also shown as TensorBoard text (`logging.samples_per_step`).
+Only global rank 0 writes; W&B only when `logging.wandb.project` is set. Non-finite values are
+written as JSON null. On resume, lines of steps after the checkpoint (written by the interrupted
+run) are dropped, so the file reads like one uninterrupted run. The same holds for samples.jsonl:
+a few (prompt, completion, reward) rows per step, also shown as TensorBoard text
+(`logging.samples_per_step`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,36 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def start_wandb(run_dir: str | Path, settings, run_config: dict[str, Any] | None = None):
+    """A W&B run for `run_dir` (`settings`: a `config.WandbConfig` with `project` set).
+
+    The run id is kept in `run_dir/wandb_run_id`, so a resumed training run continues its W&B
+    run (W&B ignores steps at or below the last one it has, i.e. those re-run after a crash).
+    Files go under `run_dir/wandb` (the offline mode writes only there, with no network).
+    """
+    import wandb
+
+    id_file = Path(run_dir, WANDB_ID_FILE)
+    run_id = id_file.read_text().strip() if id_file.is_file() else None
+    if not run_id:
+        run_id = secrets.token_hex(4)  # W&B ids: lowercase letters and digits
+        id_file.write_text(run_id + "\n")
+    return wandb.init(
+        project=settings.project,
+        entity=settings.entity,
+        name=settings.name or Path(run_dir).name,
+        tags=list(settings.tags) or None,
+        mode=settings.mode,
+        dir=str(run_dir),
+        id=run_id,
+        resume="allow",
+        config=run_config,
+    )
+
+
 class MetricsLogger:
     """Writes step records; a no-op on ranks other than 0.
 
@@ -51,14 +83,18 @@ class MetricsLogger:
         tensorboard: write TensorBoard event files.
         progress_bar: show tqdm.
         label: the progress bar's title (the loss and replay, e.g. "GRPO+R2").
+        wandb: a `config.WandbConfig`; with its `project` set, the records also go to W&B.
+        run_config: the run's config as a dict, recorded with the W&B run.
     """
 
     def __init__(self, run_dir: str | Path, *, total_steps: int, first_step: int = 0, enabled: bool = True,
-                 tensorboard: bool = True, progress_bar: bool = True, label: str = "RL"):  # fmt: skip
+                 tensorboard: bool = True, progress_bar: bool = True, label: str = "RL", wandb=None,
+                 run_config: dict[str, Any] | None = None):  # fmt: skip
         self.enabled = enabled
         self.path = Path(run_dir, "metrics.jsonl")
         self.samples_path = Path(run_dir, "samples.jsonl")
         self._writer = None
+        self._wandb = None
         self._bar = None
         self.last: dict[str, Any] = {}
         if not enabled:
@@ -72,6 +108,8 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(str(Path(run_dir, "tensorboard")), purge_step=first_step)
+        if wandb is not None and wandb.project is not None:
+            self._wandb = start_wandb(run_dir, wandb, run_config)
         if progress_bar:
             # Step 0 is the cold-start record, not an RL step: the bar counts steps 1..total.
             done = max(first_step - 1, 0)
@@ -85,11 +123,13 @@ class MetricsLogger:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         self.last = record
+        scalars = {key: value for key, value in metrics.items() if _is_number(value)}
         if self._writer is not None:
-            for key, value in metrics.items():
-                if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-                    self._writer.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                self._writer.add_scalar(key, value, step)
             self._writer.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
         if self._bar is not None:
             shown = {
                 label: f"{metrics[k]:.3g}" for k, label in PROGRESS_KEYS.items() if _is_number(metrics.get(k))
@@ -117,6 +157,8 @@ class MetricsLogger:
         """Flush and close the writers."""
         if self._writer is not None:
             self._writer.close()
+        if self._wandb is not None:
+            self._wandb.finish()
         if self._bar is not None:
             self._bar.close()
 

@@ -19,6 +19,7 @@ data flow):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import hashlib
 import logging
@@ -475,6 +476,8 @@ class Trainer:
             tensorboard=cfg.logging.tensorboard,
             progress_bar=cfg.logging.progress_bar,
             label=progress_label(cfg),
+            wandb=cfg.logging.wandb,
+            run_config=dataclasses.asdict(cfg),
         )
         changed = cfg.sft.steps > 0 or self.step > 0 or not cfg.model.hf_path
         start_dir, must_sync = self._startup_weights(changed)

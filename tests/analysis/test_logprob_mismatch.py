@@ -211,7 +211,7 @@ def test_original_logprob_mode(checkpoint, server_url, model, prompts):
     assert gap["1"]["abs_diff_max"] <= 1e-4 < gap["0.7"]["abs_diff_max"]
 
 
-def test_cli_with_a_prompt_file(checkpoint, server_url, model, prompts, tmp_path):
+def test_cli_with_a_prompt_file(checkpoint, server_url, model, prompts, tmp_path, capsys):
     prompt_file = tmp_path / "prompts.jsonl"
     prompt_file.write_text("\n".join([json.dumps(prompts[0]), json.dumps({"input_ids": prompts[1]})]) + "\n")
     out = tmp_path / "report"
@@ -231,5 +231,5 @@ def test_cli_with_a_prompt_file(checkpoint, server_url, model, prompts, tmp_path
     assert summary["comparisons"][0]["abs_diff_max"] <= 1e-4
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input_ids": []}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:1"):
-        cli_main([*argv[:5], "--prompts", str(bad), "--out", str(out)])
+    assert cli_main([*argv[:5], "--prompts", str(bad), "--out", str(out)]) == 2
+    assert f"--prompts {bad} line 1: expected text, token ids or chat messages" in capsys.readouterr().err

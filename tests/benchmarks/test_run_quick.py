@@ -4,6 +4,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +44,22 @@ def test_quick_run_writes_every_row(tmp_path):
     for key in ("cpu", "cores", "torch", "megatron-core", "commit"):
         assert payload["machine"][key] not in ("", None, 0), key
         assert f"- {key}: " in report
+
+
+def test_quick_results_never_overwrite_the_committed_ones():
+    run = load_run_module()
+    assert run.output_dir(None, quick=False) == REPO / "benchmarks"
+    quick = run.output_dir(None, quick=True)
+    assert quick == REPO / "benchmarks" / "quick"
+    for path in (quick / "RESULTS.md", quick / "results" / "results.json", quick / "reproduce" / "x.md"):
+        ignored = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", str(path)])
+        assert ignored.returncode == 0, f"{path} is not git-ignored"
+
+
+def test_committed_results_hold_no_absolute_paths():
+    committed = [REPO / "benchmarks" / "RESULTS.md", *(REPO / "benchmarks" / "results").rglob("*")]
+    absolute = re.compile(r"""(?<![\w.~-])/(?:work|tmp|home|root|Users|private|var|mnt|opt)/""")
+    for path in committed:
+        if path.is_file() and path.suffix in (".md", ".json"):
+            found = absolute.findall(path.read_text())
+            assert not found, f"{path.relative_to(REPO)} holds absolute paths: {found[:3]}"

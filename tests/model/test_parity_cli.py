@@ -127,3 +127,26 @@ def test_bf16_bound_catches_an_unscaled_data_parallel_loss():
 def test_bf16_refuses_an_fp32_tolerance():
     result = parity("--tp", "2", "--ep", "1", "--dtype", "bf16", "--tolerance", "0.1")
     assert result.returncode == 2 and "--tolerance applies to --dtype fp32" in result.stderr
+
+
+def test_layout_on_the_users_own_checkpoint(tmp_path):
+    """`--hf-path`: the layout is checked on the checkpoint's architecture and weights; a layout
+    that does not divide it is refused by name before any worker starts."""
+    from megatron_gspo.model.config import tiny
+    from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+
+    hf = make_tiny_hf_checkpoint(
+        tmp_path / "hf", tiny(vocab_size=90, num_layers=3, num_experts=6, init_std=0.2)
+    )
+    result = parity("--tp", "1", "--ep", "2", "--hf-path", str(hf))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert (
+        f"parity tp=1 ep=2 pp=1 dispatcher=alltoall dtype=fp32 world=2 on {hf} "
+        "(3 layers, 6 experts top-2, vocab 90)" in result.stdout
+    )
+    logprob_diff, weight_diff, grad_norm, ref_norm = map(float, LINE.search(result.stdout).groups())
+    assert logprob_diff <= 1e-5 and weight_diff <= 1e-5 and abs(grad_norm - ref_norm) <= 1e-5
+    refused = parity("--tp", "1", "--ep", "4", "--hf-path", str(hf))
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
+        f"megatron-gspo parity: config error: --ep 4 does not divide the 6 experts of --hf-path {hf}"
+    )

@@ -17,13 +17,14 @@ import pytest
 import torch
 from reshard_worker import VOCAB, fixed_batch
 
+from megatron_gspo.config import ConfigError
 from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.convert import load_hf_checkpoint
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
 from megatron_gspo.model.logprobs import sequence_logprobs
 from megatron_gspo.model.sharding import gather_global_state_dict, load_global_state_dict
-from megatron_gspo.training.export import hf_directory
+from megatron_gspo.training.checkpoint_source import hf_checkpoint_dir
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
@@ -94,11 +95,13 @@ def test_export_round_trip_from_tp2_ep2(checkpoint, world_of_one, tmp_path, layo
 @pytest.mark.multiprocess  # the checkpoint fixture runs 4 workers
 def test_analysis_tools_take_a_training_checkpoint(checkpoint, tmp_path):
     ckpt, _ = checkpoint
-    with hf_directory(ckpt) as hf:
+    with hf_checkpoint_dir(ckpt, "--a") as hf:
         assert hf != ckpt and (hf / "config.json").is_file() and (hf / "tokenizer_config.json").is_file()
     assert not hf.exists()  # the temporary export is gone
-    with hf_directory(tmp_path) as same:  # anything else is taken as an HF directory
-        assert same == tmp_path
+    with hf_checkpoint_dir(ckpt.parent, "--a") as from_root:  # a checkpoint root: its newest step
+        assert (from_root / "config.json").is_file()
+    with pytest.raises(ConfigError, match="--a .*: not a checkpoint"), hf_checkpoint_dir(tmp_path, "--a"):
+        pass
 
 
 def _assert_user_error(done: subprocess.CompletedProcess, *needles: str) -> None:
