@@ -48,6 +48,7 @@ from megatron_gspo.training.metrics import MetricsLogger
 from megatron_gspo.training.micro_batching import DataLayout
 from megatron_gspo.training.rollout_step import RolloutEngine, rollout_servers
 from megatron_gspo.training.routing_step import StepRouting
+from megatron_gspo.training.server_checks import refuse_unfit_servers
 from megatron_gspo.training.sft import run_sft
 from megatron_gspo.training.shm_exports import claim_export_dir
 from megatron_gspo.training.update import (
@@ -416,6 +417,14 @@ class Trainer:
                               routed_experts=self._routed_experts_layout())
                 if self.rank0 else None
             )  # fmt: skip
+            on_rank0(
+                lambda: refuse_unfit_servers(
+                    client.urls,
+                    client.server_info(),
+                    sync_method=cfg.weight_sync.method,
+                    routed_experts=self._routed_experts_layout() is not None,
+                )
+            )
             if must_sync:
                 logger.info(
                     "start-up: syncing the trainer's weights (version %d) to the servers", self.weight_version
