@@ -125,6 +125,7 @@ def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
         "rollout/dropped_groups": float(batch.stats.get("dropped_groups", 0)),
         "rollout/unparseable_samples": float(batch.stats.get("unparseable_samples", 0)),
         "rollout/samples": float(batch.batch_size),
+        "rollout/routed_experts_bytes": float(sum(r.nbytes for r in batch.routed_experts or ())),
     }
 
 
@@ -292,7 +293,11 @@ class Trainer:
         """
         algo = self.cfg.algorithm
         batch = engine.sample_groups(
-            problems, seed=self.cfg.trainer.seed, step=self.step, weight_version=self.weight_version
+            problems,
+            seed=self.cfg.trainer.seed,
+            step=self.step,
+            weight_version=self.weight_version,
+            routed_experts=self._needs_routed_experts(),  # R3, or a step that measures drift
         )
         metrics = rollout_metrics(batch)
         advantages, adv_metrics = compute_group_advantages(
@@ -469,7 +474,7 @@ class Trainer:
         return {"last": log.last, "evals": evals}
 
     def _needs_routed_experts(self) -> bool:
-        """Whether this step's rows must carry the rollout engine's routing (R3 targets, drift)."""
+        """Whether this step's rows must carry the rollout engine's routing (R3 targets, measured drift)."""
         return self.routing.mode == "r3" or self.routing.drift
 
     def _routed_experts_layout(self) -> tuple[int, int, int] | None:
