@@ -280,3 +280,15 @@ def test_rollout_timeouts_that_fit_are_accepted():
 def test_every_shipped_config_has_consistent_timeouts(path):
     cfg = load_config(path)
     check_rollout_timeouts(cfg.rollout, cfg.parallel.timeout_minutes)
+
+
+def test_allgather_dispatcher_under_pipeline_parallelism_is_refused_by_name():
+    """megatron-core refuses allgather with variable_seq_lengths, which PP > 1 sets, only at model build."""
+    with pytest.raises(ConfigError) as err:
+        check(["parallel.token_dispatcher=allgather", "parallel.pipeline_parallel=2"], world_size=2)
+    assert (
+        "parallel.token_dispatcher=allgather with pipeline_parallel=2: megatron-core's allgather dispatcher "
+        "does not support the variable sequence lengths pipeline stages exchange; use "
+        "parallel.token_dispatcher=alltoall"
+    ) in str(err.value)
+    check(["parallel.token_dispatcher=allgather", "parallel.expert_parallel=2"], world_size=2)
