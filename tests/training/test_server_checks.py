@@ -5,6 +5,11 @@ The embedded server launched with `--dp-size 2` reports SGLang's `dp_size: 2` in
 manager asserts dp_size == 1: HTTP 500 "dp_size must be 1 for init parameter update group").
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import httpx
 import pytest
 
@@ -77,3 +82,29 @@ def test_dp_attention_servers_take_tensor_updates_and_routed_experts_are_checked
     with pytest.raises(ConfigError, match=r"http://b:2 was launched without --enable-return-routed-experts"):
         refuse_unfit_servers(urls, [{}, without], sync_method="distributed", routed_experts=True)
     refuse_unfit_servers(urls, [{}, without], sync_method="distributed", routed_experts=False)
+
+
+def test_train_refuses_a_dp2_server_at_start_up_in_one_line(dp2_server, tmp_path):
+    """`megatron-gspo train` against a dp_size 2 server: exit 2 and the fix, before any sync or step."""
+    server, _ = dp2_server
+    repo = Path(__file__).resolve().parents[2]
+    config = str(repo / "configs/tiny_moe_cpu.yaml")
+    overrides = [
+        f"rollout.server_urls=[{server.url}]",
+        "sft.steps=0",
+        "sft.target_accuracy=null",
+        "trainer.steps=1",
+        "logging.progress_bar=false",
+        f"trainer.run_dir={tmp_path}/run",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", config, *overrides],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+        cwd=repo,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"rollout server {server.url} was launched with dp_size=2" in done.stderr
