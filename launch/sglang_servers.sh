@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
-# Start one SGLang rollout server on this GPU node (run on each rollout node); prints its URL
-# for the trainer's SGLANG_URLS. Routed experts are returned (needed by Routing Replay R3 and
-# the inference->training drift metrics); the weight version is what the trainer syncs.
+# Start the SGLang rollout servers of this GPU node (run on each rollout node); prints their
+# URLs for the trainer's SGLANG_URLS. The weight version is what the trainer syncs.
 #
 #   MODEL=/ckpt/Qwen3-30B-A3B TP=4 DP=2 PORT=30000 launch/sglang_servers.sh [extra sglang args ...]
 #
-# CONFIG=<the run's config YAML> makes the server follow the run's rollout settings: with
-# rollout.deterministic_inference: true it passes --enable-deterministic-inference, without
-# which SGLang does not reproduce a response from its sampling_seed (batching changes the
-# kernels' reduction order). DETERMINISTIC=1 / 0 overrides the config.
+# DP>1 starts DP servers, one per data-parallel replica (TP GPUs each, from GPU r*TP; ports
+# PORT, PORT+1, ...), not one server with --dp-size: SGLang refuses the weight-update group
+# (and tensor updates) on a server launched with dp_size > 1, and the trainer refuses such a
+# server at start-up. List every printed URL in SGLANG_URLS / rollout.server_urls.
+#
+# CONFIG=<the run's config YAML> makes the servers follow the run's settings:
+# - rollout.deterministic_inference: true passes --enable-deterministic-inference, without
+#   which SGLang does not reproduce a response from its sampling_seed (batching changes the
+#   kernels' reduction order). DETERMINISTIC=1 / 0 overrides the config.
+# - algorithm.routing_replay: r3 or drift.enabled: true passes --enable-return-routed-experts
+#   (the experts each token was routed to; needed by R3 and the drift metrics, a cost
+#   otherwise). ROUTED_EXPERTS=1 / 0 overrides the config; without CONFIG it is on.
 #
 # Security: HOST defaults to 0.0.0.0 (every interface) because the trainer runs on other nodes
 # and must reach this server over the network. SGLang's HTTP API has no authentication here:
@@ -25,19 +32,27 @@ PORT=${PORT:-30000}
 HOST=${HOST:-0.0.0.0}
 MEM_FRACTION=${MEM_FRACTION:-0.85}
 DETERMINISTIC=${DETERMINISTIC:-}
-if [ -z "$DETERMINISTIC" ] && [ -n "${CONFIG:-}" ]; then
+ROUTED_EXPERTS=${ROUTED_EXPERTS:-}
+if [ -n "${CONFIG:-}" ]; then
   # The YAML file as written (dotlist overrides given to the trainer are not seen here).
-  DETERMINISTIC=$(python - "$CONFIG" <<'PY'
+  read -r CONFIG_DETERMINISTIC CONFIG_ROUTED <<<"$(python - "$CONFIG" <<'PY'
 import sys
 
 import yaml
 
 with open(sys.argv[1], encoding="utf-8") as f:
     cfg = yaml.safe_load(f) or {}
-print(1 if (cfg.get("rollout") or {}).get("deterministic_inference") is True else 0)
+deterministic = (cfg.get("rollout") or {}).get("deterministic_inference") is True
+routed = (cfg.get("algorithm") or {}).get("routing_replay") == "r3" or (cfg.get("drift") or {}).get(
+    "enabled"
+) is True
+print(int(deterministic), int(routed))
 PY
-)
+)"
+  DETERMINISTIC=${DETERMINISTIC:-$CONFIG_DETERMINISTIC}
+  ROUTED_EXPERTS=${ROUTED_EXPERTS:-$CONFIG_ROUTED}
 fi
+ROUTED_EXPERTS=${ROUTED_EXPERTS:-1}
 if [ "$HOST" = 0.0.0.0 ] || [ "$HOST" = "::" ]; then
   {
     echo "WARNING: binding SGLang to ${HOST}:${PORT}, every network interface, with no authentication."
@@ -46,16 +61,47 @@ if [ "$HOST" = 0.0.0.0 ] || [ "$HOST" = "::" ]; then
   } >&2
 fi
 
-CMD=(python -m sglang.launch_server --model-path "$MODEL" --host "$HOST" --port "$PORT"
-     --tp-size "$TP" --dp-size "$DP" --ep-size "$EP" --mem-fraction-static "$MEM_FRACTION"
-     --enable-return-routed-experts --enable-memory-saver --weight-version 0)
-if [ "${DETERMINISTIC:-0}" = 1 ]; then
-  CMD+=(--enable-deterministic-inference)
-fi
-CMD+=("$@")
-echo "rollout server URL: http://$(hostname -f):${PORT}"
+# One server per DP replica: replica r on port PORT+r and GPUs r*TP .. r*TP+TP-1.
+server_cmd() {
+  local replica=$1
+  CMD=(python -m sglang.launch_server --model-path "$MODEL" --host "$HOST" --port "$((PORT + replica))"
+       --tp-size "$TP" --ep-size "$EP" --base-gpu-id "$((replica * TP))"
+       --mem-fraction-static "$MEM_FRACTION" --enable-memory-saver --weight-version 0)
+  if [ "$ROUTED_EXPERTS" = 1 ]; then
+    CMD+=(--enable-return-routed-experts)
+  fi
+  if [ "${DETERMINISTIC:-0}" = 1 ]; then
+    CMD+=(--enable-deterministic-inference)
+  fi
+  CMD+=("${EXTRA_ARGS[@]}")
+}
+EXTRA_ARGS=("$@")
+
+for ((r = 0; r < DP; r++)); do
+  echo "rollout server URL: http://$(hostname -f):$((PORT + r))"
+done
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  echo "would run: ${CMD[*]}"
+  for ((r = 0; r < DP; r++)); do
+    server_cmd "$r"
+    echo "would run: ${CMD[*]}"
+  done
   exit 0
 fi
-exec "${CMD[@]}"
+if [ "$DP" = 1 ]; then
+  server_cmd 0
+  exec "${CMD[@]}"
+fi
+PIDS=()
+stop_all() { kill "${PIDS[@]}" 2>/dev/null || true; }
+trap 'stop_all; wait; exit 143' TERM INT
+for ((r = 0; r < DP; r++)); do
+  server_cmd "$r"
+  "${CMD[@]}" &
+  PIDS+=($!)
+done
+# The first server to exit takes the others down (a node half-serving is not a deployment).
+status=0
+wait -n "${PIDS[@]}" || status=$?
+stop_all
+wait || true
+exit "$status"

@@ -28,13 +28,16 @@ export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export TORCH_NCCL_AVOID_RECORD_STREAMS=${TORCH_NCCL_AVOID_RECORD_STREAMS:-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+# Segments grow in place instead of leaving fragments between variable-length micro-batches
+# (`plan` counts 79.1 GiB per H100 and a reserve, not room for fragmentation).
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
 CMD=(torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS_PER_NODE"
      --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
      -m megatron_gspo.cli train --config "$CONFIG" "${OVERRIDES[@]}")
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  echo "would run on node ${NODE_RANK}/${NNODES}: ${CMD[*]}"
+  echo "would run on node ${NODE_RANK}/${NNODES}: PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF} ${CMD[*]}"
   exec megatron-gspo plan --config "$CONFIG" --world-size "$WORLD_SIZE" "${OVERRIDES[@]}"
 fi
 exec "${CMD[@]}"

@@ -12,6 +12,7 @@ world size, with errors that say what is wrong and why.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,12 +96,14 @@ class RolloutConfig:
     (0.5 + 1 + 2 s at 3 retries): 2403.5 s with the defaults."""
     max_retries: int = 3
     """Retries of a failed request (connection errors, 5xx)."""
-    batch_timeout_s: float = 7200.0
+    batch_timeout_s: float = 6600.0
     """Cap on one rollout batch (the client's batched generate over all servers): past it the step
     fails naming the servers still working, queued requests are cancelled and in-flight ones
     aborted. Without it a batch could take the per-request bound above times the number of
     request waves (one wave per server for the trainer's batched generate); with it, at most
-    batch_timeout_s. Keep it above a healthy batch's time (the 30B/235B configs raise it)."""
+    batch_timeout_s. Keep it above a healthy batch's time (the 30B/235B configs raise it) and,
+    since the other ranks wait for rank 0's batch on the control group, at least
+    CONTROL_MARGIN_S below parallel.timeout_minutes (`validate` refuses it otherwise)."""
     server_start_timeout_s: float = 180.0
     """How long to wait for the embedded server (or the given URLs) to become healthy."""
     server_threads: int = 1
@@ -529,6 +532,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         check_rollout(cfg.rollout)
         check_eval(cfg.eval)
         check_weight_sync(cfg.weight_sync, cfg.rollout)
+        check_rollout_timeouts(cfg.rollout, cfg.parallel.timeout_minutes)
     except ValueCheckError as err:
         raise ConfigError(str(err)) from None
     if cfg.logging.wandb.project is not None and cfg.logging.wandb.mode != "disabled":
@@ -843,3 +847,27 @@ def build_task(cfg: RunConfig):
         raise ConfigError(f"task: {err.args[0] if err.args else err}") from None
     except OSError as err:  # a data file that is missing or unreadable
         raise ConfigError(f"task {cfg.task.name!r}: {err.filename or ''}: {err.strerror or err}") from None
+
+
+CONTROL_MARGIN_S = 600.0
+"""What a rollout batch must leave of the control group's timeout: rank 0 scores the batch and
+computes advantages before the waiting ranks hear from it."""
+
+
+def check_rollout_timeouts(rollout: RolloutConfig, timeout_minutes: float) -> None:
+    """The rollout timeouts fit each other and the control group's `parallel.timeout_minutes`."""
+    if rollout.request_timeout_s > rollout.batch_timeout_s:
+        raise ValueCheckError(
+            f"rollout.request_timeout_s={rollout.request_timeout_s:g} exceeds rollout.batch_timeout_s="
+            f"{rollout.batch_timeout_s:g}: the batch cap cuts a generation off before it can time out "
+            "and be retried; lower rollout.request_timeout_s or raise rollout.batch_timeout_s"
+        )
+    allowed = timeout_minutes * 60 - CONTROL_MARGIN_S
+    if rollout.batch_timeout_s > allowed:
+        needed = math.ceil((rollout.batch_timeout_s + CONTROL_MARGIN_S) / 60)
+        raise ValueCheckError(
+            f"rollout.batch_timeout_s={rollout.batch_timeout_s:g} s: the other ranks wait that long for "
+            f"rank 0's rollouts on the control group, which parallel.timeout_minutes={timeout_minutes:g} "
+            f"aborts first ({CONTROL_MARGIN_S:g} s must be left for scoring); raise "
+            f"parallel.timeout_minutes to >= {needed} or lower rollout.batch_timeout_s to <= {allowed:g}"
+        )

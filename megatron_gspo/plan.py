@@ -216,11 +216,20 @@ def micro_batch_shape(cfg, task, world_size: int) -> tuple[int, int, str]:
     return responses * seq_len, seq_len, f"{responses} x {seq_len} = {responses * seq_len} tokens"
 
 
+H100_USABLE_GIB = 79.1
+"""An H100 80GB's capacity as torch reports it ("total capacity of 79.10 GiB"): 80 GB is not 80 GiB."""
+
+
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
     """Arguments of `megatron-gspo plan`."""
     parser.add_argument("--config", required=True, help="run config YAML")
     parser.add_argument("--world-size", type=int, required=True, help="training ranks (GPUs)")
-    parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU (H100: 80)")
+    parser.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        default=H100_USABLE_GIB,
+        help=f"memory per GPU in GiB (default {H100_USABLE_GIB:g}: what an H100 80GB gives torch)",
+    )
     parser.add_argument(
         "--reserve-gb",
         type=float,

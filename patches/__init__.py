@@ -9,6 +9,8 @@ runtime in `megatron_gspo.model.distributed` does, in every worker).
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import logging
 
@@ -63,9 +65,23 @@ PATCHES: tuple[Patch, ...] = tuple(
 _decisions: dict[str, str] | None = None
 
 
+@functools.cache
 def transformer_engine_available() -> bool:
-    """Whether TransformerEngine is importable (decides the layer spec and some patches)."""
-    return importlib.util.find_spec("transformer_engine") is not None
+    """Whether TransformerEngine imports (decides the layer spec and some patches).
+
+    Imported, not only found: an installed TE built for another CUDA or torch fails at import
+    (a missing shared library, an undefined symbol); the run then takes the local spec, and
+    the failure is logged once so that a GPU run without TE does not go unnoticed.
+    """
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception as err:  # noqa: BLE001 - ImportError, OSError of a .so, RuntimeError of its checks
+        if importlib.util.find_spec("transformer_engine") is not None:
+            log.warning(
+                "transformer_engine is installed but does not import (%s: %s)", type(err).__name__, err
+            )
+        return False
+    return True
 
 
 def apply_patches(*, skip: tuple[str, ...] = ()) -> dict[str, str]:

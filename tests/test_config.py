@@ -3,7 +3,14 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.config import ConfigError, RunConfig, build_model_config, load_config, validate
+from megatron_gspo.config import (
+    ConfigError,
+    RunConfig,
+    build_model_config,
+    check_rollout_timeouts,
+    load_config,
+    validate,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "tiny_moe_cpu.yaml"
@@ -331,3 +338,50 @@ def test_roll_gspo_configs_hold_rolls_block(name, scaled, tmp_path):
         assert roll_value(cfg, key) == value, key
     if scaled:
         assert cfg.rollout.rollout_batch_size < 64 and cfg.rollout.max_new_tokens < 4096
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (  # the 235B config's batch cap under the default control-group timeout
+            ["rollout.request_timeout_s=7200", "rollout.batch_timeout_s=14400"],
+            "rollout.batch_timeout_s=14400 s: the other ranks wait that long for rank 0's rollouts on the "
+            "control group, which parallel.timeout_minutes=120 aborts first (600 s must be left for "
+            "scoring); raise parallel.timeout_minutes to >= 250 or lower rollout.batch_timeout_s to <= 6600",
+        ),
+        (["rollout.batch_timeout_s=7200"], "parallel.timeout_minutes to >= 130"),
+        (["parallel.timeout_minutes=30"], "lower rollout.batch_timeout_s to <= 1200"),
+        (
+            ["rollout.request_timeout_s=900", "rollout.batch_timeout_s=600"],
+            "rollout.request_timeout_s=900 exceeds rollout.batch_timeout_s=600: the batch cap cuts a "
+            "generation off before it can time out and be retried; lower rollout.request_timeout_s",
+        ),
+    ],
+)
+def test_rollout_timeouts_must_fit_the_control_group_timeout(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        check(overrides)
+    assert message in str(err.value)
+
+
+def test_rollout_timeouts_that_fit_are_accepted():
+    check(["rollout.batch_timeout_s=14400", "parallel.timeout_minutes=250"])
+    check(["rollout.request_timeout_s=600", "rollout.batch_timeout_s=600", "parallel.timeout_minutes=20"])
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_has_consistent_timeouts(path):
+    cfg = load_config(path)
+    check_rollout_timeouts(cfg.rollout, cfg.parallel.timeout_minutes)
+
+
+def test_allgather_dispatcher_under_pipeline_parallelism_is_refused_by_name():
+    """megatron-core refuses allgather with variable_seq_lengths, which PP > 1 sets, only at model build."""
+    with pytest.raises(ConfigError) as err:
+        check(["parallel.token_dispatcher=allgather", "parallel.pipeline_parallel=2"], world_size=2)
+    assert (
+        "parallel.token_dispatcher=allgather with pipeline_parallel=2: megatron-core's allgather dispatcher "
+        "does not support the variable sequence lengths pipeline stages exchange; use "
+        "parallel.token_dispatcher=alltoall"
+    ) in str(err.value)
+    check(["parallel.token_dispatcher=allgather", "parallel.expert_parallel=2"], world_size=2)

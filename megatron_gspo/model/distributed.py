@@ -79,6 +79,14 @@ class ParallelConfig:
             raise ValueError(
                 "MoE training with tensor_parallel > 1 requires sequence_parallel (megatron-core)"
             )
+        if self.token_dispatcher == "allgather" and self.pipeline_parallel > 1:
+            # Stages exchange micro-batches of varying length (`variable_seq_lengths`), which
+            # megatron-core's allgather dispatcher refuses at model build.
+            raise ValueError(
+                f"parallel.token_dispatcher=allgather with pipeline_parallel={self.pipeline_parallel}: "
+                "megatron-core's allgather dispatcher does not support the variable sequence lengths "
+                "pipeline stages exchange; use parallel.token_dispatcher=alltoall"
+            )
 
     def padded_vocab_size(self, vocab_size: int) -> int:
         """`vocab_size` rounded up to a multiple of make_vocab_size_divisible_by x tensor_parallel."""

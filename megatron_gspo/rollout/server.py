@@ -20,6 +20,9 @@ What it implements, and how it differs from SGLang:
 - POST /pause_generation, /continue_generation, /abort_request, /flush_cache (no-op: there
   is no cache between requests); GET /health, /health_generate, /get_model_info,
   /get_server_info, /get_weight_version (and their un-prefixed aliases).
+- `--dp-size N` makes /get_server_info report SGLang's `dp_size: N` and, above 1, refuses
+  what SGLang refuses on a server launched with --dp-size > 1 (/init_weights_update_group,
+  /update_weights_from_tensor: its assertion's 500); generation stays one replica.
 
 What it guarantees (tests/rollout/test_server_robustness.py):
 
@@ -92,10 +95,18 @@ class RolloutService:
     A field the method reads with the wrong type is a 400 naming it (`RequestError`).
     """
 
-    def __init__(self, engine: GenerationEngine, scheduler: BatchScheduler, *, check_responses: bool = False):
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        scheduler: BatchScheduler,
+        *,
+        check_responses: bool = False,
+        dp_size: int = 1,
+    ):
         self.engine = engine
         self.scheduler = scheduler
         self.check_responses = check_responses
+        self.dp_size = dp_size  # reported as SGLang's; > 1 refuses what SGLang refuses (see `_dp_refusal`)
         self.receiver = WeightReceiver(engine)
         self.host = ""
         self.port = 0
@@ -193,6 +204,8 @@ class RolloutService:
             )
         if "serialized_named_tensors" not in body:
             return _failure("serialized_named_tensors is required")
+        if self.dp_size > 1:
+            return _dp_refusal("update weights from tensor")
         if abort:
             self.scheduler.abort_all()
         try:
@@ -220,6 +233,8 @@ class RolloutService:
             }
         except RequestError as exc:
             return _failure(str(exc))
+        if self.dp_size > 1:
+            return _dp_refusal("init parameter update group")
         return self._protocol_step(
             lambda: self.receiver.init_group(**fields), "Succeeded to initialize custom process group."
         )
@@ -346,7 +361,8 @@ class RolloutService:
             "port": self.port,
             "context_length": self.engine.context_len,
             "tp_size": 1,  # one rank in a weight-update group
-            "dp_size": 1,
+            "dp_size": self.dp_size,
+            "enable_dp_attention": False,
             "enable_return_routed_experts": True,
             "return_original_logprob": self.engine.return_original_logprob,
             "max_running_requests": self.scheduler.max_batch_size,
@@ -415,6 +431,11 @@ def _failure(message: str) -> tuple[int, dict]:
     return HTTPStatus.BAD_REQUEST, {"success": False, "message": message}
 
 
+def _dp_refusal(what: str) -> tuple[int, dict]:
+    """SGLang's answer to a weight update it asserts needs dp_size 1: the assertion's 500."""
+    return HTTPStatus.INTERNAL_SERVER_ERROR, {"success": False, "message": f"dp_size must be 1 for {what}"}
+
+
 def _required(body: dict, name: str) -> Any:
     if body.get(name) is None:
         raise RequestError(f"{name} is required")
@@ -464,6 +485,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="largest request body in MiB, else 413 (a /update_weights_from_tensor payload is "
         "4/3 of the tensors' bytes)",
     )
+    parser.add_argument(
+        "--dp-size",
+        type=int,
+        default=1,
+        help="report this SGLang dp_size and, above 1, refuse the weight updates SGLang refuses at "
+        "dp_size > 1 (/init_weights_update_group, /update_weights_from_tensor); generation is "
+        "one replica either way, as one SGLang URL is to its client (tests of DP deployments)",
+    )
     parser.add_argument("--log-level", default="warning", help="python logging level")
     return parser
 
@@ -480,7 +509,7 @@ def build_service(args: argparse.Namespace) -> RolloutService:
     scheduler = BatchScheduler(
         engine, batch_window_s=args.batch_window_ms / 1000, max_batch_size=args.max_batch_size
     )
-    return RolloutService(engine, scheduler, check_responses=args.check_responses)
+    return RolloutService(engine, scheduler, check_responses=args.check_responses, dp_size=args.dp_size)
 
 
 def build_app(service: RolloutService, max_batch_size: int, max_body_bytes: int):
@@ -507,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_body_mb <= 0:
         parser.error(f"--max-body-mb must be > 0, got {args.max_body_mb}")
+    if args.dp_size < 1:
+        parser.error(f"--dp-size must be >= 1, got {args.dp_size}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from megatron_gspo.config import ConfigError
     from megatron_gspo.training.checkpoint_source import hf_checkpoint_dir

@@ -90,7 +90,13 @@ class RolloutEngine:
         return self.tokenizer.decode(sample.response_ids.tolist(), skip_special_tokens=True)
 
     def sample_groups(
-        self, problems: Sequence[Problem], *, seed: int, step: int, weight_version: int
+        self,
+        problems: Sequence[Problem],
+        *,
+        seed: int,
+        step: int,
+        weight_version: int,
+        routed_experts: bool = True,
     ) -> RolloutBatch:
         """G responses per problem from the engine, validated and scored.
 
@@ -99,6 +105,9 @@ class RolloutEngine:
             seed: run seed (sampling seeds derive from it, the step and the row).
             step: RL step number.
             weight_version: the version the engine must report (when `check_weight_version`).
+            routed_experts: ask for routed experts this step (only when the engine has their
+                layout): the servers' answers grow by layers x k ids per token, so steps that
+                neither replay (R3) nor measure drift leave them out.
 
         Returns:
             A batch whose `rewards` are filled; its `stats` add `unparseable_samples`,
@@ -110,6 +119,7 @@ class RolloutEngine:
         """
         g = self.cfg.group_size
         seeds = sampling_seeds(seed, step, len(problems) * g)
+        routing = self.routed_experts if routed_experts else None
         bodies, prompts = [], []
         for p, problem in enumerate(problems):
             ids = self.prompt_ids(problem)
@@ -127,7 +137,7 @@ class RolloutEngine:
                         ids,
                         params,
                         rid=f"step{step}-p{p}-r{j}",
-                        return_routed_experts=bool(self.routed_experts),
+                        return_routed_experts=bool(routing),
                     )
                 )
                 prompts.append(ids)
@@ -135,13 +145,13 @@ class RolloutEngine:
         samples, unparseable, no_answer, rows = [], 0, 0, []
         for row, (ids, body, response) in enumerate(zip(prompts, bodies, responses)):
             try:
-                layout = dict(zip(("num_layers", "topk", "num_experts"), self.routed_experts or ()))
+                layout = dict(zip(("num_layers", "topk", "num_experts"), routing or ()))
                 sample = parse_generate_response(
                     ids,
                     response,
                     vocab_size=self.vocab_size,
                     rid=body["rid"],
-                    expect_routed_experts=bool(self.routed_experts),
+                    expect_routed_experts=bool(routing),
                     **layout,
                 )
             except RolloutValidationError:

@@ -62,6 +62,7 @@ from megatron_gspo.training.micro_batching import DataLayout
 from megatron_gspo.training.reference import ReferencePolicy
 from megatron_gspo.training.rollout_step import RolloutEngine, rollout_servers
 from megatron_gspo.training.routing_step import StepRouting
+from megatron_gspo.training.server_checks import refuse_unfit_servers
 from megatron_gspo.training.sft import run_sft
 from megatron_gspo.training.shm_exports import claim_export_dir
 from megatron_gspo.training.token_kl_step import apply_token_level_kl
@@ -146,6 +147,7 @@ def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
         "rollout/unparseable_samples": float(batch.stats.get("unparseable_samples", 0)),
         "rollout/no_answer_frac": float(batch.stats.get("no_answer_frac", 0.0)),
         "rollout/samples": float(batch.batch_size),
+        "rollout/routed_experts_bytes": float(sum(r.nbytes for r in batch.routed_experts or ())),
     }
 
 
@@ -353,7 +355,11 @@ class Trainer:
         """
         algo = self.cfg.algorithm
         batch = engine.sample_groups(
-            problems, seed=self.cfg.trainer.seed, step=self.step, weight_version=self.weight_version
+            problems,
+            seed=self.cfg.trainer.seed,
+            step=self.step,
+            weight_version=self.weight_version,
+            routed_experts=self._needs_routed_experts(),  # R3, or a step that measures drift
         )
         metrics = rollout_metrics(batch)
         self.sample_rows = batch.stats.get("sample_rows", [])  # rank 0 writes them with the step's record
@@ -493,6 +499,14 @@ class Trainer:
                               samples_per_step=cfg.logging.samples_per_step)
                 if self.rank0 else None
             )  # fmt: skip
+            on_rank0(
+                lambda: refuse_unfit_servers(
+                    client.urls,
+                    client.server_info(),
+                    sync_method=cfg.weight_sync.method,
+                    routed_experts=self._routed_experts_layout() is not None,
+                )
+            )
             if must_sync:
                 logger.info(
                     "start-up: syncing the trainer's weights (version %d) to the servers", self.weight_version
@@ -538,7 +552,7 @@ class Trainer:
         return {"last": log.last, "evals": evals}
 
     def _needs_routed_experts(self) -> bool:
-        """Whether this step's rows must carry the rollout engine's routing (R3 targets, drift)."""
+        """Whether this step's rows must carry the rollout engine's routing (R3 targets, measured drift)."""
         return self.routing.mode == "r3" or self.routing.drift
 
     def _routed_experts_layout(self) -> tuple[int, int, int] | None:

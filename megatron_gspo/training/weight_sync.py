@@ -7,7 +7,8 @@ TP/EP gathers, global rank 0 alone converts, buckets and sends. Per sync:
   `/init_weights_update_group` in the background while rank 0 joins; NCCL on GPU, gloo on
   CPU); `/begin_weight_update`; per bucket `/update_weights_from_distributed` (flattened
   bucket, `weight_version` on the last) posted without blocking, then the broadcast; then
-  `/end_weight_update` and one `/flush_cache`.
+  `/end_weight_update` and one `/flush_cache` (SGLang's 400 while requests run is waited
+  out, then warned about: the weights are in place either way).
 * tensor: the same buckets as `/update_weights_from_tensor` requests inside a session.
 * disk: a full HF checkpoint written atomically and `/update_weights_from_disk`.
 
@@ -36,19 +37,25 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.config import WeightSyncConfig
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.model import control_plane
 from megatron_gspo.model.config import MoEModelConfig
 from megatron_gspo.model.convert import export_hf_checkpoint
 from megatron_gspo.model.distributed import compute_device
 from megatron_gspo.model.hf_stream import Bucket, iter_buckets, refuse_non_finite, run_on_hf_stream
 from megatron_gspo.rollout.client import SGLangClient
+from megatron_gspo.rollout.errors import WeightUpdateError
 from megatron_gspo.rollout.server_protocol import TENSOR_LOAD_FORMAT, serialize_named_tensors
 from megatron_gspo.rollout.update_group import destroy_update_group, init_update_group
 from megatron_gspo.rollout.weight_receiver import FLATTENED_BUCKET
+from megatron_gspo.training.server_checks import refuse_unfit_servers
 
 logger = logging.getLogger(__name__)
 
 GROUP_NAME = "megatron_gspo_weights"
+FLUSH_ATTEMPTS = 4
+FLUSH_BACKOFF_S = 0.25
+"""/flush_cache refused with 400 (requests in flight) is retried after 0.25, 0.5, 1 s."""
 
 
 class WeightSyncFailed(RuntimeError):
@@ -63,6 +70,7 @@ class SyncStats:
     buckets: int = 0
     largest_bucket_bytes: int = 0
     attempts: int = 1
+    cache_flushed: bool = True
 
     def add(self, bucket: Bucket) -> None:
         """Count one bucket sent."""
@@ -77,6 +85,7 @@ class SyncStats:
             "sync/buckets": float(self.buckets),
             "sync/largest_bucket_bytes": float(self.largest_bucket_bytes),
             "sync/attempts": float(self.attempts),
+            "sync/cache_flushed": float(self.cache_flushed),
         }
 
 
@@ -146,7 +155,7 @@ class WeightSync:
                     client.end_weight_update(abort=True)
                 raise
             _step("end_weight_update", client.end_weight_update)
-            _step("flush_cache", client.flush_cache)
+            stats.cache_flushed = _flush_cache(client)
             return stats
 
         return run_on_hf_stream(self.model, self.model_cfg, in_session)
@@ -233,7 +242,9 @@ class WeightSync:
         def join() -> None:
             if self._group is not None:
                 return
-            tp_sizes = [int(info.get("tp_size", 1)) for info in client.server_info()]
+            infos = client.server_info()
+            refuse_unfit_servers(client.urls, infos, sync_method="distributed", routed_experts=False)
+            tp_sizes = [int(info.get("tp_size", 1)) for info in infos]
             offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
             world = 1 + sum(tp_sizes)
             address = self.cfg.master_address or _master_address(client.urls)
@@ -264,6 +275,8 @@ class WeightSync:
 
         try:
             control_plane.on_rank0(join)
+        except ConfigError:
+            raise  # a deployment no retry can fix
         except Exception as err:
             raise WeightSyncFailed(
                 f"joining the weight-update group failed: {type(err).__name__}: {err}"
@@ -328,6 +341,29 @@ def _step(what: str, call) -> None:
         call()
     except Exception as err:
         raise WeightSyncFailed(f"{what}: {err}") from err
+
+
+def _flush_cache(client: SGLangClient) -> bool:
+    """Flush the servers' prefix caches; whether every server did.
+
+    SGLang answers /flush_cache with 400 while requests are still running or queued (the
+    new weights are in place either way; only prompts cached before the sync would be
+    reused). The 400 is waited out a few times, then the sync goes on with a warning.
+    """
+    for attempt in range(FLUSH_ATTEMPTS):
+        try:
+            client.flush_cache()
+            return True
+        except WeightUpdateError as err:  # a 4xx: requests in flight on that server
+            refusal = err
+            if attempt + 1 < FLUSH_ATTEMPTS:
+                time.sleep(FLUSH_BACKOFF_S * 2**attempt)
+    logger.warning(
+        "weights synced, but a server kept refusing /flush_cache (%s); prompts it cached before the "
+        "sync may be served from KV computed with the previous weights until its cache turns over",
+        refusal,
+    )
+    return False
 
 
 def _master_address(urls: list[str]) -> str:

@@ -123,3 +123,16 @@ def test_grad_accum_fusion_really_needs_apex():
     config.gradient_accumulation_fusion = True
     with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):
         layers.ColumnParallelLinear(8, 8, config=config, init_method=lambda w: w, bias=False)
+
+
+def test_the_gpu_extra_requires_the_te_that_fused_permute_needs():
+    """megatron-core's fused MoE permute raises "Please install TE >= 2.1.0" on older TE."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    (te,) = [Requirement(r) for r in pyproject["project"]["optional-dependencies"]["gpu"]]
+    assert te.name == "transformer-engine"
+    assert not te.specifier.contains("2.0.0") and te.specifier.contains("2.1.0")

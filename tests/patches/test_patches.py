@@ -408,3 +408,23 @@ def test_native_clip_grads_equal_megatrons_functions_under_the_mode():
     half.grad = torch.ones(3, dtype=torch.bfloat16)
     with pytest.raises(AssertionError):  # megatron's own refusal of a non-fp32 grad, kept
         native.clip_grad_by_total_norm_fp32([half], 0.1, 10.0)
+
+
+def test_a_transformer_engine_that_fails_to_import_is_not_available(tmp_path):
+    """An installed TE whose library does not load (wrong CUDA build) counts as absent, with a warning."""
+    broken = tmp_path / "transformer_engine"
+    (broken / "pytorch").mkdir(parents=True)
+    (broken / "__init__.py").write_text("")
+    (broken / "pytorch" / "__init__.py").write_text(
+        "raise OSError('libcudart.so.12: cannot open shared object file: No such file or directory')\n"
+    )
+    probe = (
+        "import logging; logging.basicConfig();"
+        "from megatron_gspo.patches import transformer_engine_available as te;"
+        "print('available', te())"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "available False" in done.stdout
+    assert "transformer_engine is installed but does not import (OSError: libcudart.so.12" in done.stderr

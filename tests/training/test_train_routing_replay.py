@@ -75,7 +75,10 @@ def test_grpo_with_routing_replay_logs_per_layer_drift(tmp_path, mode, extra):
 
 
 def test_drift_every_n_steps(tmp_path):
-    """drift.every=2: steps 1 and 3 measure drift (extra pi_old forward), step 2 does not."""
+    """drift.every=2: steps 1 and 3 measure drift (extra pi_old forward), step 2 does not.
+
+    Nor does step 2 ask the server for routed experts: its rollouts carry none (0 bytes received).
+    """
     args = [a for a in TINY if a != "trainer.steps=2"] + ["trainer.steps=3", "drift.every=2"]
     args += ["algorithm.loss_type=gspo", "drift.sample_tokens=64"]
     args = [a for a in args if a != "algorithm.loss_options={}"]
@@ -90,6 +93,9 @@ def test_drift_every_n_steps(tmp_path):
     records = {r["step"]: r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] > 0}
     trained = {s for s, r in records.items() if r["train/all_zero_adv_batch"] == 0.0}
     assert trained & {1, 3}, "no measured step trained"
+    received = {s: r["rollout/routed_experts_bytes"] for s, r in records.items()}
+    # Rows of 5..11 tokens x 2 layers x top-2, one uint8 id each.
+    assert received[2] == 0 and all(2 * 2 * 5 * 32 <= received[s] for s in (1, 3)), received
     for step in trained:
         measured = any(k.startswith("drift/") for k in records[step])
         assert measured == (step in (1, 3)), (step, sorted(records[step]))

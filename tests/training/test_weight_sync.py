@@ -28,11 +28,12 @@ TOKENS = random_tokens(CFG.vocab_size, batch=2, length=16, seed=3)
 
 
 class FaultyProxy:
-    """Forwards every request to `target`; answers the n-th POST to `path` with 503 instead, or
-    (`hang_once`) holds it unanswered and unforwarded until `release` is set, as a hung server."""
+    """Forwards every request to `target`; answers POSTs `at`..`at + times - 1` to `path` with `status`,
+    or (`hang`) holds the `at`-th unanswered and unforwarded until `release` is set, as a hung server."""
 
     def __init__(self, target: str):
         self.target, self.fail_path, self.fail_at, self.seen = target, None, 0, 0
+        self.status, self.times = 503, 1
         self.hang, self.release, self.hang_over = False, threading.Event(), False
         proxy = self
 
@@ -51,8 +52,8 @@ class FaultyProxy:
                         proxy.hang_over = True
                         self._answer(503, b'{"error": "released"}')
                         return
-                    if proxy.seen == proxy.fail_at:
-                        self._answer(503, b'{"error": "injected fault"}')
+                    if proxy.fail_at <= proxy.seen < proxy.fail_at + proxy.times:
+                        self._answer(proxy.status, b'{"error": "injected fault"}')
                         return
                 answer = httpx.request(method, proxy.target + self.path, content=body, timeout=120)
                 self._answer(answer.status_code, answer.content)
@@ -74,8 +75,9 @@ class FaultyProxy:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def fail_once(self, path: str, at: int, *, hang: bool = False) -> None:
-        self.fail_path, self.fail_at, self.seen, self.hang = path, at, 0, hang
+    def fail_once(self, path: str, at: int, *, status: int = 503, times: int = 1, hang: bool = False) -> None:
+        self.fail_path, self.fail_at, self.seen, self.status, self.times = path, at, 0, status, times
+        self.hang = hang
         self.release.clear()
         self.hang_over = False
 
@@ -231,3 +233,20 @@ def test_protocol_misuse_gets_400_naming_the_problem(setup):
             "/init_weights_update_group", {**base, "rank_offset": 0, "backend": "gloo"}
         )
         assert "does not exist" in post("/destroy_weights_update_group", {"group_name": "nope"})
+
+
+@pytest.mark.parametrize("refusals", [1, 10])
+def test_flush_cache_refused_while_requests_run_does_not_fail_the_sync(setup, monkeypatch, caplog, refusals):
+    """SGLang answers /flush_cache with 400 while requests run; the weights are in place regardless."""
+    model, client, proxy, _, export_dir = setup
+    monkeypatch.setattr("megatron_gspo.training.weight_sync.FLUSH_BACKOFF_S", 0.01)
+    perturb(model, 1.02)
+    version = 20 + refusals
+    proxy.fail_once("/flush_cache", at=1, status=400, times=refusals)
+    stats = make_sync(model, export_dir, method="tensor", retries=0).sync(client, version)
+    assert stats.attempts == 1 and served_version(client) == str(version)
+    assert (served_logprobs(client) - trainer_logprobs(model)).abs().max() <= 1e-5
+    flushed = refusals < 4  # waited out within the attempts, else skipped with a warning
+    assert stats.metrics()["sync/cache_flushed"] == float(flushed)
+    assert ("kept refusing /flush_cache" in caplog.text) is not flushed
+    proxy.fail_once(None, at=0)

@@ -1,0 +1,110 @@
+"""Servers the run cannot use are refused by name at start-up: SGLang launched with dp_size > 1.
+
+The embedded server launched with `--dp-size 2` reports SGLang's `dp_size: 2` in
+/get_server_info and refuses the weight-update group the way SGLang does (its tokenizer
+manager asserts dp_size == 1: HTTP 500 "dp_size must be 1 for init parameter update group").
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from megatron_gspo.config import WeightSyncConfig
+from megatron_gspo.errors import ConfigError
+from megatron_gspo.model.builder import build_model
+from megatron_gspo.model.config import tiny
+from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.rollout.client import SGLangClient
+from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.training.server_checks import refuse_unfit_servers
+from megatron_gspo.training.weight_sync import WeightSync
+
+CFG = tiny(vocab_size=80)
+
+
+@pytest.fixture(scope="module")
+def dp2_server(tmp_path_factory):
+    checkpoint = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("hf") / "ckpt", CFG)
+    with launch_embedded_server(checkpoint, extra_args=("--dp-size", "2")) as server:
+        with SGLangClient([server.url], max_retries=0) as client:
+            yield server, client
+
+
+def test_a_dp2_server_answers_as_sglang_does(dp2_server):
+    server, client = dp2_server
+    assert client.server_info()[0]["dp_size"] == 2
+    body = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
+    answer = httpx.post(f"{server.url}/init_weights_update_group", json=body, timeout=30)
+    assert answer.status_code == 500
+    assert answer.json()["message"] == "dp_size must be 1 for init parameter update group"
+
+
+@pytest.mark.parametrize("method", ["distributed", "tensor"])
+def test_start_up_refuses_a_dp2_server_for_group_and_tensor_sync(dp2_server, method):
+    _, client = dp2_server
+    with pytest.raises(ConfigError) as err:
+        refuse_unfit_servers(client.urls, client.server_info(), sync_method=method, routed_experts=False)
+    message = str(err.value)
+    assert client.urls[0] in message and "dp_size=2" in message
+    assert "one server per DP replica" in message and "weight_sync.method=disk" in message
+
+
+def test_disk_sync_takes_a_dp2_server(dp2_server):
+    _, client = dp2_server
+    refuse_unfit_servers(client.urls, client.server_info(), sync_method="disk", routed_experts=True)
+
+
+def test_the_sync_itself_refuses_a_dp2_server_without_retrying(dp2_server, tmp_path):
+    """Without the start-up check, the group join names the deployment, not a 500 after retries."""
+    _, client = dp2_server
+    init_distributed(ParallelConfig(), seed=0)
+    try:
+        model = build_model(CFG, ParallelConfig()).eval()
+        sync = WeightSync(WeightSyncConfig(retries=3, timeout_s=30), model, CFG, tmp_path)
+        with pytest.raises(ConfigError, match=r"dp_size=2: SGLang refuses weight_sync.method=distributed"):
+            sync.sync(client, 1)
+    finally:
+        destroy_distributed()
+
+
+def test_dp_attention_servers_take_tensor_updates_and_routed_experts_are_checked():
+    urls = ["http://a:1", "http://b:2"]
+    dp_attention = {"dp_size": 4, "enable_dp_attention": True, "enable_return_routed_experts": True}
+    refuse_unfit_servers(urls, [dp_attention, {}], sync_method="tensor", routed_experts=True)
+    with pytest.raises(ConfigError, match=r"http://a:1 was launched with dp_size=4"):
+        refuse_unfit_servers(urls, [dp_attention, {}], sync_method="distributed", routed_experts=False)
+    without = {"dp_size": 1, "enable_return_routed_experts": False}
+    with pytest.raises(ConfigError, match=r"http://b:2 was launched without --enable-return-routed-experts"):
+        refuse_unfit_servers(urls, [{}, without], sync_method="distributed", routed_experts=True)
+    refuse_unfit_servers(urls, [{}, without], sync_method="distributed", routed_experts=False)
+
+
+def test_train_refuses_a_dp2_server_at_start_up_in_one_line(dp2_server, tmp_path):
+    """`megatron-gspo train` against a dp_size 2 server: exit 2 and the fix, before any sync or step."""
+    server, _ = dp2_server
+    repo = Path(__file__).resolve().parents[2]
+    config = str(repo / "configs/tiny_moe_cpu.yaml")
+    overrides = [
+        f"rollout.server_urls=[{server.url}]",
+        "sft.steps=0",
+        "sft.target_accuracy=null",
+        "trainer.steps=1",
+        "logging.progress_bar=false",
+        f"trainer.run_dir={tmp_path}/run",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", config, *overrides],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+        cwd=repo,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"rollout server {server.url} was launched with dp_size=2" in done.stderr
