@@ -238,3 +238,12 @@ def test_sft_target_errors_name_the_field(overrides, message):
 
 def test_sft_target_accepted():
     check(["sft.target_accuracy=1.0", "sft.steps=1", "sft.check_every=1"])
+
+
+def test_a_mapping_override_replaces_the_yaml_mapping():
+    tiny_yaml = Path(__file__).resolve().parents[1] / "configs" / "tiny_moe_cpu.yaml"
+    assert load_config(tiny_yaml).model.overrides == {"vocab_size": 80}
+    assert load_config(tiny_yaml, ["model.overrides={}"]).model.overrides == {}
+    one_key = load_config(tiny_yaml, ["model.overrides.num_layers=3"]).model.overrides
+    assert one_key == {"vocab_size": 80, "num_layers": 3}  # a single key still merges
+    assert load_config(tiny_yaml, ["model.overrides={num_layers: 3}"]).model.overrides == {"num_layers": 3}

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 
+from megatron_gspo.config import ConfigError
 from megatron_gspo.training.export import hf_directory
 
 
@@ -51,6 +52,13 @@ def run_drift(args: argparse.Namespace) -> int:
 
     if (args.b is None) == (args.dump is None):
         raise SystemExit("drift: give exactly one of --b (second checkpoint) or --dump (rollout dump)")
+    if args.metrics:  # before any model loads
+        from megatron_gspo.analysis.drift_report import drift_metric_keys
+
+        try:
+            drift_metric_keys(args.metrics)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     with contextlib.ExitStack() as stack:  # training checkpoints are exported to HF first
         dir_a = stack.enter_context(hf_directory(args.a))
         model_a = load_hf(dir_a)

@@ -459,15 +459,28 @@ class SGLangClient:
 
     def server_info(self) -> list[dict[str, Any]]:
         """Every server's `/get_server_info` (e.g. `tp_size`: its ranks in a weight-update group)."""
+        return self._get_all("/get_server_info")
+
+    def served_weights(self) -> list[tuple[str, str, str | None]]:
+        """(url, weight_version, model_path) of every server: `/get_weight_version`, `/get_model_info`."""
+        versions = self._get_all("/get_weight_version")
+        infos = self._get_all("/get_model_info")
+        return [
+            (url, str(version.get("weight_version")), info.get("model_path"))
+            for url, version, info in zip(self.urls, versions, infos, strict=True)
+        ]
+
+    def _get_all(self, path: str) -> list[dict[str, Any]]:
+        """Every server's JSON answer to GET `path`, in `urls` order."""
         answers = []
         for url in self.urls:
             try:
-                response = self._http.get(f"{url}/get_server_info", timeout=self.health_timeout_s)
+                response = self._http.get(f"{url}{path}", timeout=self.health_timeout_s)
                 response.raise_for_status()
                 answers.append(response.json())
             except (httpx.HTTPError, ValueError) as err:
                 raise RolloutServerError(
-                    url=url, path="/get_server_info", attempts=1, last_error=f"{type(err).__name__}: {err}"
+                    url=url, path=path, attempts=1, last_error=f"{type(err).__name__}: {err}"
                 ) from None
         return answers
 

@@ -502,8 +502,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_body_mb <= 0:
         parser.error(f"--max-body-mb must be > 0, got {args.max_body_mb}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:  # before the model loads: a busy port fails at once, not after the weights are in memory
+        sock = server_http.bind(args.host, args.port)
+    except OSError as err:
+        print(
+            f"megatron-gspo serve: cannot listen on {args.host}:{args.port}: {err.strerror or err}; "
+            "choose another --port (or --port 0 for a free one)",
+            file=sys.stderr,
+        )
+        return 2
     service = build_service(args)
-    sock = server_http.bind(args.host, args.port)
     service.host, service.port = sock.getsockname()[:2]
     app, pools = build_app(service, args.max_batch_size, int(args.max_body_mb * 2**20))
     # torch, transformers and the model live as long as the server: frozen, they are not
