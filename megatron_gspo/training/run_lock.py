@@ -35,12 +35,13 @@ class RunLock:
     def __init__(self) -> None:
         self._fds: list[int] = []
 
-    def acquire(self, path: Path, setting: str) -> None:
+    def acquire(self, path: Path, key: str, directory: Path) -> None:
         """Lock `path` (created if needed) for this process.
 
         Args:
             path: the lock file.
-            setting: the config key naming the directory, for the error message.
+            key: the config key naming the directory, for the error message.
+            directory: its value.
 
         Raises:
             RunDirInUseError: another process holds it (named with its pid and host).
@@ -53,8 +54,8 @@ class RunLock:
             holder = _read_holder(fd)
             os.close(fd)
             raise RunDirInUseError(
-                f"{setting} is in use by another run ({holder}, lock {path}): stop that run or "
-                f"choose another {setting}"
+                f"{key}={directory} is in use by another run ({holder}, lock {path}): stop that run "
+                f"or choose another {key}"
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)

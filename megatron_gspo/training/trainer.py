@@ -211,14 +211,14 @@ class Trainer:
 
     def _lock_directories(self) -> None:
         """Lock the run dir and the weight-sync dir (rank 0); refuse a sync dir that is not an export."""
-        self.lock.acquire(lock_path(self.run_dir, inside=True), f"trainer.run_dir={self.run_dir}")
+        self.lock.acquire(lock_path(self.run_dir, inside=True), "trainer.run_dir", self.run_dir)
         if self.cfg.trainer.weight_sync_dir:  # replaced whole by each export: its lock sits beside it
-            setting = f"trainer.weight_sync_dir={self.sync_dir}"
-            self.lock.acquire(lock_path(self.sync_dir, inside=False), setting)
+            sync_lock = lock_path(self.sync_dir, inside=False)
+            self.lock.acquire(sync_lock, "trainer.weight_sync_dir", self.sync_dir)
             try:
                 check_export_target(self.sync_dir)
             except ExportTargetError as err:
-                raise ConfigError(f"{setting}: {err}") from None
+                raise ConfigError(f"trainer.weight_sync_dir={self.sync_dir}: {err}") from None
 
     def _restore_or_cold_start(self) -> dict[str, float]:
         cfg = self.cfg
