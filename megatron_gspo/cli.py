@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _, module, _, run = COMMANDS[args.command]
     from megatron_gspo.config import ConfigError
-    from megatron_gspo.rollout.errors import RolloutBatchTimeoutError, RolloutServerError, WeightUpdateError
+    from megatron_gspo.rollout.errors import RolloutFault
 
     try:
         return getattr(importlib.import_module(module), run)(args)
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         report_user_error(f"megatron-gspo {args.command}: config error: {err}")
         return 2
-    except (RolloutServerError, RolloutBatchTimeoutError, WeightUpdateError) as err:
+    except RolloutFault as err:
         # A rollout server died or hung mid-run: the message names it; the checkpoints stay.
         if args.debug:
             raise
