@@ -129,6 +129,7 @@ def export(checkpoint, out):
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_export_never_replaces_what_it_did_not_write(run5, tmp_path):
     run_dir = _copy(run5, tmp_path)
     (run_dir / "notes.txt").write_text("mine")
@@ -147,6 +148,7 @@ def test_export_never_replaces_what_it_did_not_write(run5, tmp_path):
     assert (out / "notes.txt").read_text() == "mine" and (out / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_directory_in_use_is_refused(tmp_path):
     sync_dir = tmp_path / "weights"
     first = subprocess.Popen(
