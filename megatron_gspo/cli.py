@@ -85,9 +85,16 @@ def main(argv: list[str] | None = None) -> int:
         getattr(importlib.import_module(module), add_args)(
             sub.add_parser(name, help=help_text, parents=[common])
         )
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # argparse fills a `nargs="*"` positional once: dotlist overrides that follow an option
+    # (`train --nproc 2 parallel.expert_parallel=2`) come back as extras; they are overrides too.
+    if extra and hasattr(args, "overrides") and not any(arg.startswith("-") for arg in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _, module, _, run = COMMANDS[args.command]
     from megatron_gspo.config import ConfigError
+    from megatron_gspo.rollout.errors import RolloutFault
 
     try:
         return getattr(importlib.import_module(module), run)(args)
@@ -96,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         report_user_error(f"megatron-gspo {args.command}: config error: {err}")
         return 2
+    except RolloutFault as err:
+        # A rollout server died or hung mid-run: the message names it; the checkpoints stay.
+        if args.debug:
+            raise
+        report_user_error(f"megatron-gspo {args.command}: rollout server failed: {err}", code=1)
+        return 1
 
 
 # Set by `train --nproc N` for its workers: the first worker to report a user error creates it,
@@ -103,14 +116,14 @@ def main(argv: list[str] | None = None) -> int:
 USER_ERROR_FILE_ENV = "MEGATRON_GSPO_USER_ERROR_FILE"
 
 
-def report_user_error(message: str) -> None:
-    """Print a user error on stderr; under `train --nproc N` hand it to the launcher instead (once)."""
+def report_user_error(message: str, code: int = 2) -> None:
+    """Print a user error on stderr; under `train --nproc N` hand it and its exit code to the launcher."""
     path = os.environ.get(USER_ERROR_FILE_ENV)
     if not path:
         print(message, file=sys.stderr, flush=True)
         return
     with contextlib.suppress(FileExistsError), open(path, "x") as f:  # the first worker wins
-        f.write(message + "\n")
+        f.write(f"{code}\n{message}\n")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megatron_gspo.config_checks import (
@@ -440,6 +440,8 @@ def load_config(
             raise ConfigError(f"overrides must look like section.key=value, got {bad}")
         layers.append(OmegaConf.from_dotlist(list(overrides)))
         merged = OmegaConf.merge(*layers)
+        for key, value in _mapping_overrides(overrides):  # a mapping replaces the YAML's, not merges
+            OmegaConf.update(merged, key, value, merge=False)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ConfigError(_describe(err)) from None
@@ -448,6 +450,21 @@ def load_config(
             raise
         raise ConfigError(str(err)) from None
     return cfg
+
+
+def _mapping_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, Any]]:
+    """(key, mapping) of the overrides whose value is a whole mapping, e.g. `model.overrides={}`.
+
+    Merging would keep the YAML's keys, so `model.overrides={}` could never clear them;
+    `model.overrides.num_layers=3` still changes one key and keeps the others.
+    """
+    found = []
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        value = OmegaConf.select(OmegaConf.from_dotlist([override]), key)
+        if isinstance(value, DictConfig):
+            found.append((key, OmegaConf.to_container(value)))
+    return found
 
 
 def _load_yaml(path: Path):

@@ -158,3 +158,36 @@ def test_resume_or_start_starts_fresh(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "run" / "checkpoints").is_dir()
+
+
+def test_overrides_before_and_after_options_are_all_read():
+    result = run_cli("train", "--config", TINY, "trainer.save_every=1", "--nproc", "2", "trainer.steps=-1")
+    assert_user_error(result, "config error", "trainer.steps")
+
+
+def test_serve_on_a_busy_port_is_one_line_before_the_model_loads(tmp_path):
+    import socket
+
+    from megatron_gspo.model.config import tiny
+    from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+
+    model = make_tiny_hf_checkpoint(tmp_path / "hf", tiny(vocab_size=80))
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        result = run_cli("serve", "--model", str(model), "--port", str(port))
+    assert_user_error(result, f"cannot listen on 127.0.0.1:{port}", "choose another --port")
+
+
+def test_drift_metrics_without_drift_is_refused_before_any_work(tmp_path):
+    from megatron_gspo.model.config import tiny
+    from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+
+    model = make_tiny_hf_checkpoint(tmp_path / "hf", tiny(vocab_size=80))
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "rollout/reward_mean": 0.5}\n')
+    out = tmp_path / "report"
+    result = run_cli(
+        "drift", "--a", str(model), "--b", str(model), "--metrics", str(metrics), "--out", str(out)
+    )
+    assert_user_error(result, f"--metrics {metrics} has no drift/* metrics", "drift.enabled=true")
+    assert not out.exists()

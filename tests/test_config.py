@@ -385,3 +385,12 @@ def test_allgather_dispatcher_under_pipeline_parallelism_is_refused_by_name():
         "parallel.token_dispatcher=alltoall"
     ) in str(err.value)
     check(["parallel.token_dispatcher=allgather", "parallel.expert_parallel=2"], world_size=2)
+
+
+def test_a_mapping_override_replaces_the_yaml_mapping():
+    tiny_yaml = Path(__file__).resolve().parents[1] / "configs" / "tiny_moe_cpu.yaml"
+    assert load_config(tiny_yaml).model.overrides == {"vocab_size": 80}
+    assert load_config(tiny_yaml, ["model.overrides={}"]).model.overrides == {}
+    one_key = load_config(tiny_yaml, ["model.overrides.num_layers=3"]).model.overrides
+    assert one_key == {"vocab_size": 80, "num_layers": 3}  # a single key still merges
+    assert load_config(tiny_yaml, ["model.overrides={num_layers: 3}"]).model.overrides == {"num_layers": 3}

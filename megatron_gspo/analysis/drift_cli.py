@@ -45,6 +45,13 @@ def run_drift(args: argparse.Namespace) -> int:
 
     if (args.b is None) == (args.dump is None):
         raise ConfigError("drift: give exactly one of --b (second checkpoint) or --dump (rollout dump)")
+    if args.metrics:  # before any model loads
+        from megatron_gspo.analysis.drift_report import drift_metric_keys
+
+        try:
+            drift_metric_keys(args.metrics)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     prompts = prompt_source(args) if args.b else None  # bad prompt options fail before any export
     with contextlib.ExitStack() as stack:  # training checkpoints are exported to HF first
         dir_a = stack.enter_context(hf_checkpoint_dir(args.a, "--a"))

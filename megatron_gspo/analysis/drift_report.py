@@ -215,14 +215,32 @@ def plot_ratio_spread(report: DriftReport, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_drift_over_steps(metrics_path: Path, path: Path) -> list[str]:
-    """Lines of every `drift/*/mean` and `drift/*/tokens_changed` key of a metrics.jsonl over steps."""
-    records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+def drift_metric_keys(metrics_path: Path) -> tuple[list[dict], list[str]]:
+    """The records of a metrics.jsonl and its `drift/*/mean` and `drift/*/tokens_changed` keys.
+
+    Raises:
+        ValueError: the file cannot be read, or holds no drift metrics (named, with the setting
+            that records them).
+    """
+    try:
+        text = Path(metrics_path).read_text()
+        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--metrics {metrics_path} is not a readable metrics.jsonl: {err}") from None
     keys = sorted(
         {k for r in records for k in r if k.startswith("drift/") and k.endswith(("/mean", "changed"))}
     )
     if not keys:
-        raise ValueError(f"{metrics_path} has no drift/* metrics (train with drift.enabled=true)")
+        raise ValueError(
+            f"--metrics {metrics_path} has no drift/* metrics: the run was trained without "
+            "drift.enabled=true (drop --metrics, or give such a run's metrics.jsonl)"
+        )
+    return records, keys
+
+
+def plot_drift_over_steps(metrics_path: Path, path: Path) -> list[str]:
+    """Lines of every `drift/*/mean` and `drift/*/tokens_changed` key of a metrics.jsonl over steps."""
+    records, keys = drift_metric_keys(metrics_path)
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for key in keys:

@@ -371,10 +371,53 @@ def save_hf_state_dict(
         return writer.finish()
 
 
+# Every name an HF checkpoint export writes: weights, index, configs and tokenizer files.
+_EXPORT_FILE = re.compile(
+    r"^(config\.json|generation_config\.json|model(-\d{5}-of-\d{5})?\.safetensors"
+    r"|model\.safetensors\.index\.json|tokenizer(_config)?\.json|tokenizer\.model"
+    r"|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt|chat_template\.(jinja|json))$"
+)
+
+
+class ExportTargetError(ValueError):
+    """An export's target directory holds something an export did not write: it is not replaced."""
+
+
+def check_export_target(path: str | os.PathLike) -> None:
+    """Refuse a target that is neither absent, empty, nor an earlier HF checkpoint export.
+
+    An export replaces its target whole, so anything else in it (a run directory's checkpoints
+    and metrics, a user's files) would be deleted.
+
+    Raises:
+        ExportTargetError: naming what the directory holds that an export does not write.
+    """
+    path = Path(path)
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise ExportTargetError(f"{path} exists and is not a directory; give a new or empty directory")
+    entries = list(path.iterdir())
+    foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in entries if not (
+        p.is_file() and not p.is_symlink() and _EXPORT_FILE.match(p.name)
+    ))  # fmt: skip
+    if foreign or (entries and not (path / "config.json").is_file()):
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ExportTargetError(
+            f"{path} is not an earlier HF export (it holds {shown or 'no config.json'}); an export "
+            "replaces its whole directory, so it refuses this one: give a new or empty directory"
+        )
+
+
 def _replace_dir(src: Path, dst: Path) -> None:
-    """Rename `src` to `dst`; an existing `dst` is moved aside first and deleted after."""
-    if not dst.exists():
-        os.replace(src, dst)
+    """Rename `src` to `dst`; an earlier export at `dst` is moved aside first and deleted after.
+
+    Raises:
+        ExportTargetError: `dst` holds anything but an earlier export (nothing is touched).
+    """
+    check_export_target(dst)
+    if not dst.exists() or not any(dst.iterdir()):
+        os.replace(src, dst)  # an empty directory is replaced by the rename itself
         return
     old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
     os.replace(dst, old / dst.name)

@@ -15,7 +15,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-class RolloutServerError(RuntimeError):
+class RolloutFault(RuntimeError):
+    """Base of the run-time failures of the rollout side (a server lost, hung, or refusing weights).
+
+    The command line reports one as a single line naming the server(s), exit status 1.
+    """
+
+
+class RolloutServerError(RolloutFault):
     """A server stayed unreachable (connection errors, timeouts, 5xx) through every retry.
 
     Attributes:
@@ -39,7 +46,7 @@ class RolloutServerError(RuntimeError):
         )
 
 
-class RolloutBatchTimeoutError(RuntimeError):
+class RolloutBatchTimeoutError(RolloutFault):
     """A batch of /generate requests did not finish within the client's `batch_timeout_s`.
 
     Attributes:
@@ -81,7 +88,7 @@ class RolloutRequestError(RuntimeError):
         super().__init__(f"{url}{path} rejected the request with HTTP {status_code}: {server_message}")
 
 
-class WeightUpdateError(RuntimeError):
+class WeightUpdateError(RolloutFault):
     """A server answered a weight-sync or memory call with ``success: false`` (or an error status).
 
     Attributes:

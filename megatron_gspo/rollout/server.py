@@ -539,10 +539,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.dp_size < 1:
         parser.error(f"--dp-size must be >= 1, got {args.dp_size}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:  # before the model loads (or a checkpoint is exported): a busy port fails at once
+        sock = server_http.bind(args.host, args.port)
+    except OSError as err:
+        print(
+            f"megatron-gspo serve: cannot listen on {args.host}:{args.port}: {err.strerror or err}; "
+            "choose another --port (or --port 0 for a free one)",
+            file=sys.stderr,
+        )
+        return 2
     from megatron_gspo.config import ConfigError
     from megatron_gspo.training.checkpoint_source import hf_checkpoint_dir
 
     with contextlib.ExitStack() as stack:  # a training checkpoint's export lives as long as the server
+        stack.callback(sock.close)
         try:
             model = str(stack.enter_context(hf_checkpoint_dir(args.model, "--model")))
         except ConfigError as err:
@@ -551,16 +561,15 @@ def main(argv: list[str] | None = None) -> int:
         if model != args.model:  # SIGTERM then unwinds like Ctrl-C, so the temporary export is removed
             signal.signal(signal.SIGTERM, _interrupt)
             args.model = model
-        return _serve(args)
+        return _serve(args, sock)
 
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, sock) -> int:
     service = build_service(args)
-    sock = server_http.bind(args.host, args.port)
     service.host, service.port = sock.getsockname()[:2]
     app, pools = build_app(service, args.max_batch_size, int(args.max_body_mb * 2**20))
     # torch, transformers and the model live as long as the server: frozen, they are not

@@ -32,8 +32,10 @@ files under `dist/` are read back after the save (from the page cache), each ran
 and fsyncing a share of them. Loading verifies every file before any state is touched: each
 rank its own RNG file (rank 0 also the trainer state) and a share of `dist/`, so every file
 is checked by one rank. A damaged file is named. With `fallback=True` (what `--resume` uses)
-a damaged checkpoint is skipped with a warning for the newest older intact one, and `latest`
-is pointed at it; only when none is intact does loading fail, listing what was wrong with each.
+a damaged checkpoint is skipped with a warning for the newest older intact one, `latest`
+is pointed at it and the damaged one is moved aside (`step_N.damaged-<hex>`, never deleted,
+never counted by `keep_last`); only when none is intact does loading fail, listing what was
+wrong with each.
 """
 
 from __future__ import annotations
@@ -371,13 +373,25 @@ def _remove_stale(root: Path) -> None:
 
 
 def _prune(root: Path, step: int, keep_last: int) -> None:
-    """Delete complete checkpoints older than the `keep_last` newest ones up to `step`."""
-    older = [s for s in list_steps(root) if s <= step]
+    """Delete complete checkpoints older than the `keep_last` newest intact ones up to `step`.
+
+    Only checkpoints whose meta.json reads back intact are counted (or deleted): a damaged one
+    must not stand in for an intact older one. Those a resume found damaged were moved aside.
+    """
+    older = [s for s in list_steps(root) if s <= step and _meta_intact(root / step_dir_name(s))]
     for old in older[:-keep_last]:
         # Rename first so a crash mid-delete leaves a name the next save's cleanup recognises.
         doomed = root / f"{step_dir_name(old)}.old-{secrets.token_hex(6)}"
         os.rename(root / step_dir_name(old), doomed)
         shutil.rmtree(doomed)
+
+
+def _meta_intact(directory: Path) -> bool:
+    try:
+        read_meta(directory)
+    except CheckpointError:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------- load
@@ -451,14 +465,23 @@ def _resume_candidates(root: Path, fallback: bool) -> tuple[list[int], list[str]
     return [latest, *older], []
 
 
-def _repoint_latest(root: Path, directory: Path) -> None:
-    """Make `latest` name the checkpoint resumed from (collective).
+def _repoint_latest(root: Path, directory: Path, damaged: list[int]) -> None:
+    """Make `latest` name the checkpoint resumed from, and move the damaged ones aside (collective).
 
-    The damaged newer checkpoints are then overwritten as the run reaches their steps again.
+    A damaged checkpoint becomes `step_N.damaged-<hex>`: kept for inspection, but no longer a
+    checkpoint, so `keep_last` does not count it in place of an intact one.
     """
     error = None
     if world_rank_size()[0] == 0:
         try:
+            for step in damaged:
+                name = step_dir_name(step)
+                if (root / name).is_dir():
+                    aside = root / f"{name}.damaged-{secrets.token_hex(6)}"
+                    os.rename(root / name, aside)
+                    logger.warning(
+                        "moved damaged checkpoint %s aside to %s (delete it when done)", name, aside
+                    )
             write_text_atomically(root / LATEST_FILE, directory.name + "\n")
         except OSError as exc:
             error = f"could not point {root / LATEST_FILE} at {directory.name}: {exc}"
@@ -510,12 +533,13 @@ def load_checkpoint(
         if not candidates and not problems:
             return None
     is_rank0 = world_rank_size()[0] == 0
+    damaged: list[int] = []
     for candidate in candidates:
         directory = root / step_dir_name(candidate)
         damage = _damage_everywhere(directory, candidate, optimizer)
         if damage is None:
             if problems:
-                _repoint_latest(root, directory)
+                _repoint_latest(root, directory, damaged)
                 if is_rank0:
                     logger.warning(
                         "resuming from %s, the newest intact checkpoint under %s (`latest` now names it)",
@@ -526,6 +550,7 @@ def load_checkpoint(
         if not fallback:
             raise CheckpointCorruptError(damage)
         problems.append(f"{directory.name}: {damage}")
+        damaged.append(candidate)
         if is_rank0:
             logger.warning("checkpoint %s is damaged and skipped: %s", directory.name, damage)
     raise CheckpointCorruptError(f"no intact checkpoint under {root}: " + "; ".join(problems))

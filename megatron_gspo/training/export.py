@@ -28,7 +28,9 @@ def add_export_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint", required=True, help="training checkpoint dir (RUN/checkpoints/step_N)"
     )
-    parser.add_argument("--out", required=True, help="HF checkpoint directory to (re)create")
+    parser.add_argument(
+        "--out", required=True, help="HF checkpoint directory to create (or an earlier export to replace)"
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load with")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to load with")
     parser.add_argument(
@@ -88,6 +90,12 @@ def run_export(args: argparse.Namespace) -> int:
         )
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    from megatron_gspo.model.hf_checkpoint import ExportTargetError, check_export_target
+
+    try:
+        check_export_target(args.out)  # before any work; the writer checks again before replacing
+    except ExportTargetError as err:
+        raise ConfigError(f"--out {err}") from None
     meta, model_cfg, tokenizer = _model_description(checkpoint)
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
     parallel = _layout(args, world, model_cfg)

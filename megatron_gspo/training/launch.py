@@ -11,12 +11,15 @@ the command under torchrun with N gloo workers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from megatron_gspo.cli import USER_ERROR_FILE_ENV
@@ -36,7 +39,11 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
 
 
 def relaunch(nproc: int) -> int:
-    """Run this command again under torchrun with `nproc` CPU workers; a worker's user error once, exit 2."""
+    """Run this command again under torchrun with `nproc` CPU workers; a worker's user error once, exit 2.
+
+    SIGTERM, SIGINT and SIGHUP are forwarded to the whole job, and the launcher returns only
+    when every process of it has exited.
+    """
     # Workers must not see --nproc: torchrun's own parser would take it for --nproc-per-node.
     argv, skip = [], False
     for arg in sys.argv[1:]:
@@ -56,19 +63,60 @@ def relaunch(nproc: int) -> int:
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             USER_ERROR_FILE_ENV: error_file,
         }
-        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
-        silenced = False
-        for line in proc.stderr:
-            # A worker reported a user error (once, exit 2): torchrun's ChildFailedError report
-            # that follows is noise about our own exit code, not news to the user.
-            silenced = silenced or os.path.exists(error_file)
-            if not silenced:
-                sys.stderr.write(line)
-        code = proc.wait()
+        # Its own process group: a signal to this launcher reaches torchrun, the workers and the
+        # embedded rollout server through `_forward_signals`, and none of them outlives it.
+        proc = subprocess.Popen(
+            cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1, start_new_session=True
+        )
+        with _forward_signals(proc.pid) as received:
+            silenced = False
+            for line in proc.stderr:
+                # A worker reported a user error (once): torchrun's ChildFailedError report
+                # that follows is noise about our own exit code, not news to the user.
+                silenced = silenced or os.path.exists(error_file)
+                if not silenced:
+                    sys.stderr.write(line)
+            code = proc.wait()
+            _wait_for_group(proc.pid)
         if os.path.exists(error_file):
-            sys.stderr.write(Path(error_file).read_text())
-            return 2
-        return code
+            first, _, message = Path(error_file).read_text().partition("\n")
+            sys.stderr.write(message)
+            return int(first)
+        return 128 + received[0] if received else code
+
+
+@contextlib.contextmanager
+def _forward_signals(pgid: int) -> Iterator[list[int]]:
+    """Pass SIGTERM / SIGINT / SIGHUP on to the process group `pgid`; yields the signals received."""
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signum)
+
+    forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, forward) for signum in forwarded}
+    try:
+        yield received
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _wait_for_group(pgid: int, grace_s: float = 60.0) -> None:
+    """Wait until no process of group `pgid` is left; SIGKILL the stragglers after `grace_s`."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            return
+        time.sleep(0.1)
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -49,6 +49,7 @@ from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.control_plane import broadcast_from_rank0, call_on_rank0, on_rank0
 from megatron_gspo.model.convert import ConversionError, export_hf_checkpoint, load_hf_checkpoint
 from megatron_gspo.model.distributed import compute_device, destroy_distributed, init_distributed
+from megatron_gspo.model.hf_checkpoint import ExportTargetError, check_export_target
 from megatron_gspo.model.optim import build_optimizer, wrap_ddp
 from megatron_gspo.model.packing import packing_layout
 from megatron_gspo.rollout import RolloutBatch
@@ -57,11 +58,14 @@ from megatron_gspo.tasks.prompt_check import check_prompts
 from megatron_gspo.tasks.tokenizer import resolve_add_bos
 from megatron_gspo.training.batch_scatter import scatter_rank_rows
 from megatron_gspo.training.checkpoint import load_checkpoint, resumable_step, save_checkpoint
+from megatron_gspo.training.checkpoint_meta import step_dir_name
 from megatron_gspo.training.metrics import MetricsLogger, ZeroRewardWatch
 from megatron_gspo.training.micro_batching import DataLayout
 from megatron_gspo.training.reference import ReferencePolicy
+from megatron_gspo.training.resume_checks import check_resume
 from megatron_gspo.training.rollout_step import RolloutEngine, rollout_servers
 from megatron_gspo.training.routing_step import StepRouting
+from megatron_gspo.training.run_lock import RunLock, lock_path
 from megatron_gspo.training.server_checks import refuse_unfit_servers
 from megatron_gspo.training.sft import run_sft
 from megatron_gspo.training.shm_exports import claim_export_dir
@@ -121,6 +125,15 @@ def _fit_layout(
     return trimmed, advantages[:keep]
 
 
+def _same_path(served: str | None, expected: str | os.PathLike | None) -> bool:
+    """Whether a server's `model_path` names `expected` (same string, or the same directory here)."""
+    if served is None or expected is None:
+        return False
+    if str(served) == str(expected):
+        return True
+    return os.path.exists(served) and os.path.exists(expected) and os.path.samefile(served, expected)
+
+
 def peak_memory_metrics() -> dict[str, float]:
     """`perf/peak_memory_gib`: this rank's peak CUDA memory so far (none on CPU)."""
     if not torch.cuda.is_available():
@@ -164,6 +177,10 @@ class Trainer:
         init_distributed(cfg.parallel, seed=cfg.trainer.seed)
         self.rank0 = dist.get_rank() == 0
         self.run_dir = Path(cfg.trainer.run_dir)
+        self.sync_dir = weight_sync_dir(cfg)
+        self.lock = RunLock()
+        if self.rank0:  # before any work: one run at a time writes these directories
+            self._lock_directories()
         self.model_cfg = build_model_config(cfg)
         self.task = build_task(cfg)
         self.tokenizer = load_tokenizer(cfg)
@@ -229,7 +246,6 @@ class Trainer:
         self.step, self.weight_version = 0, 0
         self.sample_rows: list[dict] = []
         self.ckpt_root = self.run_dir / "checkpoints"
-        self.sync_dir = weight_sync_dir(cfg)
         if self.rank0 and str(self.sync_dir).startswith("/dev/shm/"):
             claim_export_dir(self.sync_dir.parent)  # after removing the exports of runs that died
         try:
@@ -241,6 +257,17 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ setup
+
+    def _lock_directories(self) -> None:
+        """Lock the run dir and the weight-sync dir (rank 0); refuse a sync dir that is not an export."""
+        self.lock.acquire(lock_path(self.run_dir, inside=True), "trainer.run_dir", self.run_dir)
+        if self.cfg.trainer.weight_sync_dir:  # replaced whole by each export: its lock sits beside it
+            sync_lock = lock_path(self.sync_dir, inside=False)
+            self.lock.acquire(sync_lock, "trainer.weight_sync_dir", self.sync_dir)
+            try:
+                check_export_target(self.sync_dir)
+            except ExportTargetError as err:
+                raise ConfigError(f"trainer.weight_sync_dir={self.sync_dir}: {err}") from None
 
     def _restore_or_cold_start(self) -> dict[str, float]:
         cfg = self.cfg
@@ -257,6 +284,8 @@ class Trainer:
                 "drop --resume to start a new run, or pass --resume-or-start"
             )
         resume_step = existing if cfg.trainer.resume else None
+        if resume_step is not None:  # before any heavy work: a setting the checkpoint cannot serve
+            check_resume(self.ckpt_root / step_dir_name(resume_step), cfg)
         start: dict[str, float] = {}
         if resume_step is None and cfg.sft.steps > 0:
             start = run_sft(
@@ -289,6 +318,12 @@ class Trainer:
             if self.kl_ctl is not None and state.get("kl_controller") is not None:
                 self.kl_ctl.load_state_dict(state["kl_controller"])
             logger.info("resumed from step %d (weight_version %d)", self.step, self.weight_version)
+            if self.step >= cfg.trainer.steps:  # exiting 0 here would report a run that did nothing
+                raise ConfigError(
+                    f"--resume: the run in trainer.run_dir={self.run_dir} already reached step "
+                    f"{self.step}, so trainer.steps={cfg.trainer.steps} leaves nothing to train; "
+                    f"set trainer.steps above {self.step} to continue it"
+                )
         if self.reference is not None:
             try:
                 source = self.reference.initialise(
@@ -332,6 +367,24 @@ class Trainer:
         if hf_path and self.cfg.weight_sync.method != "disk":
             return Path(hf_path), changed
         return export_hf_checkpoint(self.model, self.sync_dir, self.model_cfg, self.tokenizer), False
+
+    def _servers_not_serving(self, client, start_dir: Path | None) -> list[str]:
+        """Rank 0: why each server that does not serve the trainer's weights is out of date.
+
+        A server must report the trainer's `weight_version` and the checkpoint it started from
+        (an embedded server's start dir, else `model.hf_path`); otherwise it is synced before the
+        cold-start evaluation, since a server started without `--weight-version` or updated by
+        an earlier run would be measured, and then trained on, as if it were this run's policy.
+        """
+        expected_path = start_dir or self.cfg.model.hf_path
+        problems = []
+        for url, version, model_path in client.served_weights():
+            if version != str(self.weight_version):
+                mine = self.weight_version
+                problems.append(f"{url} serves weight_version {version!r}, the trainer's is {mine}: syncing")
+            elif not _same_path(model_path, expected_path):
+                problems.append(f"{url} serves {model_path}, not {expected_path}: syncing")
+        return problems
 
     # ------------------------------------------------------------------ one step
 
@@ -507,6 +560,11 @@ class Trainer:
                     routed_experts=self._routed_experts_layout() is not None,
                 )
             )
+            if not must_sync:  # trust no server on its launch flags: ask what each one serves
+                stale = on_rank0(self._servers_not_serving, client, start_dir)
+                for problem in stale:
+                    logger.warning("start-up: %s", problem)
+                must_sync = bool(stale)
             if must_sync:
                 logger.info(
                     "start-up: syncing the trainer's weights (version %d) to the servers", self.weight_version
@@ -531,25 +589,31 @@ class Trainer:
                     metrics.update(self._evaluate(engine))
                     evals.append({"step": self.step, **metrics})
                 if (cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0) or last:
-                    save_checkpoint(
-                        self.ckpt_root,
-                        self.step,
-                        model=self.model,
-                        optimizer=self.optimizer,
-                        scheduler=self.scheduler,
-                        trainer_state=self._trainer_state(),
-                        keep_last=cfg.trainer.keep_last,
-                        model_cfg=self.model_cfg,
-                        tokenizer=self.tokenizer,
-                    )
+                    self._save()
                 metrics["time/step_s"] = time.perf_counter() - t0
                 metrics.update(peak_memory_metrics())
                 log.log(self.step, metrics)
                 log.log_samples(self.step, self.sample_rows)
+            if cfg.trainer.steps == 0:  # the cold start (SFT) is the run's result: keep it
+                self._save()
             self.weight_sync.close(client)
             gc.unfreeze()  # the run's objects are collectable again (a process may train again)
         log.close()
         return {"last": log.last, "evals": evals}
+
+    def _save(self) -> None:
+        """Checkpoint the current step (collective)."""
+        save_checkpoint(
+            self.ckpt_root,
+            self.step,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            trainer_state=self._trainer_state(),
+            keep_last=self.cfg.trainer.keep_last,
+            model_cfg=self.model_cfg,
+            tokenizer=self.tokenizer,
+        )
 
     def _needs_routed_experts(self) -> bool:
         """Whether this step's rows must carry the rollout engine's routing (R3 targets, measured drift)."""
@@ -567,6 +631,7 @@ class Trainer:
         if self.rank0 and str(self.sync_dir).startswith("/dev/shm/"):
             shutil.rmtree(self.sync_dir.parent, ignore_errors=True)
         destroy_distributed()
+        self.lock.release()
 
 
 def _dp_group():

@@ -44,7 +44,7 @@ from megatron_gspo.model.convert import export_hf_checkpoint
 from megatron_gspo.model.distributed import compute_device
 from megatron_gspo.model.hf_stream import Bucket, iter_buckets, refuse_non_finite, run_on_hf_stream
 from megatron_gspo.rollout.client import SGLangClient
-from megatron_gspo.rollout.errors import WeightUpdateError
+from megatron_gspo.rollout.errors import RolloutFault, WeightUpdateError
 from megatron_gspo.rollout.server_protocol import TENSOR_LOAD_FORMAT, serialize_named_tensors
 from megatron_gspo.rollout.update_group import destroy_update_group, init_update_group
 from megatron_gspo.rollout.weight_receiver import FLATTENED_BUCKET
@@ -58,7 +58,7 @@ FLUSH_BACKOFF_S = 0.25
 """/flush_cache refused with 400 (requests in flight) is retried after 0.25, 0.5, 1 s."""
 
 
-class WeightSyncFailed(RuntimeError):
+class WeightSyncFailed(RolloutFault):
     """Every attempt of a weight sync failed; the message names the server and the bucket."""
 
 

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import (
     SAFE_WEIGHTS_INDEX_NAME,
+    ExportTargetError,
     build_hf_model,
     copy_into_model,
     first_non_finite,
@@ -83,6 +84,24 @@ def test_failed_save_leaves_existing_checkpoint_intact(tmp_path):
     save_hf_state_dict(path, other, CFG, TOKENIZER)
     assert torch.equal(load_hf_state_dict(path)["lm_head.weight"], other["lm_head.weight"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_directory_that_is_not_an_export_is_never_replaced(tmp_path):
+    target = tmp_path / "run"
+    (target / "checkpoints").mkdir(parents=True)
+    (target / "notes.txt").write_text("mine")
+    state = module_state_to_hf(build_hf_model(CFG, seed=1).state_dict())
+    with pytest.raises(
+        ExportTargetError, match=r"not an earlier HF export \(it holds checkpoints/, notes.txt\)"
+    ):
+        save_hf_state_dict(target, state, CFG, TOKENIZER)
+    assert sorted(p.name for p in target.iterdir()) == ["checkpoints", "notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no temporary directory left
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    save_hf_state_dict(empty, state, CFG, TOKENIZER)  # an empty directory is taken
+    save_hf_state_dict(empty, state, CFG, TOKENIZER)  # and so is an earlier export
+    assert torch.equal(load_hf_state_dict(empty)["lm_head.weight"], state["lm_head.weight"])
 
 
 def test_vocab_smaller_than_tokenizer_is_refused(tmp_path):

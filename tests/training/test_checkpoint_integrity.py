@@ -120,11 +120,14 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(root, three_steps, ca
     assert state == saved[2][1] and state["step"] == 2
     assert _same(_weights(run), saved[2][0])
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == LOGGER]
-    assert len(warnings) == 2
+    assert len(warnings) == 3
     assert "step_00000003 is damaged and skipped" in warnings[0] and "rank_00000.pt is corrupt" in warnings[0]
-    assert "resuming from step_00000002, the newest intact checkpoint" in warnings[1]
-    # `latest` now names the checkpoint resumed from, so the run can save step 3 again.
-    assert latest_step(root) == 2 and list_steps(root) == [1, 2, 3]
+    assert "moved damaged checkpoint step_00000003 aside to" in warnings[1]
+    assert "resuming from step_00000002, the newest intact checkpoint" in warnings[2]
+    # `latest` now names the checkpoint resumed from, so the run can save step 3 again; the
+    # damaged one is kept aside, where `keep_last` does not count it.
+    assert latest_step(root) == 2 and list_steps(root) == [1, 2]
+    assert [p.name.split("-")[0] for p in root.glob("step_00000003.*")] == ["step_00000003.damaged"]
     run.load_trainer_state(state)
     train_step(run)
     save_run(run, root, keep_last=3)

@@ -10,6 +10,7 @@ policy scores nothing, so step 1 skips its update and measures no mismatch.)
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -55,3 +56,90 @@ def test_server_starts_from_the_checkpoint_and_gets_the_sft_weights(checkpoint, 
         print(f"sft={sft_steps}: step-1 mismatch mean {step1['rollout/logprob_mismatch_mean']:.2e}")
         assert step1["train/all_zero_adv_batch"] == 0
         assert step1["rollout/logprob_mismatch_mean"] < 1e-6
+
+
+@pytest.fixture
+def external_server(checkpoint):
+    """`megatron-gspo serve` on the checkpoint, started as a user would (no --weight-version)."""
+    cmd = [sys.executable, "-m", "megatron_gspo.cli", "serve", "--model", str(checkpoint), "--port", "0"]
+    server = subprocess.Popen(
+        cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = server.stdout.readline()
+        assert "listening on " in line, line
+        yield line.split("listening on ")[1].strip()
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def _train_against(url, checkpoint, tmp_path):
+    cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", str(tmp_path / "run.yaml")]
+    (tmp_path / "run.yaml").write_text(
+        f"model: {{hf_path: {checkpoint}}}\n"
+        "task: {name: addition, options: {min_digits: 1, max_digits: 2}}\n"
+        "sft: {steps: 0}\n"
+        f"rollout: {{rollout_batch_size: 2, group_size: 2, max_new_tokens: 4, server_urls: [{url}]}}\n"
+        "algorithm: {num_mini_batches: 1}\n"
+        "eval: {at_start: true, at_end: false, every: 0, num_problems: 4}\n"
+        f"trainer: {{steps: 1, run_dir: {tmp_path / 'run'}}}\n"
+        "logging: {progress_bar: false}\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+
+
+def test_external_server_of_another_version_is_synced_before_the_cold_start_eval(
+    checkpoint, external_server, tmp_path
+):
+    done = _train_against(external_server, checkpoint, tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    said = f"start-up: {external_server} serves weight_version 'default', the trainer's is 0: syncing"
+    assert said in done.stderr
+    assert done.stderr.index(said) < done.stderr.index("cold-start held-out accuracy")
+
+
+def test_external_server_on_other_weights_is_synced(checkpoint, external_server, tmp_path):
+    other = make_tiny_hf_checkpoint(tmp_path / "other", tiny(vocab_size=80), build_char_tokenizer(), seed=1)
+    import httpx  # an earlier run left the server on its weights, at version "0"
+
+    body = {"model_path": str(other), "weight_version": "0"}
+    assert httpx.post(f"{external_server}/update_weights_from_disk", json=body, timeout=120).json()["success"]
+    done = _train_against(external_server, checkpoint, tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"start-up: {external_server} serves {other}, not {checkpoint}: syncing" in done.stderr
+
+
+def test_external_server_lost_mid_run_is_one_line(checkpoint, tmp_path):
+    cmd = [sys.executable, "-m", "megatron_gspo.cli", "serve", "--model", str(checkpoint), "--port", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        url = server.stdout.readline().split("listening on ")[1].strip()
+        (tmp_path / "run.yaml").write_text(
+            f"model: {{hf_path: {checkpoint}}}\n"
+            "task: {name: addition, options: {min_digits: 1, max_digits: 2}}\n"
+            "sft: {steps: 0}\n"
+            f"rollout: {{rollout_batch_size: 2, group_size: 2, max_new_tokens: 4, server_urls: [{url}],\n"
+            "          max_retries: 1, request_timeout_s: 10}\n"
+            "algorithm: {num_mini_batches: 1}\n"
+            "eval: {at_start: false, at_end: false, every: 0}\n"
+            f"trainer: {{steps: 100000, run_dir: {tmp_path / 'run'}}}\n"
+            "weight_sync: {method: disk, retries: 0, timeout_s: 10}\n"
+            "logging: {progress_bar: false}\n"
+        )
+        cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", str(tmp_path / "run.yaml")]
+        trainer = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "run" / "metrics.jsonl").is_file():
+            assert trainer.poll() is None and time.monotonic() < deadline, trainer.stderr.read()[-3000:]
+            time.sleep(0.2)
+        server.kill()  # the server is lost mid-run
+        _, stderr = trainer.communicate(timeout=300)
+    finally:
+        server.kill()
+        server.wait()
+    assert trainer.returncode == 1, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert "megatron-gspo train: rollout server failed: " in stderr and url in stderr.splitlines()[-1]
