@@ -20,13 +20,15 @@ import os
 from pathlib import Path
 
 from megatron_gspo.config import ConfigError
-from megatron_gspo.training.checkpoint_source import is_training_checkpoint
+from megatron_gspo.training.checkpoint_source import resolve_checkpoint
 
 
 def add_export_args(parser: argparse.ArgumentParser) -> None:
     """Arguments of `megatron-gspo export`."""
     parser.add_argument(
-        "--checkpoint", required=True, help="training checkpoint dir (RUN/checkpoints/step_N)"
+        "--checkpoint",
+        required=True,
+        help="training checkpoint (RUN/checkpoints/step_N) or run dir (RUN)",
     )
     parser.add_argument(
         "--out", required=True, help="HF checkpoint directory to create (or an earlier export to replace)"
@@ -82,12 +84,13 @@ def _layout(args: argparse.Namespace, world: int, model_cfg):
 
 def run_export(args: argparse.Namespace) -> int:
     """Entry point: check the arguments, re-launch under torchrun on CPU if asked, export."""
-    checkpoint = Path(args.checkpoint)
-    if not is_training_checkpoint(checkpoint):
+    source = resolve_checkpoint(args.checkpoint, "--checkpoint")  # a run directory: its newest intact step
+    if source.kind != "training":
         raise ConfigError(
-            f"--checkpoint {checkpoint} is not a training checkpoint (no meta.json and dist/ inside); "
-            "give a RUN/checkpoints/step_NNNNNNNN directory"
+            f"--checkpoint {source.given} is already an HF checkpoint directory; export takes a training "
+            "checkpoint (RUN/checkpoints/step_NNNNNNNN) or a run directory (RUN)"
         )
+    checkpoint = source.path
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     from megatron_gspo.model.hf_checkpoint import ExportTargetError, check_export_target

@@ -117,7 +117,17 @@ def _assert_user_error(done: subprocess.CompletedProcess, *needles: str) -> None
 def test_bad_checkpoint_path_is_one_named_line(tmp_path):
     missing = tmp_path / "nope"
     done = run_cli("export", "--checkpoint", str(missing), "--out", str(tmp_path / "hf"))
-    _assert_user_error(done, f"--checkpoint {missing} is not a training checkpoint")
+    _assert_user_error(done, f"--checkpoint {missing}: no such directory")
+
+
+def test_export_takes_a_run_directory_not_an_hf_one(short_run, tmp_path):
+    """A run directory exports its newest intact step (as serve/drift/mismatch resolve it)."""
+    done = run_cli("export", "--checkpoint", str(short_run), "--out", str(tmp_path / "hf"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"exported step 4 of {short_run / 'checkpoints' / 'step_00000004'}" in done.stdout
+    assert (tmp_path / "hf" / "config.json").is_file()
+    again = run_cli("export", "--checkpoint", str(tmp_path / "hf"), "--out", str(tmp_path / "hf2"))
+    _assert_user_error(again, "is already an HF checkpoint directory")
 
 
 @pytest.mark.multiprocess  # the checkpoint fixture runs 4 workers
