@@ -63,6 +63,7 @@ from megatron_gspo.training.metrics import MetricsLogger, ZeroRewardWatch
 from megatron_gspo.training.micro_batching import DataLayout
 from megatron_gspo.training.reference import ReferencePolicy
 from megatron_gspo.training.resume_checks import check_resume
+from megatron_gspo.training.rollout_queue import RolloutProducer, Taken
 from megatron_gspo.training.rollout_step import RolloutEngine, rollout_servers
 from megatron_gspo.training.routing_step import StepRouting
 from megatron_gspo.training.run_lock import RunLock, lock_path
@@ -164,6 +165,30 @@ def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
     }
 
 
+def _version_number(reported: str | None, started_at: int) -> float:
+    """A server-reported weight version as a number; the batch's start version if it reported none."""
+    try:
+        return float(reported)
+    except (TypeError, ValueError):  # unreported, or a server's own label ("default")
+        return float(started_at)
+
+
+def async_metrics(taken: Taken, trainer_version: int) -> dict[str, float]:
+    """Staleness (per response token, from the versions the servers reported) and overlap."""
+    batch, rollout_s = taken.item.batch, taken.item.rollout_s
+    versions = torch.tensor([_version_number(v, taken.item.weight_version) for v in batch.weight_versions])
+    staleness = trainer_version - versions
+    tokens = batch.response_lengths.float()
+    return {
+        "rollout/staleness_mean": float((staleness * tokens).sum() / tokens.sum().clamp(min=1)),
+        "rollout/staleness_max": float(staleness.max()),
+        "rollout/stale_groups_dropped": float(taken.stale_groups_dropped),
+        "time/wait_rollout_s": taken.wait_s,
+        "time/rollout_s": rollout_s,
+        "perf/overlap": min(max(1.0 - taken.wait_s / rollout_s, 0.0), 1.0) if rollout_s > 0 else 0.0,
+    }
+
+
 class Trainer:
     """Builds everything one run needs from a validated `RunConfig`; `run()` trains."""
 
@@ -245,6 +270,7 @@ class Trainer:
         self.zero_reward = ZeroRewardWatch(cfg.logging.zero_reward_warn_steps)
         self.step, self.weight_version = 0, 0
         self.sample_rows: list[dict] = []
+        self.producer: RolloutProducer | None = None  # rank 0 with rollout.max_staleness >= 1
         self.ckpt_root = self.run_dir / "checkpoints"
         if self.rank0 and str(self.sync_dir).startswith("/dev/shm/"):
             claim_export_dir(self.sync_dir.parent)  # after removing the exports of runs that died
@@ -406,7 +432,6 @@ class Trainer:
         before the rows are split over data-parallel ranks (reward running statistics live on
         rank 0, which alone writes them into checkpoints).
         """
-        algo = self.cfg.algorithm
         batch = engine.sample_groups(
             problems,
             seed=self.cfg.trainer.seed,
@@ -414,6 +439,18 @@ class Trainer:
             weight_version=self.weight_version,
             routed_experts=self._needs_routed_experts(),  # R3, or a step that measures drift
         )
+        return self._score(batch)
+
+    def _take_and_score(self) -> tuple[Any, torch.Tensor, dict[str, Any]]:
+        """Rank 0 with a producer: the oldest batch within the staleness bound, scored."""
+        taken = self.producer.take(self.weight_version)
+        batch, advantages, shared = self._score(taken.item.batch)
+        shared["metrics"].update(async_metrics(taken, self.weight_version))
+        return batch, advantages, shared
+
+    def _score(self, batch: RolloutBatch) -> tuple[Any, torch.Tensor, dict[str, Any]]:
+        """Rank 0: a sampled batch's advantages and what every rank must know about it."""
+        algo = self.cfg.algorithm
         metrics = rollout_metrics(batch)
         self.sample_rows = batch.stats.get("sample_rows", [])  # rank 0 writes them with the step's record
         token_kl = algo.add_token_level_kl  # then whitening and the advantage clip act per token, later
@@ -443,9 +480,12 @@ class Trainer:
         cfg, algo = self.cfg, self.cfg.algorithm
         self.step += 1
         t0 = time.perf_counter()
-        problems = self.stream.next_batch()  # every rank advances its stream (same state everywhere)
         self.routing.set_step(self.step)  # drift.every: only measured steps pay the extra forward
-        local = call_on_rank0(self._sample_and_score, engine, problems)
+        if cfg.rollout.max_staleness:  # rank 0's producer draws the prompts
+            local = call_on_rank0(self._take_and_score)
+        else:
+            problems = self.stream.next_batch()  # every rank advances its stream (same state everywhere)
+            local = call_on_rank0(self._sample_and_score, engine, problems)
         shared = broadcast_from_rank0(local[2] if isinstance(local, tuple) else local)
         batch, advantages = local[:2] if isinstance(local, tuple) else (None, None)
         t1 = time.perf_counter()
@@ -500,14 +540,16 @@ class Trainer:
             )
             self.counters["skipped_steps"] += int(metrics["train/skipped_steps"])
         t2 = time.perf_counter()
-        sync = self.weight_sync.sync(engine.client if self.rank0 else None, self.weight_version + 1)
-        self.weight_version += 1
+        bump = 2 if cfg.debug.version_gap_at_step == self.step else 1
+        with self._rollouts_paused():
+            sync = self.weight_sync.sync(engine.client if self.rank0 else None, self.weight_version + bump)
+            self.weight_version += bump
         metrics.update(sync.metrics())
         t3 = time.perf_counter()
         metrics.update(
             {
                 "weight_version": float(self.weight_version),
-                "time/rollout_s": t1 - t0,
+                "time/rollout_s": shared["metrics"].get("time/rollout_s", t1 - t0),
                 "time/train_s": t2 - t1,
                 "time/sync_s": t3 - t2,
                 "perf/train_tokens_per_s": shared["train_tokens"] / max(t2 - t1, 1e-9),
@@ -579,27 +621,60 @@ class Trainer:
                 logger.info("cold-start held-out accuracy %.3f", record["eval/accuracy"])
             elif start_metrics:  # what the cold start did is part of the run's record either way
                 log.log(0, {**start_metrics, "weight_version": 0.0})
-            gc.collect()  # what start-up left behind; the rest (torch, megatron, the model) lives on:
-            gc.freeze()  # frozen, it is not rescanned by each full collection (0.2-0.3 s apiece)
-            while self.step < cfg.trainer.steps:
-                t0 = time.perf_counter()
-                metrics = self.train_step(engine)
-                last = self.step == cfg.trainer.steps
-                if (cfg.eval.every and self.step % cfg.eval.every == 0) or (last and cfg.eval.at_end):
-                    metrics.update(self._evaluate(engine))
-                    evals.append({"step": self.step, **metrics})
-                if (cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0) or last:
+            with self._start_producer(engine):  # stopped (joined) on exit and on an exception
+                gc.collect()  # what start-up left behind; the rest (torch, megatron, the model) lives on:
+                gc.freeze()  # frozen, it is not rescanned by each full collection (0.2-0.3 s apiece)
+                while self.step < cfg.trainer.steps:
+                    t0 = time.perf_counter()
+                    metrics = self.train_step(engine)
+                    last = self.step == cfg.trainer.steps
+                    if (cfg.eval.every and self.step % cfg.eval.every == 0) or (last and cfg.eval.at_end):
+                        with self._rollouts_paused():
+                            metrics.update(self._evaluate(engine))
+                        evals.append({"step": self.step, **metrics})
+                    if (cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0) or last:
+                        with self._rollouts_paused():  # the prompt stream's state is not moving
+                            self._save()
+                    metrics["time/step_s"] = time.perf_counter() - t0
+                    metrics.update(peak_memory_metrics())
+                    log.log(self.step, metrics)
+                    log.log_samples(self.step, self.sample_rows)
+                if cfg.trainer.steps == 0:  # the cold start (SFT) is the run's result: keep it
                     self._save()
-                metrics["time/step_s"] = time.perf_counter() - t0
-                metrics.update(peak_memory_metrics())
-                log.log(self.step, metrics)
-                log.log_samples(self.step, self.sample_rows)
-            if cfg.trainer.steps == 0:  # the cold start (SFT) is the run's result: keep it
-                self._save()
             self.weight_sync.close(client)
             gc.unfreeze()  # the run's objects are collectable again (a process may train again)
         log.close()
         return {"last": log.last, "evals": evals}
+
+    def _start_producer(self, engine: RolloutEngine | None) -> contextlib.AbstractContextManager:
+        """Rank 0 with `rollout.max_staleness >= 1`: start sampling ahead (closed with the servers).
+
+        Batches left in the queue at exit are not trained; a resumed run starts with an empty queue.
+        """
+        k = self.cfg.rollout.max_staleness
+        if not (self.rank0 and k):
+            return contextlib.nullcontext()
+        produced = self.step
+
+        def produce(version: int) -> RolloutBatch:
+            nonlocal produced
+            produced += 1
+            return engine.sample_groups(
+                self.stream.next_batch(),
+                seed=self.cfg.trainer.seed,
+                step=produced,
+                weight_version=version,
+                routed_experts=self._routed_experts_layout() is not None,
+            )
+
+        self.producer = RolloutProducer(
+            produce, k, lambda: self.weight_version, lambda b: b.batch_size // b.group_size
+        )
+        return self.producer
+
+    def _rollouts_paused(self) -> contextlib.AbstractContextManager:
+        """No rollout request in flight inside (weight sync, eval, checkpoint); a no-op in lock-step."""
+        return self.producer.paused() if self.producer is not None else contextlib.nullcontext()
 
     def _save(self) -> None:
         """Checkpoint the current step (collective)."""
