@@ -14,6 +14,10 @@ data flow):
 4. the weights are exported as an HF checkpoint (RAM-backed dir when available) and the
    rollout engine reloads them as `weight_version + 1`;
 5. held-out evaluation every `eval.every` steps, metrics, checkpoints every `save_every`.
+
+With `rollout.max_staleness >= 1`, step 1's sampling moves to rank 0's producer thread
+(`rollout_queue`), which runs ahead of training; the step takes the oldest batch within the
+bound from its queue, and steps 4-5 pause the producer.
 """
 
 from __future__ import annotations

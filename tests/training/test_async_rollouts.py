@@ -1,7 +1,8 @@
 """rollout.max_staleness end to end: the CPU demo trains with rollouts one version ahead.
 
 A 4-step run at k = 1 whose step-2 sync skips a version (`debug.version_gap_at_step=2`): the
-batch generated at version 1 meets trainer version 3 and must be dropped, never trained.
+batch generated at version 1 meets trainer version 3 and must be dropped, never trained; then
+a resume, which starts with an empty queue.
 Staleness is read from the versions the rollout server reported for the trained samples.
 """
 
@@ -53,3 +54,17 @@ def test_staleness_one_trains_within_the_bound_and_drops_an_older_batch(tmp_path
     assert [r["rollout/stale_groups_dropped"] for r in steps] == [0, 0, 8, 0]
     assert all(r["rollout/samples"] == 32 and r["train/optimizer_steps"] == 2 for r in steps)
     assert all(0 <= r["perf/overlap"] <= 1 and r["time/wait_rollout_s"] >= 0 for r in steps)
+    # Resume (the queue starts empty): step 5's batch is fresh, step 6's was made during step 5.
+    resumed = subprocess.run(
+        [*cmd, "trainer.steps=6", "--resume"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=tmp_path,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    steps = read_metrics(tmp_path / "metrics.jsonl")[1:]
+    assert [r["step"] for r in steps[-2:]] == [5, 6]
+    assert [r["rollout/staleness_max"] for r in steps[-2:]] == [0, 1]
+    assert [r["weight_version"] for r in steps[-2:]] == [6, 7]
