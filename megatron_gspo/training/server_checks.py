@@ -13,7 +13,8 @@ instead of failing the first weight sync after minutes of retries:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from megatron_gspo.errors import ConfigError
@@ -55,3 +56,36 @@ def refuse_unfit_servers(
                 "algorithm.routing_replay=r3 and drift.enabled need; relaunch it with the flag "
                 "(launch/sglang_servers.sh ROUTED_EXPERTS=1) or turn both off"
             )
+
+
+def same_path(served: str | None, expected: str | os.PathLike | None) -> bool:
+    """Whether a server's `model_path` names `expected` (same string, or the same directory here)."""
+    if served is None or expected is None:
+        return False
+    if str(served) == str(expected):
+        return True
+    return os.path.exists(served) and os.path.exists(expected) and os.path.samefile(served, expected)
+
+
+def servers_not_serving(
+    served: Iterable[tuple[str, str | None, str | None]],
+    version: int,
+    expected_path: str | os.PathLike | None,
+) -> list[str]:
+    """Why each server that does not serve the trainer's weights is out of date (empty: all do).
+
+    `served` holds (url, weight_version, model_path) as each server reports them. A server must
+    report the trainer's `version` and the checkpoint the trainer started from (an embedded
+    server's start dir, else `model.hf_path`); otherwise it is synced before the cold-start
+    evaluation, since a server started without `--weight-version` or updated by an earlier run
+    would be measured, and then trained on, as if it were this run's policy.
+    """
+    problems = []
+    for url, served_version, model_path in served:
+        if served_version != str(version):
+            problems.append(
+                f"{url} serves weight_version {served_version!r}, the trainer's is {version}: syncing"
+            )
+        elif not same_path(model_path, expected_path):
+            problems.append(f"{url} serves {model_path}, not {expected_path}: syncing")
+    return problems

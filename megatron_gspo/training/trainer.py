@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import hashlib
 import logging
 import math
 import os
@@ -67,15 +66,23 @@ from megatron_gspo.training.metrics import MetricsLogger, ZeroRewardWatch
 from megatron_gspo.training.micro_batching import DataLayout
 from megatron_gspo.training.reference import ReferencePolicy
 from megatron_gspo.training.resume_checks import check_resume
-from megatron_gspo.training.rollout_queue import RolloutProducer, Taken
+from megatron_gspo.training.rollout_queue import RolloutProducer
 from megatron_gspo.training.rollout_step import RolloutEngine, rollout_servers
 from megatron_gspo.training.routing_step import StepRouting
 from megatron_gspo.training.run_lock import RunLock, lock_path
-from megatron_gspo.training.server_checks import refuse_unfit_servers
+from megatron_gspo.training.run_setup import load_tokenizer, weight_sync_dir
+from megatron_gspo.training.server_checks import refuse_unfit_servers, servers_not_serving
 from megatron_gspo.training.sft import run_sft
 from megatron_gspo.training.shm_exports import claim_export_dir
+from megatron_gspo.training.step_metrics import (
+    async_metrics,
+    peak_memory_metrics,
+    progress_label,
+    rollout_metrics,
+)
 from megatron_gspo.training.token_kl_step import apply_token_level_kl
 from megatron_gspo.training.update import (
+    dp_group,
     plan_metrics,
     plan_rank_rows,
     recompute_and_measure,
@@ -85,33 +92,6 @@ from megatron_gspo.training.update import (
 from megatron_gspo.training.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
-
-
-def load_tokenizer(cfg: RunConfig):
-    """The checkpoint's tokenizer (`model.hf_path`), else the character tokenizer of the demo tasks."""
-    if cfg.model.hf_path:
-        from transformers import AutoTokenizer
-
-        try:
-            return AutoTokenizer.from_pretrained(cfg.model.hf_path)
-        except (OSError, ValueError) as err:  # no tokenizer files, or ones transformers cannot read
-            message = " ".join(str(err).split())[:300]
-            raise ConfigError(
-                f"model.hf_path={cfg.model.hf_path}: cannot load its tokenizer: {message}"
-            ) from None
-    from megatron_gspo.tasks.tokenizer import build_char_tokenizer
-
-    return build_char_tokenizer()
-
-
-def weight_sync_dir(cfg: RunConfig) -> Path:
-    """Where exported weights go: the configured dir, else RAM-backed /dev/shm, else the run dir."""
-    if cfg.trainer.weight_sync_dir:
-        return Path(cfg.trainer.weight_sync_dir)
-    if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
-        tag = hashlib.blake2b(str(Path(cfg.trainer.run_dir).resolve()).encode(), digest_size=6).hexdigest()
-        return Path("/dev/shm", f"megatron-gspo-{tag}", "policy")
-    return Path(cfg.trainer.run_dir, "weights", "policy")
 
 
 def _fit_layout(
@@ -128,69 +108,6 @@ def _fit_layout(
     )
     trimmed.stats = {**batch.stats, "trimmed_samples": batch.batch_size - keep}
     return trimmed, advantages[:keep]
-
-
-def _same_path(served: str | None, expected: str | os.PathLike | None) -> bool:
-    """Whether a server's `model_path` names `expected` (same string, or the same directory here)."""
-    if served is None or expected is None:
-        return False
-    if str(served) == str(expected):
-        return True
-    return os.path.exists(served) and os.path.exists(expected) and os.path.samefile(served, expected)
-
-
-def peak_memory_metrics() -> dict[str, float]:
-    """`perf/peak_memory_gib`: this rank's peak CUDA memory so far (none on CPU)."""
-    if not torch.cuda.is_available():
-        return {}
-    return {"perf/peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
-
-
-def progress_label(cfg: RunConfig) -> str:
-    """The progress bar's title: the loss, and the routing replay when one is on (e.g. GRPO+R2)."""
-    replay = cfg.algorithm.routing_replay
-    return cfg.algorithm.loss_type.upper() + ("" if replay == "none" else f"+{replay.upper()}")
-
-
-def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
-    """Reward and length statistics of a rollout batch."""
-    lengths = batch.response_lengths.float()
-    return {
-        "rollout/reward_mean": float(batch.rewards.mean()),
-        "rollout/reward_std": float(batch.rewards.std()) if batch.batch_size > 1 else 0.0,
-        "rollout/response_length_mean": float(lengths.mean()),
-        "rollout/response_length_max": float(lengths.max()),
-        "rollout/finish_stop_frac": sum(r == "stop" for r in batch.finish_reasons) / batch.batch_size,
-        "rollout/dropped_groups": float(batch.stats.get("dropped_groups", 0)),
-        "rollout/unparseable_samples": float(batch.stats.get("unparseable_samples", 0)),
-        "rollout/no_answer_frac": float(batch.stats.get("no_answer_frac", 0.0)),
-        "rollout/samples": float(batch.batch_size),
-        "rollout/routed_experts_bytes": float(sum(r.nbytes for r in batch.routed_experts or ())),
-    }
-
-
-def _version_number(reported: str | None, started_at: int) -> float:
-    """A server-reported weight version as a number; the batch's start version if it reported none."""
-    try:
-        return float(reported)
-    except (TypeError, ValueError):  # unreported, or a server's own label ("default")
-        return float(started_at)
-
-
-def async_metrics(taken: Taken, trainer_version: int) -> dict[str, float]:
-    """Staleness (per response token, from the versions the servers reported) and overlap."""
-    batch, rollout_s = taken.item.batch, taken.item.rollout_s
-    versions = torch.tensor([_version_number(v, taken.item.weight_version) for v in batch.weight_versions])
-    staleness = trainer_version - versions
-    tokens = batch.response_lengths.float()
-    return {
-        "rollout/staleness_mean": float((staleness * tokens).sum() / tokens.sum().clamp(min=1)),
-        "rollout/staleness_max": float(staleness.max()),
-        "rollout/stale_groups_dropped": float(taken.stale_groups_dropped),
-        "time/wait_rollout_s": taken.wait_s,
-        "time/rollout_s": rollout_s,
-        "perf/overlap": min(max(1.0 - taken.wait_s / rollout_s, 0.0), 1.0) if rollout_s > 0 else 0.0,
-    }
 
 
 class Trainer:
@@ -398,24 +315,6 @@ class Trainer:
             return Path(hf_path), changed
         return export_hf_checkpoint(self.model, self.sync_dir, self.model_cfg, self.tokenizer), False
 
-    def _servers_not_serving(self, client, start_dir: Path | None) -> list[str]:
-        """Rank 0: why each server that does not serve the trainer's weights is out of date.
-
-        A server must report the trainer's `weight_version` and the checkpoint it started from
-        (an embedded server's start dir, else `model.hf_path`); otherwise it is synced before the
-        cold-start evaluation, since a server started without `--weight-version` or updated by
-        an earlier run would be measured, and then trained on, as if it were this run's policy.
-        """
-        expected_path = start_dir or self.cfg.model.hf_path
-        problems = []
-        for url, version, model_path in client.served_weights():
-            if version != str(self.weight_version):
-                mine = self.weight_version
-                problems.append(f"{url} serves weight_version {version!r}, the trainer's is {mine}: syncing")
-            elif not _same_path(model_path, expected_path):
-                problems.append(f"{url} serves {model_path}, not {expected_path}: syncing")
-        return problems
-
     # ------------------------------------------------------------------ one step
 
     def _evaluate(self, engine: RolloutEngine | None) -> dict[str, float]:
@@ -528,7 +427,7 @@ class Trainer:
             elif reference is not None:  # no pi_old pass to share: the reference runs alone
                 reference.fill_plan(plan, temperature)
             if self.kl_ctl is not None:
-                metrics.update(apply_token_level_kl(self.model, plan, algo, self.kl_ctl, _dp_group()))
+                metrics.update(apply_token_level_kl(self.model, plan, algo, self.kl_ctl, dp_group()))
             metrics.update(
                 train_on_batch(
                     self.model,
@@ -607,7 +506,11 @@ class Trainer:
                 )
             )
             if not must_sync:  # trust no server on its launch flags: ask what each one serves
-                stale = on_rank0(self._servers_not_serving, client, start_dir)
+                stale = on_rank0(
+                    lambda: servers_not_serving(
+                        client.served_weights(), self.weight_version, start_dir or cfg.model.hf_path
+                    )
+                )
                 for problem in stale:
                     logger.warning("start-up: %s", problem)
                 must_sync = bool(stale)
@@ -711,12 +614,6 @@ class Trainer:
             shutil.rmtree(self.sync_dir.parent, ignore_errors=True)
         destroy_distributed()
         self.lock.release()
-
-
-def _dp_group():
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_group()
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:

@@ -128,8 +128,8 @@ def plan_metrics(plan: list[list[MicroBatch]]) -> dict[str, float]:
     positions = sum(micro.packed.tokens.numel() for micro in micro_batches)
     sums = torch.tensor([tokens, positions], dtype=torch.float64, device=compute_device())
     extremes = torch.tensor([tokens, -tokens], dtype=torch.float64, device=compute_device())
-    all_reduce(sums, group=_dp_group())
-    all_reduce(extremes, op=dist.ReduceOp.MAX, group=_dp_group())
+    all_reduce(sums, group=dp_group())
+    all_reduce(extremes, op=dist.ReduceOp.MAX, group=dp_group())
     return {
         "perf/padding_frac": float(1 - sums[0] / sums[1]),
         "perf/dp_token_imbalance": float(extremes[0] / -extremes[1]),
@@ -226,7 +226,8 @@ def _old_pass(model, micro_batches: list[MicroBatch], temperature: float, routin
         )
 
 
-def _dp_group():
+def dp_group():
+    """Megatron's data-parallel group (the KL controller and advantage whitening reduce over it)."""
     from megatron.core import parallel_state as ps
 
     return ps.get_data_parallel_group()
@@ -383,7 +384,7 @@ def train_on_batch(
         `rollout_corr/*` when it is on and, unless pi_old was recomputed, the rollout/trainer
         log-prob mismatch (`_Mismatch`).
     """
-    group, device = _dp_group(), compute_device()
+    group, device = dp_group(), compute_device()
     mode = algo.loss_agg_mode or "seq-mean-token-mean"
     norm_kwargs = {"max_response_length": max_response_length} if mode == "seq-mean-token-sum-norm" else {}
     mismatch = _Mismatch(device) if algo.old_logprobs == "rollout" else None
@@ -487,5 +488,5 @@ def recompute_and_measure(
         for micro_batches in plan:
             for micro in micro_batches:
                 mismatch.add(micro.old_logprobs, micro)
-        out = mismatch.reduce(_dp_group())
+        out = mismatch.reduce(dp_group())
     return share_from_last_stage(out)
