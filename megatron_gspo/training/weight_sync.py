@@ -42,6 +42,7 @@ from megatron_gspo.model import control_plane
 from megatron_gspo.model.config import MoEModelConfig
 from megatron_gspo.model.convert import export_hf_checkpoint
 from megatron_gspo.model.distributed import compute_device
+from megatron_gspo.model.fp8 import quantize_stream
 from megatron_gspo.model.hf_stream import Bucket, iter_buckets, refuse_non_finite, run_on_hf_stream
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.errors import RolloutFault, WeightUpdateError
@@ -104,6 +105,8 @@ class WeightSync:
     model_cfg: MoEModelConfig
     export_dir: Path
     tokenizer: object = None
+    quantization: str = "none"
+    """`rollout.quantization`: fp8 sends blockwise FP8 weights with their scales."""
     _group: _Group | None = field(default=None, repr=False)
     _generation: int = 0
 
@@ -174,6 +177,8 @@ class WeightSync:
             raise WeightSyncFailed(f"{type(err).__name__}: {err}") from err
 
     def _buckets(self, stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[Bucket]:
+        if self.quantization == "fp8":  # tensor by tensor as they stream: no full copy
+            stream = quantize_stream(stream)
         return iter_buckets(stream, int(self.cfg.bucket_mb * 2**20))
 
     def _send_tensors(self, client: SGLangClient, buckets: Iterator[Bucket], version: int) -> SyncStats:
