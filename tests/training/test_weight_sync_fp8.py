@@ -14,6 +14,7 @@ from megatron_gspo.model.convert import load_hf_checkpoint, random_tokens
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.model.hf_stream import iter_hf_tensors
+from megatron_gspo.plan import sync_bytes
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.server_launch import launch_embedded_server
 from megatron_gspo.training.weight_sync import WeightSync
@@ -98,3 +99,4 @@ def test_fp8_sync_serves_the_dequantised_weights_and_a_small_real_mismatch(setup
     # The real FP8 rounding (up to 1/16 of each weight): a gap, small against the log-probs.
     assert 0 < gap.mean() < 0.05 * exact.abs().mean()
     assert fp8.bytes == expected_bytes  # FP8 values + float32 scales
+    assert fp8.bytes == sync_bytes(CFG, 4, "fp8") and full.bytes == sync_bytes(CFG, 4)  # plan's count
