@@ -12,6 +12,10 @@ TP/EP gathers, global rank 0 alone converts, buckets and sends. Per sync:
 * tensor: the same buckets as `/update_weights_from_tensor` requests inside a session.
 * disk: a full HF checkpoint written atomically and `/update_weights_from_disk`.
 
+With `rollout.quantization=fp8` the stream's decoder projections are quantised to blockwise
+FP8 with their `weight_scale_inv` tensors (`model/fp8.py`) one by one before bucketing, so the
+buckets and `sync/bytes` carry FP8.
+
 Rollouts are synchronous (generation has finished before training starts), so nothing is
 generating during a sync and no pause is needed. A failed sync (a server refusing a bucket,
 dying, or timing out) is retried from scratch `retries` times, with a fresh group for the
