@@ -52,8 +52,8 @@ def served_logprobs(client: SGLangClient) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float64)
 
 
-def sync(model, work, client, version: int, quantization: str):
-    cfg = WeightSyncConfig(bucket_mb=0.05, timeout_s=60)
+def sync(model, work, client, version: int, quantization: str, method: str = "distributed"):
+    cfg = WeightSyncConfig(method=method, bucket_mb=0.05, timeout_s=60)
     return WeightSync(cfg, model, CFG, work / "export", quantization=quantization).sync(client, version)
 
 
@@ -89,6 +89,8 @@ def test_fp8_sync_serves_the_dequantised_weights_and_a_small_real_mismatch(setup
     reference_dir, expected_bytes = reference_checkpoint(model, checkpoint, work / "reference")
     client.update_weights_from_disk(str(reference_dir), weight_version="3")
     # Bit for bit: the served FP8 weights give exactly the reference's log-probs.
+    assert torch.equal(served_logprobs(client), served)
+    sync(model, work, client, 4, "fp8", method="tensor")  # safetensors carries float8 too
     assert torch.equal(served_logprobs(client), served)
 
     gap = (served - exact).abs()
