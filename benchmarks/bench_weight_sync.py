@@ -10,7 +10,8 @@ applies them all at once), twice per method, the second timed (an RL run's stead
 - disk: an HF checkpoint in /dev/shm (or a temp dir), then `/update_weights_from_disk`.
 Reported, measured in this one run: peak extra resident memory of the sending process during
 the sync (sampled every millisecond from /proc/self/statm) / bucket size (goal <= 2.5), and
-sync time distributed / disk (goal <= 0.5). Then, on paper, the bytes and the seconds at
+sync time distributed / disk (goal <= 0.5); the distributed sync is measured again with
+rollout.quantization=fp8 (bytes sent: FP8 values + block scales). Then, on paper, the bytes and the seconds at
 25 GB/s for Qwen3-30B-A3B and Qwen3-235B-A22B in bf16.
 """
 
@@ -32,10 +33,17 @@ from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import MoEModelConfig, qwen3_30b_a3b, qwen3_235b_a22b
 from megatron_gspo.model.convert import export_hf_checkpoint, name_table
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+from megatron_gspo.plan import sync_bytes
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.server_launch import launch_embedded_server
 from megatron_gspo.training.weight_sync import WeightSync
 
+SYNCS = (
+    ("distributed", "distributed", "none"),
+    ("distributed_fp8", "distributed", "fp8"),
+    ("disk", "disk", "none"),
+)
+"""(label, weight_sync.method, rollout.quantization) of each measured sync."""
 LINK_GBPS = 25.0  # bytes/s of one NCCL broadcast path, GB/s (NVLink/IB class)
 
 
@@ -107,12 +115,13 @@ def measure(quick: bool = False, bucket_mb: float = 64.0) -> dict:
         start_dir = export_hf_checkpoint(model, work / "start", cfg)
         with launch_embedded_server(start_dir, timeout=600) as server, SGLangClient([server.url]) as client:
             version = 0
-            for method in ("distributed", "disk"):
+            for label, method, quantization in SYNCS:
                 sync = WeightSync(
                     WeightSyncConfig(method=method, bucket_mb=bucket_mb, timeout_s=600),
                     model,
                     cfg,
                     work / "sync",
+                    quantization=quantization,
                 )
                 for _ in range(2):  # the first sync warms up (group, allocations); the second is timed
                     with torch.no_grad():
@@ -124,7 +133,7 @@ def measure(quick: bool = False, bucket_mb: float = 64.0) -> dict:
                         stats = sync.sync(client, version)
                         seconds = time.perf_counter() - start
                 sync.close(client)
-                results["methods"][method] = {
+                results["methods"][label] = {
                     "seconds": seconds,
                     "peak_extra_bytes": rss.extra,
                     "bytes": stats.bytes,
@@ -137,7 +146,11 @@ def measure(quick: bool = False, bucket_mb: float = 64.0) -> dict:
     results["memory_over_bucket"] = dist_["peak_extra_bytes"] / (bucket_mb * 2**20)
     results["time_distributed_over_disk"] = dist_["seconds"] / disk["seconds"]
     results["paper"] = {
-        name: {"bf16_bytes": (b := parameter_bytes(fn(), 2)), "seconds_at_25GBps": b / (LINK_GBPS * 1e9)}
+        name: {
+            "bf16_bytes": (b := parameter_bytes(fn(), 2)),
+            "seconds_at_25GBps": b / (LINK_GBPS * 1e9),
+            "fp8_bytes": sync_bytes(fn(), 2, "fp8"),
+        }
         for name, fn in (("qwen3_30b_a3b", qwen3_30b_a3b), ("qwen3_235b_a22b", qwen3_235b_a22b))
     }
     return results
@@ -150,9 +163,11 @@ def main() -> None:
     args = parser.parse_args()
     r = measure(args.quick, args.bucket_mb)
     print(f"model: {r['parameters'] / 1e6:.0f}M parameters (fp32), bucket {r['bucket_mb']:g} MiB")
+    fp8 = r["methods"]["distributed_fp8"]["bytes"] / r["methods"]["distributed"]["bytes"]
+    print(f"fp8 / unquantised bytes sent: {fp8:.3f} (fp8 values + float32 block scales vs fp32)")
     for method, m in r["methods"].items():
         print(
-            f"  {method:12s} {m['seconds']:7.2f} s  peak extra RSS {m['peak_extra_bytes'] / 2**20:8.1f} MiB  "
+            f"  {method:16s} {m['seconds']:7.2f} s  peak extra RSS {m['peak_extra_bytes'] / 2**20:8.1f} MiB  "
             f"{m['bytes'] / 2**20:8.1f} MiB in {m['buckets']} bucket(s)"
         )
     print(f"peak extra memory / bucket size: {r['memory_over_bucket']:.2f} (goal <= 2.5)")
@@ -160,7 +175,8 @@ def main() -> None:
     for name, p in r["paper"].items():
         print(
             f"on paper, {name}: {p['bf16_bytes'] / 1e9:.1f} GB bf16 -> "
-            f"{p['seconds_at_25GBps']:.1f} s at 25 GB/s"
+            f"{p['seconds_at_25GBps']:.1f} s at 25 GB/s; with rollout.quantization=fp8 "
+            f"{p['fp8_bytes'] / 1e9:.1f} GB ({p['fp8_bytes'] / p['bf16_bytes']:.2f}x)"
         )
     print(json.dumps(r))
 

@@ -16,6 +16,9 @@
 # - algorithm.routing_replay: r3 or drift.enabled: true passes --enable-return-routed-experts
 #   (the experts each token was routed to; needed by R3 and the drift metrics, a cost
 #   otherwise). ROUTED_EXPERTS=1 / 0 overrides the config; without CONFIG it is on.
+# - rollout.quantization: fp8 passes --quantization fp8 (blockwise FP8 weights: the trainer's
+#   weight sync sends FP8 e4m3 with per-128x128-block weight_scale_inv). QUANTIZATION=fp8 / none
+#   overrides the config.
 #
 # Security: HOST defaults to 0.0.0.0 (every interface) because the trainer runs on other nodes
 # and must reach this server over the network. SGLang's HTTP API has no authentication here:
@@ -33,9 +36,10 @@ HOST=${HOST:-0.0.0.0}
 MEM_FRACTION=${MEM_FRACTION:-0.85}
 DETERMINISTIC=${DETERMINISTIC:-}
 ROUTED_EXPERTS=${ROUTED_EXPERTS:-}
+QUANTIZATION=${QUANTIZATION:-}
 if [ -n "${CONFIG:-}" ]; then
   # The YAML file as written (dotlist overrides given to the trainer are not seen here).
-  read -r CONFIG_DETERMINISTIC CONFIG_ROUTED <<<"$(python - "$CONFIG" <<'PY'
+  read -r CONFIG_DETERMINISTIC CONFIG_ROUTED CONFIG_QUANTIZATION <<<"$(python - "$CONFIG" <<'PY'
 import sys
 
 import yaml
@@ -46,11 +50,13 @@ deterministic = (cfg.get("rollout") or {}).get("deterministic_inference") is Tru
 routed = (cfg.get("algorithm") or {}).get("routing_replay") == "r3" or (cfg.get("drift") or {}).get(
     "enabled"
 ) is True
-print(int(deterministic), int(routed))
+quantization = (cfg.get("rollout") or {}).get("quantization") or "none"
+print(int(deterministic), int(routed), quantization)
 PY
 )"
   DETERMINISTIC=${DETERMINISTIC:-$CONFIG_DETERMINISTIC}
   ROUTED_EXPERTS=${ROUTED_EXPERTS:-$CONFIG_ROUTED}
+  QUANTIZATION=${QUANTIZATION:-$CONFIG_QUANTIZATION}
 fi
 ROUTED_EXPERTS=${ROUTED_EXPERTS:-1}
 if [ "$HOST" = 0.0.0.0 ] || [ "$HOST" = "::" ]; then
@@ -72,6 +78,9 @@ server_cmd() {
   fi
   if [ "${DETERMINISTIC:-0}" = 1 ]; then
     CMD+=(--enable-deterministic-inference)
+  fi
+  if [ "${QUANTIZATION:-none}" = fp8 ]; then
+    CMD+=(--quantization fp8)
   fi
   CMD+=("${EXTRA_ARGS[@]}")
 }

@@ -116,6 +116,12 @@ class RolloutConfig:
     dtype: Literal["fp32", "bf16"] = "fp32"
     """The embedded server's model dtype (its --dtype; log-probs then come from bf16 logits, as
     SGLang's). SGLang servers in `server_urls` run with their own --dtype."""
+    quantization: Literal["none", "fp8"] = "none"
+    """fp8: the weight sync sends the rollout servers blockwise FP8 e4m3 weights (128x128 blocks,
+    `weight_scale_inv`, as the Qwen3-*-FP8 checkpoints; embeddings, lm_head, norms and router
+    gates stay bf16), so rollouts run FP8 while the trainer stays bf16. SGLang servers are launched
+    with `--quantization fp8` (launch/sglang_servers.sh with CONFIG); the embedded server
+    computes with the dequantised values."""
     deterministic_inference: bool = False
     """Reproducible rollouts: a row's sampling seed always gives the same tokens. SGLang needs
     `--enable-deterministic-inference` for that (launch/sglang_servers.sh passes it; slower)."""

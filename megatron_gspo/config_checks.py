@@ -107,6 +107,11 @@ def check_weight_sync(sync: Any, rollout: Any) -> None:
             "weight_sync.method=tensor sends the embedded server's safetensors-base64 buckets; real SGLang "
             "takes CUDA-IPC handles from a colocated trainer, which is not implemented: use distributed"
         )
+    if rollout.quantization == "fp8" and sync.method == "disk":
+        raise ValueCheckError(
+            "rollout.quantization=fp8 quantises the weights as they stream to the servers; "
+            "weight_sync.method=disk writes a bf16 checkpoint: use distributed (or tensor)"
+        )
 
 
 def check_model_sizes(model: MoEModelConfig) -> None:

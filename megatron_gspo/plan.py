@@ -7,6 +7,7 @@ activations of one micro-batch (logits and the fp32 chunks the log-prob and entr
 work in, the tensors each layer keeps for backward, with or without activation recompute), so
 a layout for H100 nodes can be checked on a laptop or in CI. A layout whose estimate plus a
 reserve (CUDA context, NCCL buffers, allocator fragmentation) exceeds the GPU memory is refused.
+It also prints the bytes each weight sync sends to a rollout server (FP8 with rollout.quantization).
 The KV cache of colocated rollout engines is not included (rollouts run on other nodes).
 
 Under pipeline parallelism every stage is estimated on its own: its share of the layers,
@@ -283,6 +284,30 @@ def stage_plans(cfg, model, world_size: int, *, tokens: int, seq_len: int) -> li
     return plans
 
 
+def _fp8_bytes(rows: int, cols: int) -> int:
+    """One FP8 weight with its float32 scale per 128x128 block."""
+    return rows * cols + -(-rows // 128) * -(-cols // 128) * 4
+
+
+def sync_bytes(model, dtype_size: int, quantization: str = "none") -> int:
+    """Bytes one weight sync sends to each rollout server (the HF tensors of the policy).
+
+    With `rollout.quantization=fp8` the decoder projections (attention q/k/v/o, every expert's
+    gate/up/down) travel as FP8 plus scales (`model/fp8.py`); embeddings, lm_head, norms and
+    router gates stay in the trainer's dtype.
+    """
+    h, d = model.hidden_size, model.head_dim
+    q, kv, f = model.num_attention_heads * d, model.num_query_groups * d, model.moe_ffn_hidden_size
+    projections = [(q, h), (kv, h), (kv, h), (h, q)] + [(f, h), (f, h), (h, f)] * model.num_experts
+    kept = model.num_experts * h + 2 * h + 2 * d  # router gate, two layer norms, q/k norms
+    if quantization == "fp8":
+        layer = sum(_fp8_bytes(r, c) for r, c in projections) + kept * dtype_size
+    else:
+        layer = (sum(r * c for r, c in projections) + kept) * dtype_size
+    ends = (model.vocab_size * h * (1 if model.tie_word_embeddings else 2) + h) * dtype_size
+    return model.num_layers * layer + ends
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Validate and print the plan; non-zero exit when the estimate does not fit the GPU."""
     from megatron_gspo.config import build_model_config, build_task, load_config, validate
@@ -337,6 +362,18 @@ def run_plan(args: argparse.Namespace) -> int:
         f"(recompute off: {no_recompute.stored_bytes / GIB:.1f} GiB; "
         f"one layer {act.layer_bytes / GIB:.2f} GiB) "
         f"= {act.total_bytes / GIB:.1f} GiB"
+    )
+    dtype_size = 2 if cfg.engine.dtype == "bf16" else 4
+    sent = sync_bytes(model, dtype_size, cfg.rollout.quantization)
+    unquantised = sync_bytes(model, dtype_size)
+    print(
+        f"weight sync: {sent / GIB:.1f} GiB to each rollout server per step"
+        + (
+            f" (rollout.quantization=fp8: {sent / unquantised:.2f}x the {unquantised / GIB:.1f} GiB "
+            f"in {cfg.engine.dtype})"
+            if cfg.rollout.quantization == "fp8"
+            else ""
+        )
     )
     need = plan.total_bytes + act.total_bytes + args.reserve_gb * GIB
     over = need - args.gpu_memory_gb * GIB

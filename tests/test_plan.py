@@ -10,7 +10,7 @@ import pytest
 from megatron_gspo.model import config as presets
 from megatron_gspo.model.builder import EngineConfig
 from megatron_gspo.model.distributed import ParallelConfig
-from megatron_gspo.plan import activation_plan, pipeline_stages, shard_plan
+from megatron_gspo.plan import activation_plan, pipeline_stages, shard_plan, sync_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -321,3 +321,26 @@ def test_plan_counts_the_reference_model_with_and_without_offload(math_data):
     assert weights == pytest.approx(7.5, abs=0.05)
     assert resident - offloaded == pytest.approx(weights, abs=0.11)  # printed to 0.1 GiB
     assert "on the GPU" in line and "pinned host memory" in offload_line
+
+
+def test_sync_bytes_fp8_is_about_half_of_bf16_and_unquantised_is_every_parameter(math_data):
+    for model in (
+        presets.qwen3_30b_a3b(),
+        presets.tiny(vocab_size=80),
+        presets.tiny(tie_word_embeddings=True),
+    ):
+        assert sync_bytes(model, 2) == model.num_parameters * 2
+    model = presets.qwen3_30b_a3b()
+    ratio = sync_bytes(model, 2, "fp8") / sync_bytes(model, 2)
+    assert 0.5 < ratio < 0.52  # FP8 projections; embeddings, lm_head, norms, routers stay bf16
+    result = plan(
+        "--config",
+        "configs/qwen3_30b_a3b_gspo.yaml",
+        "--world-size",
+        "16",
+        f"task.options.path={math_data}",
+        "rollout.quantization=fp8",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    line = next(x for x in result.stdout.splitlines() if x.startswith("weight sync: "))
+    assert f"fp8: {ratio:.2f}x the 56.9 GiB in bf16)" in line, line

@@ -13,7 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def _dry_run(**env) -> list[str]:
     """The SGLang command lines the script would run."""
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # python with yaml
-    base = {k: v for k, v in os.environ.items() if k not in ("CONFIG", "ROUTED_EXPERTS", "DP", "TP")}
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("CONFIG", "ROUTED_EXPERTS", "QUANTIZATION", "DP", "TP")
+    }
     env = {**base, "PATH": path, "DRY_RUN": "1", "MODEL": "/ckpt/m", "HOST": "127.0.0.1", **env}
     result = subprocess.run(
         ["bash", "launch/sglang_servers.sh"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60
@@ -54,3 +58,15 @@ def test_r3_alone_asks_for_routed_experts(tmp_path):
     config.write_text("algorithm:\n  routing_replay: r3\ndrift:\n  enabled: false\n")
     (command,) = _dry_run(CONFIG=str(config))
     assert "--enable-return-routed-experts" in command
+
+
+@pytest.mark.parametrize(
+    ("quantization", "override", "expected"),
+    [("fp8", None, True), (None, None, False), ("fp8", "none", False)],
+)
+def test_fp8_rollouts_launch_with_quantization_fp8(tmp_path, quantization, override, expected):
+    config = tmp_path / "run.yaml"
+    config.write_text(f"rollout:\n  quantization: {quantization}\n" if quantization else "rollout: {}\n")
+    env = {"CONFIG": str(config), **({"QUANTIZATION": override} if override else {})}
+    (command,) = _dry_run(**env)
+    assert ("--quantization fp8" in command) is expected

@@ -14,6 +14,8 @@ bucket (bad name or shape, NaN/inf, a broken group) leaves the old weights and t
 it and discards the staged tensors. A sender that failed on its side (a bucket lost on the
 way) ends the session with `{"abort": true}` (an extension; SGLang ignores the field and keeps
 what it loaded until the retry overwrites it). Staging costs one extra copy of the updated tensors.
+Blockwise FP8 weights (`X.weight` float8_e4m3fn with `X.weight_scale_inv`, `model/fp8.py`) are
+staged dequantised: the engine computes with the FP8 values, as an FP8 SGLang server does.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.model.fp8 import dequantize_named
 from megatron_gspo.model.hf_checkpoint import check_finite, check_fits_model
 from megatron_gspo.model.hf_stream import flat_nbytes, tensor_dtype, unflatten_bucket
 from megatron_gspo.rollout.engine import GenerationEngine
@@ -43,6 +46,8 @@ class _Session:
     buckets: int = 0
     weight_version: str | None = None
     failure: str | None = None
+    fp8_pending: dict[str, torch.Tensor] = field(default_factory=dict)
+    """FP8 weights or scales whose partner is in a later bucket."""
 
 
 class WeightReceiver:
@@ -156,6 +161,7 @@ class WeightReceiver:
         session.buckets += 1
         if session.failure is None:
             try:
+                received = dequantize_named(received, session.fp8_pending)
                 check_finite(received, "weight update")
                 check_fits_model(self.engine.model, received)
             except (KeyError, ValueError) as exc:
@@ -184,6 +190,11 @@ class WeightReceiver:
                 raise WeightSyncError(
                     f"weight update failed at {session.failure}; the previous weights "
                     f"(version {self.engine.weight_version}) keep serving"
+                )
+            if session.fp8_pending:
+                raise WeightSyncError(
+                    f"weight update failed: FP8 tensors without their weight or scale: "
+                    f"{sorted(session.fp8_pending)[:3]}; the previous weights keep serving"
                 )
             if not session.staged:
                 return 0

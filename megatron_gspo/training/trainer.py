@@ -200,7 +200,12 @@ class Trainer:
         except ValueError as err:
             raise ConfigError(f"eval.num_problems={cfg.eval.num_problems}: {err}") from None
         self.weight_sync = WeightSync(
-            cfg.weight_sync, self.model, self.model_cfg, self.sync_dir, self.tokenizer
+            cfg.weight_sync,
+            self.model,
+            self.model_cfg,
+            self.sync_dir,
+            self.tokenizer,
+            quantization=cfg.rollout.quantization,
         )
 
     # ------------------------------------------------------------------ setup
@@ -485,6 +490,7 @@ class Trainer:
         )
         changed = cfg.sft.steps > 0 or self.step > 0 or not cfg.model.hf_path
         start_dir, must_sync = self._startup_weights(changed)
+        must_sync = must_sync or cfg.rollout.quantization == "fp8"  # servers start from bf16 weights
         servers = rollout_servers(
             cfg.rollout, start_dir, weight_version=self.weight_version, seed=cfg.trainer.seed
         )

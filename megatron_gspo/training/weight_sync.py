@@ -12,6 +12,10 @@ TP/EP gathers, global rank 0 alone converts, buckets and sends. Per sync:
 * tensor: the same buckets as `/update_weights_from_tensor` requests inside a session.
 * disk: a full HF checkpoint written atomically and `/update_weights_from_disk`.
 
+With `rollout.quantization=fp8` the stream's decoder projections are quantised to blockwise
+FP8 with their `weight_scale_inv` tensors (`model/fp8.py`) one by one before bucketing, so the
+buckets and `sync/bytes` carry FP8.
+
 Rollouts are synchronous (generation has finished before training starts), so nothing is
 generating during a sync and no pause is needed. A failed sync (a server refusing a bucket,
 dying, or timing out) is retried from scratch `retries` times, with a fresh group for the
@@ -42,6 +46,7 @@ from megatron_gspo.model import control_plane
 from megatron_gspo.model.config import MoEModelConfig
 from megatron_gspo.model.convert import export_hf_checkpoint
 from megatron_gspo.model.distributed import compute_device
+from megatron_gspo.model.fp8 import quantize_stream
 from megatron_gspo.model.hf_stream import Bucket, iter_buckets, refuse_non_finite, run_on_hf_stream
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.errors import RolloutFault, WeightUpdateError
@@ -104,6 +109,8 @@ class WeightSync:
     model_cfg: MoEModelConfig
     export_dir: Path
     tokenizer: object = None
+    quantization: str = "none"
+    """`rollout.quantization`: fp8 sends blockwise FP8 weights with their scales."""
     _group: _Group | None = field(default=None, repr=False)
     _generation: int = 0
 
@@ -174,6 +181,8 @@ class WeightSync:
             raise WeightSyncFailed(f"{type(err).__name__}: {err}") from err
 
     def _buckets(self, stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[Bucket]:
+        if self.quantization == "fp8":  # tensor by tensor as they stream: no full copy
+            stream = quantize_stream(stream)
         return iter_buckets(stream, int(self.cfg.bucket_mb * 2**20))
 
     def _send_tensors(self, client: SGLangClient, buckets: Iterator[Bucket], version: int) -> SyncStats:
