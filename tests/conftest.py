@@ -1,7 +1,8 @@
 """Suite-wide fixtures and markers.
 
-A test that starts several processes (torchrun, gloo) is also `slow`: `pytest -m "not slow"`
-is the quick subset, every module, single-process tests of seconds.
+A test that starts several processes (torchrun, gloo) is also `slow`, and so is a test on the
+`short_run` fixture (a real training run): `pytest -m "not slow"` is the quick subset, every
+module, single-process tests of seconds.
 """
 
 import os
@@ -48,5 +49,6 @@ def short_run(tmp_path_factory) -> Path:
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if item.get_closest_marker("multiprocess") is not None and item.get_closest_marker("slow") is None:
+        expensive = item.get_closest_marker("multiprocess") is not None or "short_run" in item.fixturenames
+        if expensive and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)

@@ -140,6 +140,7 @@ def test_resume_without_checkpoint(tmp_path):
     assert_user_error(run_cli("train", "--config", TINY, "--resume", run_dir), "holds no checkpoint")
 
 
+@pytest.mark.slow  # a real training run: ~11 s on a shared box
 def test_resume_or_start_starts_fresh(tmp_path):
     result = run_cli(
         "train",

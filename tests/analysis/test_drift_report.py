@@ -30,6 +30,7 @@ def checkpoints(tmp_path_factory):
     return a, b
 
 
+@pytest.mark.slow  # the drift CLI end to end: ~20 s on a shared box
 def test_cli_makes_pngs_and_summary(checkpoints, tmp_path):
     a, b = checkpoints
     metrics = tmp_path / "metrics.jsonl"

@@ -132,6 +132,7 @@ def _config(checkpoint, url, **changes):
     return MismatchConfig(str(checkpoint), ignore_eos=True, **{**options, **changes})
 
 
+@pytest.mark.slow  # a real server and model: ~30 s for the module on a shared box
 def test_report_files_and_small_mismatch(checkpoint, server_url, model, prompts, tmp_path):
     report = run_mismatch(_config(checkpoint, server_url), prompts, model=model)
     summary = write_report(report, tmp_path)
@@ -152,6 +153,7 @@ def test_report_files_and_small_mismatch(checkpoint, server_url, model, prompts,
               f"first {r['first_token_abs_diff_mean']:.2e} rest {r['rest_abs_diff_mean']:.2e}")  # fmt: skip
 
 
+@pytest.mark.slow  # a real server and model: ~30 s for the module on a shared box
 def test_trainer_side_matches_transformers_at_each_temperature(checkpoint, server_url, model, prompts):
     """An independent reference for the trainer side: HF log_softmax(logits / T) of the same tokens."""
     with SGLangClient([server_url]) as client:
@@ -178,6 +180,7 @@ def _hf_logprobs(logits, sample, temperature):
     return logp.gather(-1, sample.response_ids[:, None])[:, 0]
 
 
+@pytest.mark.slow  # a real server and model: ~30 s for the module on a shared box
 def test_control_trainer_at_another_temperature_shows_mismatch(checkpoint, server_url, model, prompts):
     matched = run_mismatch(_config(checkpoint, server_url, temperatures=(1.0,)), prompts, model=model)
     control = run_mismatch(
@@ -190,6 +193,7 @@ def test_control_trainer_at_another_temperature_shows_mismatch(checkpoint, serve
     assert bad["log_seq_ratio_std"] < bad["log_token_ratio_std"]
 
 
+@pytest.mark.slow  # a real server and model: ~30 s for the module on a shared box
 def test_original_logprob_mode(checkpoint, server_url, model, prompts):
     with launch_embedded_server(checkpoint, extra_args=["--return-original-logprob"]) as original:
         cfg = _config(checkpoint, server_url, original_logprob=True, original_server_url=original.url)
@@ -211,6 +215,7 @@ def test_original_logprob_mode(checkpoint, server_url, model, prompts):
     assert gap["1"]["abs_diff_max"] <= 1e-4 < gap["0.7"]["abs_diff_max"]
 
 
+@pytest.mark.slow  # a real server and model: ~30 s for the module on a shared box
 def test_cli_with_a_prompt_file(checkpoint, server_url, model, prompts, tmp_path, capsys):
     prompt_file = tmp_path / "prompts.jsonl"
     prompt_file.write_text("\n".join([json.dumps(prompts[0]), json.dumps({"input_ids": prompts[1]})]) + "\n")

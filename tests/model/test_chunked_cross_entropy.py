@@ -1,6 +1,5 @@
 """The chunked vocab-parallel cross entropy equals megatron's (bit for bit) and needs no full fp32 copy."""
 
-import ctypes
 import json
 import os
 import subprocess
@@ -9,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from memory_meter import PeakMemory, linux_only
 
 from megatron_gspo.model import chunked_cross_entropy as chunked
 
@@ -119,34 +118,6 @@ def test_padded_vocabulary_columns_are_left_out(world_one_model, monkeypatch, dt
     assert (unmasked - theirs).abs().min() > 1.0  # the comparison would see unmasked padding
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-                     "fordblks", "keepcost")
-    ]  # fmt: skip
-
-
-def _bytes_in_use() -> int:
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
-    return info.uordblks + info.hblkhd  # heap in use + mmapped blocks (torch's large CPU tensors)
-
-
-class _PeakMemory(TorchDispatchMode):
-    """Bytes in use by glibc's allocator, sampled after every torch op: the peak includes every output."""
-
-    def __enter__(self):
-        self.start = self.peak = _bytes_in_use()
-        return super().__enter__()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.peak = max(self.peak, _bytes_in_use())
-        return out
-
-
 def _peak_extra(loss_fn, target):
     """(forward, forward+backward) peak bytes beyond what existed before / the logits' bytes.
 
@@ -158,15 +129,15 @@ def _peak_extra(loss_fn, target):
     weight = torch.randn(2048, 64, generator=generator).bfloat16().requires_grad_()
     logits = hidden @ weight.t()
     logits_bytes = logits.numel() * logits.element_size()
-    with _PeakMemory() as forward:
+    with PeakMemory() as forward:
         loss = loss_fn(logits, target).sum()
         del logits
-    with _PeakMemory() as backward:
+    with PeakMemory() as backward:
         loss.backward()
     return (forward.peak - forward.start) / logits_bytes, (backward.peak - forward.start) / logits_bytes
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="reads glibc's allocator statistics")
+@linux_only
 def test_no_fp32_copy_of_the_logits_is_kept(world_one_model, monkeypatch):
     """The README's bound: one fp32 chunk of at most 1/8 of the logits' bytes, forward or backward
     (measured 0.13 / 0.19 for bf16), where megatron's CE keeps an fp32 copy, 2x bf16 logits."""

@@ -135,6 +135,7 @@ def single_process_runs():
     return {name: finish(process) for name, process in running.items()}
 
 
+@pytest.mark.slow  # the single-process scenario runs: ~45 s on a shared 2-core box
 @needs_cpu
 def test_control_the_scenario_runs_with_every_patch(single_process_runs):
     returncode, output = single_process_runs["-"]
@@ -201,6 +202,7 @@ STILL_NEEDED = [
 ]
 
 
+@pytest.mark.slow  # the single-process scenario runs: ~45 s on a shared 2-core box
 @needs_cpu
 @pytest.mark.parametrize(
     "name,nproc,tp,ep,failure,site",

@@ -18,6 +18,8 @@ import pytest
 
 from megatron_gspo.training.checkpoint import latest_step, list_steps
 
+pytestmark = pytest.mark.slow  # training runs end to end through the CLI: 8-14 s each on a shared box
+
 REPO = Path(__file__).resolve().parents[2]
 SMALL = [
     "--config",
