@@ -451,10 +451,16 @@ def load_config(
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"overrides must look like section.key=value, got {bad}")
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
         merged = OmegaConf.merge(*layers)
-        for key, value in _mapping_overrides(overrides):  # a mapping replaces the YAML's, not merges
-            OmegaConf.update(merged, key, value, merge=False)
+        for override in overrides:  # in order: a later override wins over an earlier one
+            key = override.split("=", 1)[0]
+            layer = OmegaConf.from_dotlist([override])
+            value = OmegaConf.select(layer, key)
+            if isinstance(value, DictConfig):  # a whole mapping replaces what is there, not merges:
+                # `model.overrides={}` clears the YAML's; `model.overrides.num_layers=3` changes one key
+                OmegaConf.update(merged, key, OmegaConf.to_container(value), merge=False)
+            else:
+                merged = OmegaConf.merge(merged, layer)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ConfigError(_describe(err)) from None
@@ -463,21 +469,6 @@ def load_config(
             raise
         raise ConfigError(str(err)) from None
     return cfg
-
-
-def _mapping_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, Any]]:
-    """(key, mapping) of the overrides whose value is a whole mapping, e.g. `model.overrides={}`.
-
-    Merging would keep the YAML's keys, so `model.overrides={}` could never clear them;
-    `model.overrides.num_layers=3` still changes one key and keeps the others.
-    """
-    found = []
-    for override in overrides:
-        key = override.split("=", 1)[0]
-        value = OmegaConf.select(OmegaConf.from_dotlist([override]), key)
-        if isinstance(value, DictConfig):
-            found.append((key, OmegaConf.to_container(value)))
-    return found
 
 
 def _load_yaml(path: Path):

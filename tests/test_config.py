@@ -396,3 +396,7 @@ def test_a_mapping_override_replaces_the_yaml_mapping():
     one_key = load_config(tiny_yaml, ["model.overrides.num_layers=3"]).model.overrides
     assert one_key == {"vocab_size": 80, "num_layers": 3}  # a single key still merges
     assert load_config(tiny_yaml, ["model.overrides={num_layers: 3}"]).model.overrides == {"num_layers": 3}
+    in_order = load_config(tiny_yaml, ["task.options={max_sum: 30}", "task.options.max_prompt_len=40"])
+    assert in_order.task.options == {"max_sum": 30, "max_prompt_len": 40}  # a later key is kept
+    replaced = load_config(tiny_yaml, ["task.options.max_prompt_len=40", "task.options={max_sum: 30}"])
+    assert replaced.task.options == {"max_sum": 30}  # a later mapping replaces
