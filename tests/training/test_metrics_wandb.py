@@ -91,6 +91,9 @@ def test_offline_wandb_holds_the_metrics_and_a_resume_continues_the_run(tmp_path
     # NaN is not sent (it is null in metrics.jsonl)
     assert [r.get("actor/entropy") for r in rows] == [1.5, None, 1.5]
     assert [r["rollout/reward_mean"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0.0, 0.25, 0.5]
+    # W&B names an offline run's directory by the second it starts: a resume in the same
+    # second as the first run would write into the first run's directory
+    time.sleep(1.0 - time.time() % 1.0 + 0.05)
     log_steps(run_dir, offline, [3], first_step=3)  # resumed after step 2: the same W&B run id
     files = sorted(run_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
     (second,) = [f for f in files if f != first]
