@@ -23,8 +23,8 @@ from bench_train_step import Setup, paired_ratio, timed
 
 def measure(quick: bool = False) -> dict[str, float]:
     """Median paired ratios (see the module docstring)."""
-    from megatron_gspo.model.builder import EngineConfig
     from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+    from megatron_gspo.model.engine import EngineConfig
     from megatron_gspo.training.reference import ReferencePolicy
     from megatron_gspo.training.update import recompute_and_measure, train_on_batch
 

@@ -28,8 +28,8 @@ def export_demo_model(out_dir: Path):
     """The demo config's policy at its init, written as an HF checkpoint; returns (config, tokenizer)."""
     from megatron_gspo.config import build_model_config, load_config
     from megatron_gspo.model.builder import build_model
-    from megatron_gspo.model.convert import export_hf_checkpoint
     from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+    from megatron_gspo.model.hf_export import export_hf_checkpoint
     from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 
     cfg = load_config(REPO / "configs" / "tiny_moe_cpu.yaml")

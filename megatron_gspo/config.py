@@ -31,9 +31,9 @@ from megatron_gspo.config_checks import (
     check_weight_sync,
 )
 from megatron_gspo.errors import ConfigError
-from megatron_gspo.model.builder import EngineConfig
 from megatron_gspo.model.config import MoEModelConfig, preset
 from megatron_gspo.model.distributed import ParallelConfig
+from megatron_gspo.model.engine import EngineConfig
 from megatron_gspo.model.optim import OptimConfig
 
 
@@ -845,7 +845,7 @@ def _check_rollout_correction(algo: AlgorithmConfig, sequence_ratio: bool) -> No
 
 def _check_expert_tp(cfg: RunConfig) -> None:
     """Expert TP > 1 with grouped GEMM: HF import/export do not handle that weight layout yet."""
-    from megatron_gspo.model.fusion import KernelAvailability, wants_fused_kernels
+    from megatron_gspo.model.engine import KernelAvailability, wants_fused_kernels
 
     etp = cfg.parallel.expert_tp
     if etp > 1 and wants_fused_kernels(cfg.engine, KernelAvailability.detect()):

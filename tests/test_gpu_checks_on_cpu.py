@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "gpu"))
 import gpu_checks as checks  # noqa: E402
 
-from megatron_gspo.model.builder import EngineConfig  # noqa: E402
+from megatron_gspo.model.engine import EngineConfig  # noqa: E402
 
 CPU = EngineConfig(dtype="fp32", use_te=False)
 CPU_BF16 = EngineConfig(dtype="bf16", use_te=False)  # megatron's mixed precision runs on CPU too

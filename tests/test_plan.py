@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.model import config as presets
-from megatron_gspo.model.builder import EngineConfig
 from megatron_gspo.model.distributed import ParallelConfig
+from megatron_gspo.model.engine import EngineConfig
 from megatron_gspo.plan import activation_plan, pipeline_stages, shard_plan, sync_bytes
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,54 +16,13 @@ main parameters (`model/optim.py`).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from megatron_gspo.model.config import MoEModelConfig
 from megatron_gspo.model.distributed import ParallelConfig
-from megatron_gspo.model.fusion import KernelAvailability, fused_flags, resolve_use_te
-
-
-@dataclass
-class EngineConfig:
-    """Numerics and kernels: the part that differs between a CPU box and an H100 node."""
-
-    dtype: str = "fp32"
-    """Parameter and compute dtype: fp32, or bf16 (megatron's mixed precision, on CPU and GPU alike)."""
-    use_te: bool | None = None
-    """TransformerEngine layer spec; default: when TE imports and CUDA is available."""
-    fused_kernels: bool | None = None
-    """Fused kernels (grouped GEMM, permute, RoPE, SwiGLU...; see model/fusion.py); default: as use_te."""
-    recompute_activations: bool = False
-    """Full activation recomputation of every layer (saves memory on large models)."""
-    router_fusion: bool = False
-    """Fused router top-k (GPU). It bypasses megatron's routing replay, so replay refuses it."""
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("fp32", "bf16"):
-            raise ValueError(f"engine.dtype must be fp32 or bf16, got {self.dtype!r}")
-        if self.fused_kernels and self.use_te is False:
-            raise ValueError("engine.fused_kernels needs the TransformerEngine spec (use_te)")
-        if self.router_fusion and self.use_te is False:
-            raise ValueError("engine.router_fusion needs TransformerEngine (use_te)")
-
-    def check_hardware(self, available: KernelAvailability | None = None) -> None:
-        """Refuse settings this machine cannot run (called when a model is built).
-
-        Kept out of `__post_init__` so GPU configs can be loaded and validated on a CPU box.
-
-        Args:
-            available: the machine's kernels; default `KernelAvailability.detect()`.
-        """
-        available = available or KernelAvailability.detect()
-        fused_flags(self, available)  # raises for use_te / fused kernels / router fusion it cannot run
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The torch dtype of `dtype`."""
-        return torch.bfloat16 if self.dtype == "bf16" else torch.float32
+from megatron_gspo.model.engine import EngineConfig, KernelAvailability, fused_flags, resolve_use_te
 
 
 def transformer_config(

@@ -12,8 +12,8 @@ model lazily: each rank opens the safetensors files and reads only its own pipel
 layers (HF numbers layers globally, as `sharding` names them), its own experts and,
 under tensor parallelism, only its slices (both reshapes commute with Megatron's TP split:
 a TP shard of `linear_qkv` is a contiguous block of query groups, a shard of `linear_fc1`
-is [gate_r; up_r]). `export_hf_checkpoint` gathers one global tensor at a time and writes
-the HF checkpoint atomically from rank 0, for weight sync to the rollout engine.
+is [gate_r; up_r]). Writing a model out as an HF checkpoint streams it through these
+converters (`model/hf_stream.py`, `model/hf_export.py`).
 
     python -m megatron_gspo.model.convert --hf DIR --check
 """
@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from megatron_gspo.model.config import MoEModelConfig
-from megatron_gspo.model.hf_checkpoint import SAFE_WEIGHTS_INDEX_NAME, HFCheckpointWriter, non_finite
+from megatron_gspo.model.distributed import unwrap_model
+from megatron_gspo.model.hf_checkpoint import SAFE_WEIGHTS_INDEX_NAME, non_finite
 from megatron_gspo.model.sharding import local_shard_plan
 
 _COPY, _QKV, _FC1 = "copy", "qkv", "fc1"
@@ -259,7 +260,7 @@ def check_same_architecture(checkpoint: MoEModelConfig, model: MoEModelConfig, w
         raise ConversionError(f"{where} does not match the model's architecture: " + "; ".join(diffs))
 
 
-def _built_architecture(model: torch.nn.Module, like: MoEModelConfig) -> MoEModelConfig:
+def built_architecture(model: torch.nn.Module, like: MoEModelConfig) -> MoEModelConfig:
     """The architecture a built GPTModel actually has (read from its TransformerConfig)."""
     from megatron_gspo.model.builder import unpadded_vocab_size
 
@@ -278,12 +279,6 @@ def _built_architecture(model: torch.nn.Module, like: MoEModelConfig) -> MoEMode
         rms_norm_eps=c.layernorm_epsilon,
         tie_word_embeddings=model.share_embeddings_and_output_weights,
     )
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):  # DDP / Float16Module wrappers
-        model = model.module
-    return model
 
 
 # ----------------------------------------------------------------------------- import
@@ -378,9 +373,9 @@ def load_hf_checkpoint(
     checkpoint_cfg = read_hf_config(hf_dir)
     if model_cfg is not None:
         check_same_architecture(checkpoint_cfg, model_cfg, f"{hf_dir}/config.json")
-    model = _unwrap(model)
+    model = unwrap_model(model)
     cfg = checkpoint_cfg
-    check_same_architecture(cfg, _built_architecture(model, cfg), f"{hf_dir}/config.json")
+    check_same_architecture(cfg, built_architecture(model, cfg), f"{hf_dir}/config.json")
     table = {t.megatron: t for t in name_table(cfg)}
     count = 0
     with contextlib.ExitStack() as stack:
@@ -416,57 +411,6 @@ def load_hf_checkpoint(
             target.copy_(source)
             count += 1
     return LoadStats(tensors=count, bytes_read=reader.bytes_read)
-
-
-# ----------------------------------------------------------------------------- export
-
-
-@torch.no_grad()
-def export_hf_checkpoint(
-    model: torch.nn.Module,
-    out_dir: str | os.PathLike,
-    model_cfg: MoEModelConfig,
-    tokenizer=None,
-    *,
-    max_shard_bytes: int | None = None,
-) -> Path:
-    """Write the model as an HF checkpoint directory (collective; rank 0 writes, atomically).
-
-    All ranks walk `hf_stream.iter_hf_tensors` together: tensors are gathered over TP and EP one
-    at a time; rank 0 converts each to HF names and hands it to an `HFCheckpointWriter`, which
-    writes a safetensors shard to a temp dir as soon as `max_shard_bytes` have accumulated and
-    renames the directory into place at the end. Host memory on rank 0 peaks at one shard plus
-    one tensor, whatever the model size; the rollout server's `/update_weights_from_disk` never
-    sees a partial checkpoint. A NaN/inf weight on any rank is refused before anything is written.
-
-    Args:
-        model: This rank's shard (or a DDP wrapper of it).
-        out_dir: Destination directory (replaced as a whole).
-        model_cfg: Architecture (written to config.json; checked against the model).
-        tokenizer: Optional tokenizer saved alongside.
-        max_shard_bytes: Safetensors shard size limit (default: `HFCheckpointWriter`'s).
-
-    Returns:
-        The checkpoint path, on every rank, once it is published.
-
-    Raises:
-        ConversionError: on every rank, when a weight holds NaN/inf (named): nothing is written
-            and the previous export at `out_dir` stays in place for the rollout servers.
-    """
-    from megatron_gspo.model.hf_stream import refuse_non_finite, run_on_hf_stream
-
-    model = _unwrap(model)
-    check_same_architecture(_built_architecture(model, model_cfg), model_cfg, "model_cfg")
-    kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
-    refuse_non_finite(model, f"export to {out_dir}")
-
-    def write(stream) -> Path:
-        with HFCheckpointWriter(out_dir, model_cfg, tokenizer, **kwargs) as writer:
-            for name, tensor in stream:
-                writer.add(name, tensor)
-            return writer.finish()
-
-    return run_on_hf_stream(model, model_cfg, write)
 
 
 # ----------------------------------------------------------------------------- parity check

@@ -143,6 +143,16 @@ def compute_device() -> torch.device:
     return torch.device("cpu")
 
 
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The `GPTModel` under megatron's DDP / Float16Module wrappers (megatron-core's own unwrap).
+
+    Imported on use: modules that call this also serve processes that never load megatron.
+    """
+    from megatron.core.utils import unwrap_model as megatron_unwrap
+
+    return megatron_unwrap(model)
+
+
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
     """`dist.all_reduce` in place, skipped when there is nothing to reduce.
 

@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from megatron_gspo.model import control_plane
 from megatron_gspo.model.config import MoEModelConfig
-from megatron_gspo.model.convert import ConversionError, _unwrap, megatron_tensor_to_hf, name_table
+from megatron_gspo.model.convert import ConversionError, megatron_tensor_to_hf, name_table
+from megatron_gspo.model.distributed import unwrap_model
 from megatron_gspo.model.hf_checkpoint import first_non_finite
 from megatron_gspo.model.sharding import iter_global_tensors
 
@@ -46,7 +47,9 @@ def refuse_non_finite(model: torch.nn.Module, what: str) -> None:
     Every rank checks its own parameters (replicated ones included: a replica may differ), one
     flag per tensor computed where it lives and read back once; the first offender is named.
     """
-    problem = first_non_finite({n: p for n, p in _unwrap(model).named_parameters() if p.is_floating_point()})
+    problem = first_non_finite(
+        {n: p for n, p in unwrap_model(model).named_parameters() if p.is_floating_point()}
+    )
     found = [(r, p) for r, p in enumerate(control_plane.all_gather_objects(problem)) if p is not None]
     if found:
         r, name = found[0]

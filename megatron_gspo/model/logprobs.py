@@ -29,7 +29,7 @@ from megatron_gspo.model.chunked_cross_entropy import (
     chunked_vocab_parallel_cross_entropy,
     chunked_vocab_parallel_entropy,
 )
-from megatron_gspo.model.distributed import compute_device
+from megatron_gspo.model.distributed import compute_device, unwrap_model
 from megatron_gspo.model.packing import (
     PackedBatch,
     PackingError,
@@ -43,12 +43,6 @@ from megatron_gspo.model.packing import (
 )
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 @contextlib.contextmanager
 def _logprob_loss(model: torch.nn.Module, temperature: float, want_entropy: bool, found: dict):
     """GPTModel's `labels` loss becomes the chunked -log softmax(logits / T); the entropy is measured.
@@ -58,7 +52,7 @@ def _logprob_loss(model: torch.nn.Module, temperature: float, want_entropy: bool
     """
     from megatron_gspo.model.builder import unpadded_vocab_size
 
-    module = _unwrap(model)
+    module = unwrap_model(model)
     vocab = unpadded_vocab_size(module)  # megatron's TP padding never enters a softmax
 
     def loss(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -101,7 +95,7 @@ def attention_inputs(model: torch.nn.Module, packed: PackedBatch, device: torch.
 
 def is_last_stage(model: torch.nn.Module) -> bool:
     """Whether `model` is the pipeline stage that holds the output layer (always, without PP)."""
-    return bool(_unwrap(model).post_process)
+    return bool(unwrap_model(model).post_process)
 
 
 def stage_forward(
@@ -165,7 +159,7 @@ def packed_forward(
     Arguments as `stage_forward`; the model must hold every layer (no pipeline parallelism:
     `model/pipeline.py` runs the stages of a pipeline).
     """
-    if not (_unwrap(model).pre_process and is_last_stage(model)):
+    if not (unwrap_model(model).pre_process and is_last_stage(model)):
         raise ValueError(
             "packed_forward needs the whole model on this rank; under pipeline parallelism run the "
             "stages through model.pipeline.run_micro_batches"

@@ -199,8 +199,9 @@ def _one_step(model_cfg, parallel, seqs, masks, weights, args, source=None):
     """
     from megatron.core import parallel_state as ps
 
-    from megatron_gspo.model.builder import EngineConfig, build_model
+    from megatron_gspo.model.builder import build_model
     from megatron_gspo.model.distributed import compute_device, init_distributed
+    from megatron_gspo.model.engine import EngineConfig
     from megatron_gspo.model.optim import (
         OptimConfig,
         build_optimizer,
@@ -247,8 +248,9 @@ def _one_step(model_cfg, parallel, seqs, masks, weights, args, source=None):
 
 def _fp32_logprobs(model_cfg, parallel, seqs, weights, args) -> torch.Tensor:
     """Log-probs of `weights` (bf16 values) run in fp32: what bf16 rounding changes, at TP=1."""
-    from megatron_gspo.model.builder import EngineConfig, build_model
+    from megatron_gspo.model.builder import build_model
     from megatron_gspo.model.distributed import init_distributed
+    from megatron_gspo.model.engine import EngineConfig
     from megatron_gspo.model.logprobs import sequence_logprobs
     from megatron_gspo.model.sharding import load_global_state_dict
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_gspo.model.distributed import unwrap_model
 from megatron_gspo.model.packing import PackedBatch
 
 
@@ -106,17 +107,11 @@ def compact(indices: Sequence[torch.Tensor], num_experts: int) -> LayerRouting:
     return LayerRouting([t.detach().to(dtype) for t in indices])
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's `TopKRouter` modules in layer order (this rank's layers)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    routers = [m for m in _unwrap(model).modules() if isinstance(m, TopKRouter)]
+    routers = [m for m in unwrap_model(model).modules() if isinstance(m, TopKRouter)]
     if not routers:
         raise RoutingError("the model has no MoE router (TopKRouter) to record or replay")
     return routers

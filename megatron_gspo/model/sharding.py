@@ -28,6 +28,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.model.distributed import unwrap_model
+
 _LOCAL_EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..*)")
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
 _EMBEDDING = "embedding.word_embeddings.weight"
@@ -74,12 +76,6 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):  # megatron DDP / Float16Module wrappers
-        model = model.module
-    return model
-
-
 def _layer_numbers(model: torch.nn.Module) -> dict[int, int]:
     """This stage's module index of each transformer layer -> its global (0-based) layer index."""
     layers = getattr(getattr(model, "decoder", None), "layers", None) or []
@@ -106,7 +102,7 @@ def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     `_extra_state` entries are left out. A tied last stage's `output_layer.weight` is listed
     under the embedding's name (it holds the same global tensor).
     """
-    model = _unwrap(model)
+    model = unwrap_model(model)
     layer_numbers = _layer_numbers(model)
     tied_replica = _is_tied_replica(model)
 
@@ -178,7 +174,7 @@ def load_global_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor
         if global_name not in state:
             raise ShardingError(f"global state dict has no tensor {global_name!r} (for local {local_name!r})")
         wanted[global_name] = target
-    elsewhere = _held_elsewhere(_unwrap(model), named, n_local * _expert_layout()[1])
+    elsewhere = _held_elsewhere(unwrap_model(model), named, n_local * _expert_layout()[1])
     extra = [n for n in state if n not in wanted and not elsewhere(n)]
     if extra:
         raise ShardingError(f"global state dict has tensors the model lacks: {sorted(extra)[:5]}")
@@ -243,7 +239,7 @@ def _iter_stage_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
     named = _named_tensors(model)
     ep_rank, ep_world = _expert_layout()
     n_local = _num_local_experts(named)
-    skip_replica = _is_tied_replica(_unwrap(model))
+    skip_replica = _is_tied_replica(unwrap_model(model))
     for local_name, param in named.items():
         if skip_replica and local_name == _EMBEDDING:
             continue
@@ -276,7 +272,7 @@ def _stage_manifest(model: torch.nn.Module) -> list[_GlobalTensorInfo]:
     named = _named_tensors(model)
     ep_rank, ep_world = _expert_layout()
     n_local = _num_local_experts(named)
-    skip_replica = _is_tied_replica(_unwrap(model))
+    skip_replica = _is_tied_replica(unwrap_model(model))
     manifest = []
     for local_name, param in named.items():
         if skip_replica and local_name == _EMBEDDING:

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from megatron_gspo.model.distributed import unwrap_model
+
 _SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -54,14 +56,8 @@ def is_distributed_optimizer(leaf) -> bool:
     return isinstance(leaf, DistributedOptimizer)
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):  # megatron DDP / Float16Module wrappers
-        model = model.module
-    return model
-
-
 def _model_sharded(model: torch.nn.Module) -> dict[str, Any]:
-    sharded = _unwrap(model).sharded_state_dict()
+    sharded = unwrap_model(model).sharded_state_dict()
     return {k: v for k, v in sharded.items() if not k.endswith("_extra_state")}
 
 
@@ -211,7 +207,7 @@ def load_model_sharded(directory: Path, model: torch.nn.Module) -> None:
 
 
 def _load_model(model: torch.nn.Module, state: dict[str, Any]) -> None:
-    result = _unwrap(model).load_state_dict(state, strict=False)
+    result = unwrap_model(model).load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:
         unexpected = result.unexpected_keys[:3]

@@ -124,8 +124,8 @@ def export_training_checkpoint(
 ):
     """Build the model at `parallel`, load the checkpoint's weights, write HF (collective)."""
     from megatron_gspo.model.builder import build_model
-    from megatron_gspo.model.convert import export_hf_checkpoint
     from megatron_gspo.model.distributed import destroy_distributed, init_distributed
+    from megatron_gspo.model.hf_export import export_hf_checkpoint
     from megatron_gspo.training.checkpoint import load_weights
 
     init_distributed(parallel)

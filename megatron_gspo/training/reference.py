@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from megatron_gspo.model.builder import build_model
-from megatron_gspo.model.convert import export_hf_checkpoint, load_hf_checkpoint
+from megatron_gspo.model.convert import load_hf_checkpoint
+from megatron_gspo.model.hf_export import export_hf_checkpoint
 from megatron_gspo.model.pipeline import run_micro_batches
 from megatron_gspo.training.forward import MicroBatch
 

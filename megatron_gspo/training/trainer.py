@@ -50,9 +50,10 @@ from megatron_gspo.config import (
 )
 from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.control_plane import broadcast_from_rank0, call_on_rank0, on_rank0
-from megatron_gspo.model.convert import ConversionError, export_hf_checkpoint, load_hf_checkpoint
+from megatron_gspo.model.convert import ConversionError, load_hf_checkpoint
 from megatron_gspo.model.distributed import compute_device, destroy_distributed, init_distributed
 from megatron_gspo.model.hf_checkpoint import ExportTargetError, check_export_target
+from megatron_gspo.model.hf_export import export_hf_checkpoint
 from megatron_gspo.model.optim import build_optimizer, wrap_ddp
 from megatron_gspo.model.packing import packing_layout
 from megatron_gspo.rollout import RolloutBatch

@@ -44,9 +44,9 @@ from megatron_gspo.config import WeightSyncConfig
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.model import control_plane
 from megatron_gspo.model.config import MoEModelConfig
-from megatron_gspo.model.convert import export_hf_checkpoint
 from megatron_gspo.model.distributed import compute_device
 from megatron_gspo.model.fp8 import quantize_stream
+from megatron_gspo.model.hf_export import export_hf_checkpoint
 from megatron_gspo.model.hf_stream import Bucket, iter_buckets, refuse_non_finite, run_on_hf_stream
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.errors import RolloutFault, WeightUpdateError

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
 if torch.cuda.is_available():
     import gpu_checks as checks
 
-    from megatron_gspo.model.builder import EngineConfig
+    from megatron_gspo.model.engine import EngineConfig
 
     TE_ERROR = checks.te_import_error()
     LOCAL = EngineConfig(dtype="bf16", use_te=False)

@@ -42,7 +42,8 @@ def poisoned_export(model, out: Path, cfg) -> dict:
     (none left waiting in a collective) and the previous export must stay as it was."""
     import torch.distributed as dist
 
-    from megatron_gspo.model.convert import ConversionError, export_hf_checkpoint
+    from megatron_gspo.model.convert import ConversionError
+    from megatron_gspo.model.hf_export import export_hf_checkpoint
 
     rank, world = dist.get_rank(), dist.get_world_size()
     before = {p.name: p.read_bytes() for p in out.iterdir()} if rank == 0 else None
@@ -78,7 +79,6 @@ def main() -> None:
 
     from megatron_gspo.model.builder import build_model
     from megatron_gspo.model.convert import (
-        export_hf_checkpoint,
         hf_token_logprobs,
         load_hf_checkpoint,
         logprob_diff,
@@ -86,6 +86,7 @@ def main() -> None:
     )
     from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
     from megatron_gspo.model.hf_checkpoint import load_hf_state_dict
+    from megatron_gspo.model.hf_export import export_hf_checkpoint
 
     results = {}
     # Experts split over TP like attention (megatron's default), then experts kept whole (ETP=1).

@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.model.aux_loss import AuxLossWeights, set_aux_loss_scale
-from megatron_gspo.model.builder import EngineConfig, build_model
+from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+from megatron_gspo.model.engine import EngineConfig
 from megatron_gspo.model.packing import pack_sequences
 from megatron_gspo.model.pipeline import run_micro_batches
 

@@ -23,9 +23,10 @@ import torch.distributed as dist
 
 from megatron_gspo.algorithms import compute_group_advantages
 from megatron_gspo.config import AlgorithmConfig
-from megatron_gspo.model.builder import EngineConfig, build_model
+from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+from megatron_gspo.model.engine import EngineConfig
 from megatron_gspo.model.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_gspo.model.packing import pack_sequences
 from megatron_gspo.model.pipeline import run_micro_batches

@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.model import config as model_configs
-from megatron_gspo.model.builder import EngineConfig, build_model
+from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+from megatron_gspo.model.engine import EngineConfig
 from megatron_gspo.model.logprobs import pack_sequences, packed_forward
 from megatron_gspo.model.routing import (
     RoutingCapture,

@@ -11,10 +11,10 @@ import torch
 
 from megatron_gspo.config import load_config
 from megatron_gspo.model.aux_loss import aux_loss_scale, set_aux_loss_scale
-from megatron_gspo.model.builder import EngineConfig, build_model, transformer_config
+from megatron_gspo.model.builder import build_model, transformer_config
 from megatron_gspo.model.config import qwen3_30b_a3b, tiny
 from megatron_gspo.model.distributed import ParallelConfig, init_distributed
-from megatron_gspo.model.fusion import KernelAvailability
+from megatron_gspo.model.engine import EngineConfig, KernelAvailability
 
 CPU = KernelAvailability(cuda=False, te=False, apex_grad_accum=False)
 

@@ -9,7 +9,6 @@ from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.convert import (
     ConversionError,
-    export_hf_checkpoint,
     fuse_qkv,
     hf_to_megatron,
     hf_token_logprobs,
@@ -29,6 +28,7 @@ from megatron_gspo.model.hf_checkpoint import (
     module_state_to_hf,
     save_hf_state_dict,
 )
+from megatron_gspo.model.hf_export import export_hf_checkpoint
 from megatron_gspo.model.sharding import gather_global_state_dict, load_global_state_dict
 
 TOLERANCE = 1e-4

@@ -5,10 +5,10 @@ import itertools
 
 import pytest
 
-from megatron_gspo.model.builder import EngineConfig, transformer_config
+from megatron_gspo.model.builder import transformer_config
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.distributed import ParallelConfig
-from megatron_gspo.model.fusion import KernelAvailability, fused_flags
+from megatron_gspo.model.engine import EngineConfig, KernelAvailability, fused_flags
 
 MACHINES = [KernelAvailability(*facts) for facts in itertools.product([False, True], repeat=3)]
 TE_FLAGS = ("moe_grouped_gemm", "moe_permute_fusion", "apply_rope_fusion")

@@ -15,7 +15,6 @@ from megatron_gspo.cli import main as cli
 from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import qwen3_30b_a3b
 from megatron_gspo.model.convert import (
-    export_hf_checkpoint,
     hf_to_megatron,
     hf_token_logprobs,
     load_hf_checkpoint,
@@ -26,6 +25,7 @@ from megatron_gspo.model.convert import (
 from megatron_gspo.model.distributed import ParallelConfig, init_distributed
 from megatron_gspo.model.hf_checkpoint import load_hf_state_dict
 from megatron_gspo.model.hf_config import HFConfigError, UnsupportedArchitectureError, from_hf_config
+from megatron_gspo.model.hf_export import export_hf_checkpoint
 from megatron_gspo.model.sharding import load_global_state_dict
 
 TOLERANCE = 1e-5

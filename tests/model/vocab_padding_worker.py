@@ -24,12 +24,12 @@ def main() -> None:
 
     from megatron_gspo.model.builder import build_model
     from megatron_gspo.model.convert import (
-        export_hf_checkpoint,
         load_hf_checkpoint,
         random_tokens,
         read_hf_config,
     )
     from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+    from megatron_gspo.model.hf_export import export_hf_checkpoint
     from megatron_gspo.model.logprobs import sequence_logprobs
 
     parallel = ParallelConfig(tensor_parallel=2)

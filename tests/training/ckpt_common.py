@@ -17,9 +17,10 @@ import numpy as np
 import torch
 
 from megatron_gspo.algorithms.running_stats import RunningMeanStd
-from megatron_gspo.model.builder import EngineConfig, build_model
+from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import MoEModelConfig, tiny
 from megatron_gspo.model.distributed import ParallelConfig, init_distributed
+from megatron_gspo.model.engine import EngineConfig
 from megatron_gspo.model.optim import (
     OptimConfig,
     build_optimizer,

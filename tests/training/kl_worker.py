@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron_gspo.algorithms import compute_group_advantages
 from megatron_gspo.algorithms.token_kl import KLController
 from megatron_gspo.config import AlgorithmConfig
-from megatron_gspo.model.builder import EngineConfig, build_model
+from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.convert import load_hf_checkpoint
 from megatron_gspo.model.distributed import (
@@ -32,6 +32,7 @@ from megatron_gspo.model.distributed import (
     destroy_distributed,
     init_distributed,
 )
+from megatron_gspo.model.engine import EngineConfig
 from megatron_gspo.model.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_gspo.rollout import RolloutBatch, RolloutSample
 from megatron_gspo.training.batch_scatter import scatter_rank_rows

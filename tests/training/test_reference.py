@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from megatron_gspo.config import AlgorithmConfig
-from megatron_gspo.model.builder import EngineConfig, build_model
+from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+from megatron_gspo.model.engine import EngineConfig
 from megatron_gspo.model.logprobs import sequence_logprobs
 from megatron_gspo.model.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_gspo.rollout import RolloutBatch, RolloutSample

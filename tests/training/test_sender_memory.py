@@ -18,9 +18,10 @@ from megatron_gspo.config import WeightSyncConfig
 from megatron_gspo.model import hf_stream
 from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.convert import export_hf_checkpoint, load_hf_checkpoint
+from megatron_gspo.model.convert import load_hf_checkpoint
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf_export import export_hf_checkpoint
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.server_launch import launch_embedded_server
 from megatron_gspo.training.weight_sync import WeightSync

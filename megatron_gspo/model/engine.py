@@ -1,4 +1,6 @@
-"""Which fused kernels megatron may use, decided from what this machine has.
+"""The engine settings (dtype, TE spec, fused kernels) and which kernels this machine can run.
+
+`EngineConfig` is the part of a run that differs between a CPU box and an H100 node.
 
 Each fused flag of `TransformerConfig` needs something specific (megatron-core 0.16.1):
 
@@ -24,10 +26,8 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from megatron_gspo.model.builder import EngineConfig
+import torch
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,6 @@ class KernelAvailability:
     @classmethod
     def detect(cls) -> KernelAvailability:
         """The facts of the current process."""
-        import torch
-
         from megatron_gspo.patches import transformer_engine_available
 
         return cls(
@@ -121,3 +119,43 @@ def fused_flags(engine: EngineConfig, available: KernelAvailability) -> dict[str
         "persist_layer_norm": False,
         "cross_entropy_loss_fusion": False,
     }
+
+
+@dataclass
+class EngineConfig:
+    """Numerics and kernels: the part that differs between a CPU box and an H100 node."""
+
+    dtype: str = "fp32"
+    """Parameter and compute dtype: fp32, or bf16 (megatron's mixed precision, on CPU and GPU alike)."""
+    use_te: bool | None = None
+    """TransformerEngine layer spec; default: when TE imports and CUDA is available."""
+    fused_kernels: bool | None = None
+    """Fused kernels (grouped GEMM, permute, RoPE, SwiGLU...; see `fused_flags`); default: as use_te."""
+    recompute_activations: bool = False
+    """Full activation recomputation of every layer (saves memory on large models)."""
+    router_fusion: bool = False
+    """Fused router top-k (GPU). It bypasses megatron's routing replay, so replay refuses it."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"engine.dtype must be fp32 or bf16, got {self.dtype!r}")
+        if self.fused_kernels and self.use_te is False:
+            raise ValueError("engine.fused_kernels needs the TransformerEngine spec (use_te)")
+        if self.router_fusion and self.use_te is False:
+            raise ValueError("engine.router_fusion needs TransformerEngine (use_te)")
+
+    def check_hardware(self, available: KernelAvailability | None = None) -> None:
+        """Refuse settings this machine cannot run (called when a model is built).
+
+        Kept out of `__post_init__` so GPU configs can be loaded and validated on a CPU box.
+
+        Args:
+            available: the machine's kernels; default `KernelAvailability.detect()`.
+        """
+        available = available or KernelAvailability.detect()
+        fused_flags(self, available)  # raises for use_te / fused kernels / router fusion it cannot run
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype of `dtype`."""
+        return torch.bfloat16 if self.dtype == "bf16" else torch.float32
