@@ -5,9 +5,10 @@
 A reasoning-shaped step: responses of lognormal length (median 2k, clipped to 200..32k tokens)
 to 100..1024-token prompts. Only the cut is computed (`split_batch`, what rank 0 runs each
 step), no model: each micro-batch costs the THD positions of its packing (sequences padded to
-a multiple of the TP size under sequence parallelism), and the ranks of an expert-parallel
-group (here all the DP ranks) pad their i-th micro-batches to the largest of them
-(`uniform_shape`), which is where a strided count-based cut wastes most.
+a multiple of the TP size under sequence parallelism). Under the allgather dispatcher
+(`--dispatcher allgather`) the ranks of an expert-parallel group (here all the DP ranks) also
+pad their i-th micro-batches to the largest of them (`uniform_shape`), which is where a strided
+count-based cut wastes most; under alltoall (the default) each keeps its own shape.
 
 - before: `trainer.micro_batch_size` responses per micro-batch, rows strided over the ranks;
 - after: `trainer.max_tokens_per_micro_batch`, rows balanced over the ranks by tokens.
@@ -42,7 +43,9 @@ def lengths(responses: int, seed: int = 0) -> list[int]:
     return rows
 
 
-def cut_stats(rows: list[int], mini: int, layout: DataLayout) -> dict[str, float]:
+def cut_stats(
+    rows: list[int], mini: int, layout: DataLayout, dispatcher: str = "alltoall"
+) -> dict[str, float]:
     """The cut's micro-batch count, largest micro-batch, padding and DP imbalance (see the docstring)."""
     start = time.perf_counter()
     splits = split_batch(rows, mini, layout)
@@ -51,9 +54,11 @@ def cut_stats(rows: list[int], mini: int, layout: DataLayout) -> dict[str, float
     positions, largest, counts = 0, 0, set()
     for m in range(mini):
         for slot in zip(*(split[m] for split in splits), strict=True):  # equal counts on every rank
-            shape = max(layout.cost([rows[i] for i in micro]) for micro in slot)  # uniform_shape (THD)
-            positions += shape * len(slot)
-            largest = max(largest, shape)
+            shapes = [layout.cost([rows[i] for i in micro]) for micro in slot]
+            if dispatcher == "allgather":  # uniform_shape (THD): every peer pads to the largest
+                shapes = [max(shapes)] * len(shapes)
+            positions += sum(shapes)
+            largest = max(largest, *shapes)
         counts.add(len(splits[0][m]))
     return {
         "micro": sum(counts) / len(counts),
@@ -100,8 +105,11 @@ def measure(quick: bool = False) -> dict[str, float]:
     """Padding of the demo's cut, and of the reasoning-shaped step by count (4 rows) and by tokens."""
     rows = lengths(128 if quick else 512)
     base = DataLayout(dp_size=8, pad_multiple=4, packing="thd")
-    by_count = cut_stats(rows, 4, DataLayout(**{**vars(base), "micro_batch_size": 4}))
-    by_tokens = cut_stats(rows, 4, DataLayout(**{**vars(base), "max_tokens_per_micro_batch": 36_864}))
+    # padding as the allgather dispatcher pads (alltoall: each micro-batch's own THD shape, ~0)
+    by_count = cut_stats(rows, 4, DataLayout(**{**vars(base), "micro_batch_size": 4}), "allgather")
+    by_tokens = cut_stats(
+        rows, 4, DataLayout(**{**vars(base), "max_tokens_per_micro_batch": 36_864}), "allgather"
+    )
     return {
         "demo_padding": demo_padding(5 if quick else 50),
         "reasoning_padding_by_count": by_count["padding"],
@@ -117,6 +125,7 @@ def main() -> None:
     parser.add_argument("--mini-batches", type=int, default=4)
     parser.add_argument("--tp", type=int, default=4, help="sequence-parallel TP: THD sequences pad to it")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="the count-based cut (before)")
+    parser.add_argument("--dispatcher", choices=["alltoall", "allgather"], default="alltoall")
     parser.add_argument(
         "--budget", type=int, default=36_864, help="the token-budget cut (after): >= 1024 + 32768"
     )
@@ -126,7 +135,8 @@ def main() -> None:
     print(
         f"{args.responses} responses ({sum(rows) / 1e6:.2f}M tokens, rows {min(rows)}..{max(rows)}, "
         f"median {sorted(rows)[len(rows) // 2]}), {args.mini_batches} mini-batches x DP={args.dp} "
-        f"({per_rank} rows per rank), THD padded to TP={args.tp}, EP peers = the DP ranks"
+        f"({per_rank} rows per rank), THD padded to TP={args.tp}, EP peers = the DP ranks, "
+        f"{args.dispatcher} dispatcher"
     )
     base = DataLayout(dp_size=args.dp, pad_multiple=args.tp, packing="thd")
     cuts = {
@@ -142,7 +152,7 @@ def main() -> None:
         f"{'cut':34s} {'micro/rank':>10s} {'largest':>9s} {'padding':>8s} {'imbalance':>9s} {'plan ms':>8s}"
     )
     for name, layout in cuts.items():
-        r = results[name] = cut_stats(rows, args.mini_batches, layout)
+        r = results[name] = cut_stats(rows, args.mini_batches, layout, args.dispatcher)
         print(
             f"{name:34s} {r['micro']:10.1f} {r['largest']:9d} {r['padding']:8.1%} "
             f"{r['imbalance']:9.3f} {r['ms']:8.1f}"

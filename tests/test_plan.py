@@ -54,7 +54,8 @@ def test_large_configs_validate_and_fit_on_h100(config, world, max_gib, math_dat
     states = float(result.stdout.split(" GiB model states")[0].rsplit("= ", 1)[1])
     assert 10 < states < max_gib
     activation = next(line for line in result.stdout.splitlines() if line.startswith("activation: "))
-    assert "tokens; logits" in activation and "with recompute on" in activation
+    assert "tokens (trainer.max_tokens_per_micro_batch); logits" in activation  # packed by a token budget
+    assert "with recompute on" in activation
     per_gpu = next(line for line in result.stdout.splitlines() if line.startswith("per GPU: "))
     assert per_gpu.endswith("GiB of 79.1 GiB") and " activation + 6 reserve" in per_gpu  # an H100's usable
 
@@ -278,8 +279,9 @@ def test_plan_sizes_the_activation_by_the_token_budget(math_data):
         "16",
         f"task.options.path={math_data}",
     ]
-    by_count = plan(*base)  # 4 responses x (1024 + 8192) = 36864 tokens per micro-batch
-    budget = [*base, "trainer.micro_batch_size=0"]
+    # 4 responses x (1024 + 8192) = 36864 tokens per micro-batch
+    by_count = plan(*base, "trainer.max_tokens_per_micro_batch=0", "trainer.micro_batch_size=4")
+    budget = base  # the config's own budget (36864) is replaced below
     small = plan(*budget, "trainer.max_tokens_per_micro_batch=9216")
     large = plan(*budget, "trainer.max_tokens_per_micro_batch=18432")
     assert small.returncode == large.returncode == 0, small.stdout + small.stderr

@@ -30,6 +30,9 @@ warnings.filterwarnings("ignore", message="full scope is deprecated")  # megatro
 warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
 warnings.filterwarnings("ignore", message=".*all_gather_into_tensor` is deprecated.*")
 
+# The run's MoE token dispatcher, recorded by `init_distributed` (read by `model/packing.py`).
+_token_dispatcher = "allgather"  # until then: the dispatcher that needs equal shapes
+
 
 @dataclass
 class ParallelConfig:
@@ -164,6 +167,16 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.
     return tensor
 
 
+def expert_peers_need_equal_shapes() -> bool:
+    """Whether the ranks exchanging MoE tokens must each feed the same number of tokens.
+
+    megatron's allgather dispatcher gathers every peer's [tokens, H] into one tensor (equal
+    sizes); the alltoall dispatcher sends each peer its split of any size, so each rank can
+    keep its own micro-batch shape (no padding to the largest peer, no padding tokens routed).
+    """
+    return _token_dispatcher == "allgather"
+
+
 def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> int:
     """Start torch.distributed and megatron's parallel groups for `parallel`; returns the DP size.
 
@@ -175,7 +188,9 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> int:
 
     from megatron_gspo.patches import apply_patches
 
+    global _token_dispatcher
     apply_patches()
+    _token_dispatcher = parallel.token_dispatcher
     timeout = datetime.timedelta(minutes=parallel.timeout_minutes)
     if not dist.is_initialized():
         _init_process_group(timeout)

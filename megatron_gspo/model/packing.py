@@ -25,8 +25,9 @@ Layouts (`PackedBatch.layout`), chosen by the model's attention (`packing_layout
 `pad_multiple` is the tensor-parallel size under sequence parallelism (megatron splits the
 sequence dimension of [S, B, H] over TP ranks, so S must divide by TP); with context
 parallelism it must become TP x 2·CP (each CP rank takes two chunks of every sequence).
-Ranks that exchange tokens in MoE layers need the same shape (`uniform_shape`): for THD
-that is the total padded length, the extra tail belonging to the last sequence's padding.
+Under the allgather dispatcher, ranks that exchange tokens in MoE layers need the same shape
+(`uniform_shape`): for THD that is the total padded length, the extra tail belonging to the
+last sequence's padding. The alltoall dispatcher takes each rank's own shape.
 
 Router token order (routing replay): hidden states are [S=L, B=R, H], so the router sees
 token index `l * R + r`; under sequence parallelism TP rank i holds positions
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.model.distributed import compute_device
+from megatron_gspo.model.distributed import compute_device, expert_peers_need_equal_shapes
 
 LAYOUTS = ("mask", "thd")
 
@@ -261,18 +262,21 @@ def pad_to_shape(packed: PackedBatch, rows: int, length: int) -> PackedBatch:
 
 
 def uniform_shape(packed: PackedBatch) -> tuple[int, int]:
-    """Largest (rows, row length) over the ranks that exchange tokens in MoE layers (collective).
+    """The (rows, row length) to pad a micro-batch to before the forward (collective or not).
 
-    Expert-parallel ranks hold different data-parallel samples but exchange tokens every
-    MoE layer; the allgather dispatcher needs equal token counts on all of them. For THD the
-    shape is (1, total padded length).
+    Expert-parallel ranks hold different data-parallel samples but exchange tokens in every
+    MoE layer. The alltoall dispatcher takes any token count per rank: the batch keeps its
+    own shape. The allgather dispatcher needs equal counts: the largest shape over the
+    ranks exchanging tokens (collective). For THD the shape is (1, total padded length).
     """
     from megatron.core import parallel_state as ps
 
+    rows, length = packed.tokens.shape
     group = ps.get_expert_tensor_and_model_parallel_group()
-    shape = torch.tensor(packed.tokens.shape, dtype=torch.long, device=compute_device())
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=group)
+    if not expert_peers_need_equal_shapes() or group is None or dist.get_world_size(group) == 1:
+        return rows, length
+    shape = torch.tensor([rows, length], dtype=torch.long, device=compute_device())
+    dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=group)
     rows, length = shape.tolist()
     return rows, length
 

@@ -18,13 +18,14 @@ its rows with the cut (`batch_scatter`); the ranks only pack. Mini-batch m is th
   own: the budget is a memory limit, and config validation already refuses a budget below
   the longest possible row, so only a config/data mismatch can reach it.
 
-Under expert parallelism `uniform_shape` pads each micro-batch to its peers' shape: for THD the
-longest of their totals (within the budget); for the mask layout (CPU) the most rows times the
-longest row, which can exceed it.
+Under the alltoall dispatcher each micro-batch keeps its own shape. Under allgather,
+`uniform_shape` pads it to its expert-parallel peers' shape: for THD the longest of their totals
+(within the budget); for the mask layout (CPU) the most rows times the longest row, which can
+exceed it.
 
 Every rank runs the same number of micro-batches per mini-batch: the ranks of an
-expert-parallel group exchange tokens in every forward and backward (and `uniform_shape`
-agrees on a shape per micro-batch), so a rank with one fewer would leave its peers waiting.
+expert-parallel group exchange tokens in every forward and backward (and, under allgather,
+`uniform_shape` agrees on a shape per micro-batch), so a rank with one fewer would leave its peers waiting.
 Rank 0 sees every row, so equal counts hold by construction (C is a multiple of D and every
 micro-batch holds a row): no collective over counts and no empty micro-batches, which would
 still cost a forward padded to the peers' shape and which the loss refuses (no response tokens).
