@@ -29,6 +29,7 @@ from megatron_gspo.rollout import (
 from megatron_gspo.rollout.partial import PartialRollouts, segments_of
 from megatron_gspo.tasks import Problem, Task
 from megatron_gspo.tasks.tokenizer import problem_prompt_ids
+from megatron_gspo.training.segment_staleness import check_not_older
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,9 @@ class RolloutEngine:
                     expect_routed_experts=bool(routing),
                     **layout,
                 )
+                sample.segments = segments_of(response)
+                if self.cfg.update_mode != "drain" and self.cfg.check_weight_version:
+                    check_not_older(sample, weight_version)  # versions span syncs, never go back
             except RolloutValidationError:
                 if self.cfg.on_invalid == "raise":
                     raise
@@ -164,7 +168,6 @@ class RolloutEngine:
                 continue
             problem = problems[row // g]
             sample.group_index = row // g
-            sample.segments = segments_of(response)
             text = self.completion_text(sample)
             sample.reward = float(self.task.reward(problem, text))
             no_answer += not self.task.has_answer(text)
