@@ -24,7 +24,7 @@ from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 TOKENIZER = build_char_tokenizer()
 CFG = tiny(vocab_size=len(TOKENIZER), init_std=0.2)
 PROMPT = TOKENIZER.encode("12+34=")
-LONG = 300  # tokens: the pause lands well inside the generation
+LONG = 480  # tokens (the context is 512): the pause lands well inside the generation, fast box or slow
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def start_generation(url, rid):
     while httpx.get(f"{url}/get_server_info").json()["num_pending_requests"] == 0:
         assert time.monotonic() < deadline, "the generation never reached the server"
         time.sleep(0.01)
-    time.sleep(0.3)  # some tokens in
+    time.sleep(0.15)  # some tokens in (the first comes with the prefill, before any pause point)
     return thread, holder
 
 
