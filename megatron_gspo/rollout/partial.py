@@ -74,7 +74,7 @@ class _Row:
             self.segments.append(Segment(len(self.output_ids), len(ids), meta.get("weight_version")))
         self.output_ids += ids
         self.logprobs += list(meta.get("output_token_logprobs") or [])
-        if meta.get("routed_experts"):
+        if ids and meta.get("routed_experts"):  # a tokenless try is retried from the same start
             self.routed += base64.b64decode(meta["routed_experts"])
         self.last = response
         self.parts += 1
