@@ -37,6 +37,7 @@ BENCHES = {
     "server_throughput": "bench_server_throughput",
     "weight_sync": "bench_weight_sync",
     "validation": "bench_validation",
+    "async": "bench_async",
 }
 
 
@@ -112,6 +113,12 @@ ROWS = [
         "{tokens:.0f} tokens with routed experts 48x8"),
     Row("rollout validation: ms per million tokens (routed experts 48x8)", "validation",
         "after_ms_per_m_tokens", None, None, "before: {before_ms_per_m_tokens:.0f} ms"),
+    Row("RL steps/s, rollout.max_staleness 1 / 0, demo config", "async", "k1_vs_k0", ">=", 1.3,
+        "{k1_steps_per_s:.1f} vs {k0_steps_per_s:.1f} steps/s, overlap {k1_overlap:.0%}; bound {bound:.2f} "
+        "(rollout {rollout_ms:.0f} ms, train {train_ms:.0f} ms, sync {sync_ms:.0f} ms); "
+        "median of {repeats:.0f} interleaved runs of {steps:.0f} steps"),
+    Row("RL steps/s, rollout.max_staleness 2 / 0, demo config", "async", "k2_vs_k0", None, None,
+        "{k2_steps_per_s:.1f} steps/s, overlap {k2_overlap:.0%}"),
 ]  # fmt: skip
 
 

@@ -95,6 +95,18 @@ class RolloutConfig:
     sync). k >= 1: rank 0 keeps sampling batches in a thread while the trainer trains; a batch
     generated at version v is trained at a trainer version <= v + k, older ones are dropped and
     counted (`rollout/stale_groups_dropped`), never trained."""
+    update_mode: Literal["drain", "pause", "partial"] = "drain"
+    """How a weight sync meets rollouts in flight (max_staleness >= 1). drain: the sync waits for
+    the batch being generated, so each batch is one version. pause: every server pauses generation
+    (SGLang's /pause_generation, `pause_mode`), updates, continues. partial: in-flight requests are
+    aborted and resubmitted as prompt + tokens so far under the new weights; a response is then
+    made of segments, each with its own version and log-probs."""
+    pause_mode: Literal["retract", "in_place"] = "retract"
+    """update_mode=pause: SGLang's pause mode. retract: the held requests' KV cache is recomputed
+    with the new weights; in_place: decoding goes on over the cache the old weights computed."""
+    mask_stale_segments: bool = False
+    """update_mode=partial: drop from the loss the tokens of segments older than max_staleness
+    versions (slime's --mask-offpolicy-in-partial-rollout), instead of dropping their groups."""
     request_timeout_s: float = 600.0
     """HTTP timeout of one generation attempt (per read: a server trickling bytes is not cut off).
     One request takes at most about request_timeout_s x (max_retries + 1) + 3.5 s of backoff
@@ -550,6 +562,16 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         raise ConfigError(
             f"algorithm.routing_replay=r3 with rollout.max_staleness={rollout.max_staleness}: replaying "
             "routes of an older policy is not built yet; use r2 or none, or rollout.max_staleness=0"
+        )
+    if rollout.update_mode != "drain" and not rollout.max_staleness:
+        raise ConfigError(
+            f"rollout.update_mode={rollout.update_mode} needs rollout.max_staleness >= 1 (in lock-step no "
+            "request is in flight at a sync); set rollout.max_staleness or drop rollout.update_mode"
+        )
+    if rollout.mask_stale_segments and rollout.update_mode != "partial":
+        raise ConfigError(
+            f"rollout.mask_stale_segments=true needs rollout.update_mode=partial (only partial rollouts "
+            f"have segments), got rollout.update_mode={rollout.update_mode}"
         )
     if cfg.model.hf_path and cfg.model.overrides:
         raise ConfigError("model.overrides only apply to a preset; with model.hf_path the checkpoint decides")

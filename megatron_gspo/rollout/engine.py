@@ -132,6 +132,11 @@ class GenerationEngine:
         self.return_original_logprob = return_original_logprob
         self.weight_version = weight_version
         self._lock = threading.Lock()
+        # Generation pause (SGLang's /pause_generation in_place / retract): a running batch waits
+        # at its next step boundary with the lock released, so weight updates can run meanwhile.
+        self._resumed = threading.Condition(self._lock)
+        self._paused = False
+        self._retract = False
         self._seed_stream = torch.Generator().manual_seed(seed)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(self.device).eval()
@@ -221,6 +226,37 @@ class GenerationEngine:
         elif self.weight_version.isdigit():
             self.weight_version = str(int(self.weight_version) + 1)
 
+    # ------------------------------------------------------------------ pause
+    def pause(self, *, retract: bool) -> None:
+        """Hold generation at the next step boundary; returns once no forward is running.
+
+        A batch held here keeps its KV cache (`retract=False`, SGLang's `in_place`: decoding
+        resumes on the cache the old weights computed) or recomputes it on resume with the
+        weights then served (`retract=True`, SGLang's `retract`). Weight updates run while held.
+        """
+        self._retract = retract
+        self._paused = True
+        with self._lock:  # taken only once the running batch waits (or none runs)
+            pass
+
+    def resume(self) -> None:
+        """Let held batches go on."""
+        with self._lock:
+            self._paused = False
+            self._resumed.notify_all()
+
+    def _hold_while_paused(self, items: list[GenerationInput], rows: list[int]) -> str | None:
+        """Wait (lock released) while paused; the pause mode it waited in, or None if it did not.
+
+        Rows aborted while held end the wait too, so an abort never waits for /continue_generation.
+        """
+        if not self._paused:
+            return None
+        retract = self._retract
+        while self._paused and not all(items[b].abort.is_set() for b in rows):
+            self._resumed.wait(0.05)  # an abort sets an Event, not this condition: look again soon
+        return "retract" if retract else "in_place"
+
     # --------------------------------------------------------------- generation
     def check_input(self, item: GenerationInput) -> None:
         """Raise ValueError (SGLang's wording where it has one) for inputs the engine cannot run."""
@@ -267,6 +303,7 @@ class GenerationEngine:
         ids = torch.tensor([[self.pad_token_id] * p + it.input_ids for p, it in zip(pad, items)])
         mask = torch.tensor([[0] * p + [1] * n for p, n in zip(pad, lens)])
         generators = [self._generator(it.sampling) for it in items]
+        self._hold_while_paused(items, list(range(bsz)))  # nothing computed yet: any mode starts fresh
         cache = DynamicCache(config=self.model.config)
 
         # Prefill: all prompt positions at once, once per distinct prompt (a group's rows share
@@ -302,6 +339,7 @@ class GenerationEngine:
             mask = mask[rows]
         next_logits = logits[rows, -1]
         decode_routing: list[list[torch.Tensor]] = [[] for _ in items]  # per row, per step [L, k]
+        prefix: list[torch.Tensor | None] = [None] * bsz  # per row [positions, L, k] of a retract's prefill
         want_routing = any(it.return_routed_experts for it in items)
         while rows:
             tokens, lps = self._sample(next_logits, [items[b] for b in rows], [generators[b] for b in rows])
@@ -322,6 +360,31 @@ class GenerationEngine:
                 cache.reorder_cache(keep)
                 mask, tokens = mask[keep], tokens[keep]
                 rows = [rows[i] for i in going]
+            going_rows = list(rows)
+            held = self._hold_while_paused(items, rows)
+            if held is not None:
+                rows = [b for b in rows if not items[b].abort.is_set()]
+                for b in set(range(bsz)) - set(rows):
+                    finish[b] = finish[b] or {
+                        "type": "abort",
+                        "message": "Aborted while generation was paused.",
+                    }
+                if not rows:
+                    break
+            if held == "retract":  # the cache is recomputed with the weights served now
+                cache, mask, logits, routing = self._prefill([items[b].input_ids + outputs[b] for b in rows])
+                if want_routing:
+                    width = mask.shape[1]
+                    for i, b in enumerate(rows):
+                        n = len(items[b].input_ids) + len(outputs[b])
+                        prefix[b] = routing[i, :, width - n :].permute(1, 0, 2)
+                        decode_routing[b] = []
+                next_logits = logits[:, -1]
+                continue
+            if held is not None and len(rows) < tokens.shape[0]:  # rows aborted while held
+                keep = torch.tensor([going_rows.index(b) for b in rows])
+                cache.reorder_cache(keep)
+                mask, tokens = mask[keep], tokens[keep]
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
             logits, routing = self._forward(tokens.view(len(rows), 1), mask, cache)
             if want_routing:
@@ -333,9 +396,9 @@ class GenerationEngine:
         for b, it in enumerate(items):
             routed = None
             if it.return_routed_experts:
-                prompt_rows = prefill_routing[b, :, pad[b] :].permute(1, 0, 2)  # [P, L, k]
-                steps = max(len(outputs[b]) - 1, 0)
-                per_token = [prompt_rows] + [r.unsqueeze(0) for r in decode_routing[b][:steps]]
+                if prefix[b] is None:
+                    prefix[b] = prefill_routing[b, :, pad[b] :].permute(1, 0, 2)  # [P, L, k]
+                per_token = [prefix[b]] + [r.unsqueeze(0) for r in decode_routing[b]]
                 seq_rows = torch.cat(per_token, dim=0)[: lens[b] + len(outputs[b]) - 1]
                 routed = seq_rows[it.routed_experts_start_len :].to(torch.int32).contiguous().numpy()
             results.append(
@@ -356,6 +419,17 @@ class GenerationEngine:
         else:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_stream))
         return torch.Generator().manual_seed(seed)
+
+    def _prefill(
+        self, seqs: list[list[int]]
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A fresh KV cache over left-padded `seqs`: (cache, mask, logits [B, W, V], routing [B, L, W, k])."""
+        width = max(len(q) for q in seqs)
+        ids = torch.tensor([[self.pad_token_id] * (width - len(q)) + q for q in seqs])
+        mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in seqs])
+        cache = DynamicCache(config=self.model.config)
+        logits, routing = self._forward(ids, mask, cache)
+        return cache, mask, logits, routing
 
     def _forward(
         self, ids: torch.Tensor, mask: torch.Tensor, cache: DynamicCache

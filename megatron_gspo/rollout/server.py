@@ -17,8 +17,10 @@ What it implements, and how it differs from SGLang:
   (plain or `flattened_bucket`), /end_weight_update, /destroy_weights_update_group: SGLang's
   distributed update for real, over torch.distributed (gloo on CPU), one rank per server;
   a session is applied all-or-nothing at its end (`weight_receiver.py`).
-- POST /pause_generation, /continue_generation, /abort_request, /flush_cache (no-op: there
-  is no cache between requests); GET /health, /health_generate, /get_model_info,
+- POST /pause_generation (SGLang's modes: `abort` returns running requests with what they
+  generated; `in_place` / `retract` halt them at a step boundary, KV cache kept / recomputed,
+  while weight updates run), /continue_generation, /abort_request (by `rid`, or `abort_all`),
+  /flush_cache (no-op: there is no cache between requests); GET /health, /health_generate, /get_model_info,
   /get_server_info, /get_weight_version (and their un-prefixed aliases).
 - `--dp-size N` makes /get_server_info report SGLang's `dp_size: N` and, above 1, refuses
   what SGLang refuses on a server launched with --dp-size > 1 (/init_weights_update_group,
@@ -302,7 +304,7 @@ class RolloutService:
             return _bad_request(str(exc))
         if mode not in ("abort", "retract", "in_place"):
             return _bad_request(f"mode: unknown pause mode {mode!r}")
-        self.scheduler.pause(abort=mode == "abort")
+        self.scheduler.pause(mode)
         return HTTPStatus.OK, {"message": "Generation paused successfully.", "status": "ok"}
 
     def continue_generation(self, body: Any) -> tuple[int, Any]:

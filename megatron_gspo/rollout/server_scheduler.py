@@ -4,8 +4,9 @@ HTTP handler threads `submit` rows; one background thread takes every row that a
 within `batch_window_s` of the first (up to `max_batch_size`) and runs them as one
 left-padded batch on the `GenerationEngine`. The window exists to gather concurrent
 single-row requests: a batch request's rows arrive together (`submit_many`), so once one
-is queued the batch starts without waiting out the window. Pausing holds the queue (SGLang's
-`/pause_generation`); aborting marks rows so the engine stops them at the next token.
+is queued the batch starts without waiting out the window. Pausing holds the queue and, by
+SGLang's `/pause_generation` modes, aborts the running batch or halts it at a step boundary
+(`GenerationEngine.pause`); aborting marks rows so the engine stops them at the next token.
 """
 
 from __future__ import annotations
@@ -72,18 +73,27 @@ class BatchScheduler:
         with self._cond:
             return self._paused
 
-    def pause(self, *, abort: bool) -> None:
-        """Stop starting batches; with `abort`, also abort queued and running rows (SGLang mode "abort")."""
+    def pause(self, mode: str = "abort") -> None:
+        """Stop starting batches, and act on the running one as SGLang's pause `mode` does.
+
+        `abort`: queued and running rows end at once with finish reason abort (their tokens so
+        far returned). `in_place` / `retract`: the running batch halts at its next step with its
+        KV cache kept / recomputed on resume; returns once no forward runs, so a weight update
+        that follows cannot wait on the batch.
+        """
         with self._cond:
             self._paused = True
-        if abort:
+        if mode == "abort":
             self.abort_all()
+        else:
+            self.engine.pause(retract=mode == "retract")
 
     def resume(self) -> None:
-        """Start batches again."""
+        """Start batches again; a held batch goes on."""
         with self._cond:
             self._paused = False
             self._cond.notify_all()
+        self.engine.resume()
 
     def abort(self, rid: str) -> int:
         """Abort rows whose request id is `rid` (prefix match covers a batch's `rid-i` rows)."""

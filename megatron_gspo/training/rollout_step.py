@@ -26,8 +26,10 @@ from megatron_gspo.rollout import (
     launch_embedded_server,
     parse_generate_response,
 )
+from megatron_gspo.rollout.partial import PartialRollouts, segments_of
 from megatron_gspo.tasks import Problem, Task
 from megatron_gspo.tasks.tokenizer import problem_prompt_ids
+from megatron_gspo.training.segment_staleness import check_not_older
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +48,12 @@ def sampling_seeds(seed: int, step: int, rows: int) -> list[int]:
     return ((pairs[:, 0] << 30) ^ pairs[:, 1]).tolist()
 
 
-def sample_rows(scored: Sequence[tuple[Problem, str, float]], n: int, group_size: int) -> list[dict]:
-    """`n` of a step's (problem, completion, reward) as log rows: one per group first, then the rest."""
+def sample_rows(scored: Sequence[tuple], n: int, group_size: int) -> list[dict]:
+    """`n` of a step's (problem, completion, reward[, extra fields]) as log rows: one per group first."""
     order = sorted(range(len(scored)), key=lambda i: (i % group_size, i))
     return [
         {"prompt": scored[i][0].prompt, "answer": scored[i][0].answer, "completion": scored[i][1],
-         "reward": scored[i][2]}
+         "reward": scored[i][2], **(scored[i][3] if len(scored[i]) > 3 else {})}
         for i in order[:n]
     ]  # fmt: skip
 
@@ -78,6 +80,7 @@ class RolloutEngine:
         self.add_bos = add_bos
         self.routed_experts = routed_experts
         self.samples_per_step = samples_per_step
+        self.partial: PartialRollouts | None = None  # rollout.update_mode=partial: responses span syncs
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         """Token ids of a prompt (BOS first when configured; the task's chat-template choice)."""
@@ -141,7 +144,8 @@ class RolloutEngine:
                     )
                 )
                 prompts.append(ids)
-        responses = self.client.generate_batched(bodies)
+        generate = self.partial.generate if self.partial is not None else self.client.generate_batched
+        responses = generate(bodies)
         samples, unparseable, no_answer, rows = [], 0, 0, []
         for row, (ids, body, response) in enumerate(zip(prompts, bodies, responses)):
             try:
@@ -154,6 +158,9 @@ class RolloutEngine:
                     expect_routed_experts=bool(routing),
                     **layout,
                 )
+                sample.segments = segments_of(response)
+                if self.cfg.update_mode != "drain" and self.cfg.check_weight_version:
+                    check_not_older(sample, weight_version)  # versions span syncs, never go back
             except RolloutValidationError:
                 if self.cfg.on_invalid == "raise":
                     raise
@@ -165,11 +172,13 @@ class RolloutEngine:
             sample.reward = float(self.task.reward(problem, text))
             no_answer += not self.task.has_answer(text)
             samples.append(sample)
-            rows.append((problem, text, sample.reward))
+            extra = {"segments": response["segments"]} if sample.segments is not None else {}
+            rows.append((problem, text, sample.reward, extra))
+        one_version = self.cfg.check_weight_version and self.cfg.update_mode == "drain"  # else spans syncs
         batch = RolloutBatch.from_samples(
             samples,
             g,
-            expected_weight_version=str(weight_version) if self.cfg.check_weight_version else None,
+            expected_weight_version=str(weight_version) if one_version else None,
             on_invalid=self.cfg.on_invalid,
             pad_token_id=self.tokenizer.pad_token_id,
         )

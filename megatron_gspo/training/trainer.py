@@ -63,6 +63,7 @@ from megatron_gspo.tasks.tokenizer import resolve_add_bos
 from megatron_gspo.training.batch_scatter import scatter_rank_rows
 from megatron_gspo.training.checkpoint import load_checkpoint, resumable_step, save_checkpoint
 from megatron_gspo.training.checkpoint_meta import step_dir_name
+from megatron_gspo.training.inflight_updates import InFlightUpdates
 from megatron_gspo.training.metrics import MetricsLogger, ZeroRewardWatch
 from megatron_gspo.training.micro_batching import DataLayout
 from megatron_gspo.training.reference import ReferencePolicy
@@ -72,6 +73,7 @@ from megatron_gspo.training.rollout_step import RolloutEngine, rollout_servers
 from megatron_gspo.training.routing_step import StepRouting
 from megatron_gspo.training.run_lock import RunLock, lock_path
 from megatron_gspo.training.run_setup import load_tokenizer, weight_sync_dir
+from megatron_gspo.training.segment_staleness import mask_stale_tokens, staleness_metrics, trainable_version
 from megatron_gspo.training.server_checks import refuse_unfit_servers, servers_not_serving
 from megatron_gspo.training.sft import run_sft
 from megatron_gspo.training.shm_exports import claim_export_dir
@@ -193,6 +195,7 @@ class Trainer:
         self.step, self.weight_version = 0, 0
         self.sample_rows: list[dict] = []
         self.producer: RolloutProducer | None = None  # rank 0 with rollout.max_staleness >= 1
+        self.inflight: InFlightUpdates | None = None  # rank 0 with rollout.update_mode pause / partial
         self.ckpt_root = self.run_dir / "checkpoints"
         if self.rank0 and str(self.sync_dir).startswith("/dev/shm/"):
             claim_export_dir(self.sync_dir.parent)  # after removing the exports of runs that died
@@ -354,7 +357,14 @@ class Trainer:
         """Rank 0 with a producer: the oldest batch within the staleness bound, scored."""
         taken = self.producer.take(self.weight_version)
         batch, advantages, shared = self._score(taken.item.batch)
-        shared["metrics"].update(async_metrics(taken, self.weight_version))
+        metrics = shared["metrics"]
+        metrics.update(async_metrics(taken, self.weight_version))
+        mode, started = self.cfg.rollout.update_mode, taken.item.weight_version
+        if mode != "drain":  # per token, by the version that generated it
+            metrics.update(staleness_metrics(taken.item.batch, started, self.weight_version, mode))
+        if self.cfg.rollout.mask_stale_segments and batch is not None:
+            oldest = self.weight_version - self.cfg.rollout.max_staleness
+            metrics["rollout/stale_tokens_masked"] = float(mask_stale_tokens(batch, started, mode, oldest))
         return batch, advantages, shared
 
     def _score(self, batch: RolloutBatch) -> tuple[Any, torch.Tensor, dict[str, Any]]:
@@ -450,7 +460,7 @@ class Trainer:
             self.counters["skipped_steps"] += int(metrics["train/skipped_steps"])
         t2 = time.perf_counter()
         bump = 2 if cfg.debug.version_gap_at_step == self.step else 1
-        with self._rollouts_paused():
+        with self.inflight.around_sync(self.producer) if self.inflight else self._rollouts_paused():
             sync = self.weight_sync.sync(engine.client if self.rank0 else None, self.weight_version + bump)
             self.weight_version += bump
         metrics.update(sync.metrics())
@@ -581,8 +591,23 @@ class Trainer:
                 routed_experts=self._routed_experts_layout() is not None,
             )
 
+        rollout = self.cfg.rollout
+        bound = None  # drain: one version per batch, the one it started at
+        if rollout.update_mode != "drain":  # syncs land mid-batch; the bound is on token versions
+            self.inflight = InFlightUpdates(rollout.update_mode, engine.client, rollout.pause_mode)
+            engine.partial = self.inflight.partial
+
+            def bound(item) -> int:
+                mode, mask = rollout.update_mode, rollout.mask_stale_segments
+                return trainable_version(item.batch, item.weight_version, mode, mask_stale=mask)
+
         self.producer = RolloutProducer(
-            produce, k, lambda: self.weight_version, lambda b: b.batch_size // b.group_size
+            produce,
+            k,
+            lambda: self.weight_version,
+            lambda b: b.batch_size // b.group_size,
+            wait_in_flight=rollout.update_mode == "drain",
+            bound_version=bound,
         )
         return self.producer
 

@@ -6,6 +6,7 @@ a resume, which starts with an empty queue.
 Staleness is read from the versions the rollout server reported for the trained samples.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -68,3 +69,50 @@ def test_staleness_one_trains_within_the_bound_and_drops_an_older_batch(tmp_path
     assert [r["step"] for r in steps[-2:]] == [5, 6]
     assert [r["rollout/staleness_max"] for r in steps[-2:]] == [0, 1]
     assert [r["weight_version"] for r in steps[-2:]] == [6, 7]
+
+
+def test_update_mode_keys_are_validated_by_name():
+    cfg = RunConfig()
+    cfg.rollout.update_mode = "partial"
+    with pytest.raises(ConfigError, match=r"rollout.update_mode=partial needs rollout.max_staleness >= 1"):
+        validate(cfg)
+    cfg.rollout.update_mode, cfg.rollout.max_staleness = "pause", 1
+    cfg.rollout.mask_stale_segments = True
+    with pytest.raises(ConfigError, match=r"mask_stale_segments=true needs rollout.update_mode=partial"):
+        validate(cfg)
+    cfg.rollout.update_mode = "partial"
+    validate(cfg)
+
+
+@pytest.mark.slow  # one end-to-end run, ~60 s on a loaded 2-core box
+def test_partial_rollouts_train_with_every_segment_within_the_bound(tmp_path):
+    """k = 2, update_mode=partial: every trained sample's segment versions are read from the log."""
+    k, steps = 2, 4
+    cmd = [
+        sys.executable, "-m", "megatron_gspo.cli", "train",
+        "--config", str(REPO / "configs" / "tiny_moe_cpu.yaml"),
+        f"trainer.steps={steps}", "sft.steps=30", "eval.num_problems=20", "eval.every=0",
+        "task.options.format_reward=0.5", "rollout.temperature=1.0", "rollout.max_new_tokens=32",
+        "rollout.rollout_batch_size=8", "rollout.group_size=4", "algorithm.num_mini_batches=2",
+        "logging.progress_bar=false", "logging.samples_per_step=32", f"trainer.run_dir={tmp_path}",
+        f"rollout.max_staleness={k}", "rollout.update_mode=partial",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    records = read_metrics(tmp_path / "metrics.jsonl")[1:]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    trainer_version = {r["step"]: int(r["weight_version"]) - 1 for r in records}  # before the step's sync
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in rows}) == list(range(1, steps + 1))
+    assert all(sum(1 for r in rows if r["step"] == s) == 32 for s in range(1, steps + 1))
+    for row in rows:
+        segments = row["segments"]
+        assert segments and segments[0]["start"] == 0
+        assert all(a["start"] + a["length"] == b["start"] for a, b in zip(segments, segments[1:]))
+        v = trainer_version[row["step"]]
+        versions = [int(s["weight_version"]) for s in segments]
+        assert all(v - k <= version <= v for version in versions), (row["step"], versions)
+        assert versions == sorted(versions)
+    assert all(0 <= r["rollout/staleness_max"] <= k for r in records)
+    assert any(r["rollout/staleness_max"] > 0 for r in records)
+    assert all(1 <= r["rollout/segments_mean"] for r in records)

@@ -1,0 +1,112 @@
+"""Partial rollouts: a weight sync lands mid-generation, responses come back as per-version segments.
+
+Each segment's log-probs and routed experts are checked against a teacher-forced pass of
+the weights that generated it (checkpoint a before the sync, b after), over the whole
+merged sequence: a segment is the continuation of prompt + earlier tokens under its version.
+"""
+
+import base64
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatron_gspo.model.config import tiny
+from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.rollout import SGLangClient, build_generate_request, parse_generate_response
+from megatron_gspo.rollout.partial import PartialRollouts, segments_of
+from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.tasks.tokenizer import build_char_tokenizer
+
+TOKENIZER = build_char_tokenizer()
+CFG = tiny(vocab_size=len(TOKENIZER), init_std=0.2)
+PROMPTS = [TOKENIZER.encode("12+34="), TOKENIZER.encode("7*8=")]
+LONG = 480  # the context is 512: long enough that the sync lands mid-generation on a fast box too
+TEMPERATURE = 0.8
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return make_tiny_hf_checkpoint(root / "a", CFG, seed=0), make_tiny_hf_checkpoint(root / "b", CFG, seed=1)
+
+
+@torch.no_grad()
+def teacher_forced(path, seq):
+    """Log-probs log_softmax(logits / T) [len-1, V] and routing probabilities [len, L, E] of `seq`."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = model(torch.tensor([seq]), output_router_logits=True)
+    logprobs = torch.log_softmax(out.logits[0].float() / TEMPERATURE, -1)[:-1]
+    router = torch.softmax(torch.stack([r.float() for r in out.router_logits], dim=1), dim=-1)
+    return logprobs, router
+
+
+def routes_agree(routed, probs):
+    """Routed expert sets equal the top-k of `probs` (near-ties, < 1e-5 apart, excused)."""
+    k = CFG.moe_topk
+    ref = probs.topk(k, dim=-1).indices.sort(-1).values.numpy()
+    ordered = probs.sort(-1, descending=True).values
+    tie = (ordered[..., k - 1] - ordered[..., k]).numpy() < 1e-5
+    return bool(((np.sort(routed, -1) == ref).all(-1) | tie).all())
+
+
+@pytest.mark.slow  # ~33 s on a loaded 2-core box: two 480-token generations, four teacher-forced passes
+def test_sync_mid_generation_gives_segments_with_their_versions_logprobs_and_routes(checkpoints):
+    a, b = checkpoints
+    with (
+        launch_embedded_server(a, extra_args=["--check-responses", "--weight-version", "0"]) as server,
+        SGLangClient([server.url]) as client,
+    ):
+        partial = PartialRollouts(client)
+        params = {"max_new_tokens": LONG, "temperature": TEMPERATURE, "ignore_eos": True}
+        bodies = [
+            build_generate_request(
+                p, {**params, "sampling_seed": 7 + i}, rid=f"row{i}", return_routed_experts=True
+            )
+            for i, p in enumerate(PROMPTS)
+        ]
+        holder = {}
+        thread = threading.Thread(target=lambda: holder.setdefault("r", partial.generate(bodies)))
+        thread.start()
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{server.url}/get_server_info").json()["num_pending_requests"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.15)  # some tokens in
+        with partial.sync():
+            client.update_weights_from_disk(str(b), weight_version=1)
+        thread.join(300)
+        responses = holder["r"]
+
+    for prompt, body, response in zip(PROMPTS, bodies, responses):
+        segments = segments_of(response)
+        assert [s.weight_version for s in segments] == ["0", "1"]
+        assert segments[0].start == 0 and segments[1].start == segments[0].length > 0
+        assert sum(s.length for s in segments) == LONG
+        sample = parse_generate_response(
+            prompt, response, rid=body["rid"], expect_routed_experts=True, vocab_size=CFG.vocab_size,
+            num_layers=CFG.num_layers, topk=CFG.moe_topk, num_experts=CFG.num_experts,
+        )  # fmt: skip
+        assert sample.response_length == LONG and sample.finish_reason == "length"
+        seq = prompt + response["output_ids"]
+        p, cut = len(prompt), segments[0].length
+        got = sample.rollout_logprobs.double()
+        routed = np.frombuffer(base64.b64decode(response["meta_info"]["routed_experts"]), "<i4")
+        routed = routed.reshape(len(seq) - 1, CFG.num_layers, CFG.moe_topk)
+        for path, seg in ((a, segments[0]), (b, segments[1])):
+            logprobs, router = teacher_forced(path, seq)
+            positions = torch.arange(p - 1 + seg.start, p - 1 + seg.start + seg.length)
+            ref = logprobs[positions].gather(1, torch.tensor(seq)[positions + 1, None])[:, 0].double()
+            assert (got[seg.start : seg.start + seg.length] - ref).abs().max() < 1e-5, path
+            # Routes: the rows whose token the segment predicted (positions p-1+start ...).
+            rows = slice(0 if seg.start == 0 else p - 1 + seg.start, p - 1 + seg.start + seg.length)
+            assert routes_agree(routed[rows], router[rows]), path
+        # The other version's weights really differ on the second segment.
+        logprobs_a, _ = teacher_forced(a, seq)
+        positions = torch.arange(p - 1 + cut, len(seq) - 1)
+        ref_a = logprobs_a[positions].gather(1, torch.tensor(seq)[positions + 1, None])[:, 0].double()
+        assert (got[cut:] - ref_a).abs().max() > 1e-2

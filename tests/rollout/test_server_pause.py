@@ -1,0 +1,163 @@
+"""The embedded server's /pause_generation modes with a weight update landing mid-generation.
+
+SGLang 0.5.x's modes (`PauseGenerationReqInput`): `abort` returns the running requests at once
+(finish reason abort, the tokens generated so far); `in_place` halts them and goes on after
+/continue_generation on the KV cache the old weights computed; `retract` halts them and
+recomputes the cache with the weights served at /continue_generation. Each is checked against
+teacher-forced passes of the two checkpoints: the tokens before the pause carry the old
+weights' log-probs, those after it the new weights' (retract) or neither (in_place's old cache).
+"""
+
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatron_gspo.model.config import tiny
+from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.tasks.tokenizer import build_char_tokenizer
+
+TOKENIZER = build_char_tokenizer()
+CFG = tiny(vocab_size=len(TOKENIZER), init_std=0.2)
+PROMPT = TOKENIZER.encode("12+34=")
+LONG = 480  # tokens (the context is 512): the pause lands well inside the generation, fast box or slow
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return make_tiny_hf_checkpoint(root / "a", CFG, seed=0), make_tiny_hf_checkpoint(root / "b", CFG, seed=1)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints):
+    with launch_embedded_server(
+        checkpoints[0], extra_args=["--check-responses", "--weight-version", "0"]
+    ) as srv:
+        yield srv
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(path, output_ids, temperature=1.0):
+    """log_softmax(logits / T) of each output token under the checkpoint at `path`, one full forward."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    logits = model(torch.tensor([PROMPT + output_ids])).logits[0].float()
+    lp = torch.log_softmax(logits / temperature, -1)[len(PROMPT) - 1 : -1]
+    return lp.gather(1, torch.tensor(output_ids)[:, None])[:, 0]
+
+
+def start_generation(url, rid):
+    """A long seeded generation in a thread; returns (thread, holder of its response)."""
+    holder = {}
+    body = {
+        "input_ids": PROMPT,
+        "rid": rid,
+        "sampling_params": {
+            "max_new_tokens": LONG,
+            "temperature": 1.0,
+            "sampling_seed": 11,
+            "ignore_eos": True,
+        },
+        "return_logprob": True,
+    }
+    thread = threading.Thread(
+        target=lambda: holder.setdefault("r", httpx.post(f"{url}/generate", json=body, timeout=300).json())
+    )
+    thread.start()
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{url}/get_server_info").json()["num_pending_requests"] == 0:
+        assert time.monotonic() < deadline, "the generation never reached the server"
+        time.sleep(0.01)
+    time.sleep(0.15)  # some tokens in (the first comes with the prefill, before any pause point)
+    return thread, holder
+
+
+def logprobs_of(response):
+    return torch.tensor([lp for lp, _, _ in response["meta_info"]["output_token_logprobs"]])
+
+
+def first_mismatch(got, ref, tol=1e-4):
+    bad = ((got - ref).abs() > tol).nonzero()
+    return int(bad[0]) if len(bad) else len(got)
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_weight_update_while_paused_mid_generation(server, checkpoints, mode):
+    a, b = checkpoints
+    url = server.url
+    httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(a), "weight_version": "0"})
+    thread, holder = start_generation(url, f"held-{mode}")
+    answer = httpx.post(f"{url}/pause_generation", json={"mode": mode}, timeout=60).json()
+    assert answer["status"] == "ok"
+    assert httpx.get(f"{url}/health_generate").status_code == 503  # paused: no token can come
+    update = httpx.post(
+        f"{url}/update_weights_from_disk", json={"model_path": str(b), "weight_version": "1"}, timeout=60
+    )
+    assert update.json()["success"] is True  # ran while the request was held mid-generation
+    assert thread.is_alive()
+    httpx.post(f"{url}/continue_generation", json={})
+    thread.join(300)
+    response = holder["r"]
+    ids = response["output_ids"]
+    assert len(ids) == LONG and response["meta_info"]["finish_reason"]["type"] == "length"
+    assert response["meta_info"]["weight_version"] == "1"
+    got = logprobs_of(response)
+    ref_a = teacher_forced_logprobs(a, ids)
+    ref_b = teacher_forced_logprobs(b, ids)
+    n = first_mismatch(got, ref_a)
+    assert 0 < n < LONG  # the update landed mid-generation
+    assert (got[:n] - ref_a[:n]).abs().max() < 1e-5  # before the pause: the old weights
+    after = (got[n:] - ref_b[n:]).abs().max()
+    if mode == "retract":  # cache recomputed with b: exactly b's teacher-forced log-probs
+        assert after < 1e-5
+    else:  # in_place: b's weights over a's cached keys/values, which a fresh b forward does not give
+        assert after > 1e-3
+
+
+def test_abort_mode_returns_the_tokens_so_far_and_holds_new_requests(server, checkpoints):
+    a, _ = checkpoints
+    url = server.url
+    httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(a), "weight_version": "0"})
+    thread, holder = start_generation(url, "aborted-by-pause")
+    httpx.post(f"{url}/pause_generation", json={"mode": "abort"}, timeout=60)
+    thread.join(60)
+    response = holder["r"]
+    ids = response["output_ids"]
+    assert response["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(ids) < LONG and response["meta_info"]["weight_version"] == "0"
+    assert (logprobs_of(response) - teacher_forced_logprobs(a, ids)).abs().max() < 1e-5
+    later, held = start_generation_while_paused(url)
+    later.join(0.5)
+    assert later.is_alive()  # held until /continue_generation
+    httpx.post(f"{url}/continue_generation", json={})
+    later.join(60)
+    assert held["r"]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def start_generation_while_paused(url):
+    holder = {}
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    thread = threading.Thread(
+        target=lambda: holder.setdefault("r", httpx.post(f"{url}/generate", json=body, timeout=120).json())
+    )
+    thread.start()
+    return thread, holder
+
+
+def test_abort_request_by_rid_ends_a_running_generation_only(server, checkpoints):
+    a, _ = checkpoints
+    url = server.url
+    httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(a), "weight_version": "0"})
+    thread, holder = start_generation(url, "to-abort")
+    assert httpx.post(f"{url}/abort_request", json={"rid": "someone-else"}).status_code == 200
+    assert httpx.post(f"{url}/abort_request", json={"rid": "to-abort"}).status_code == 200
+    thread.join(60)
+    response = holder["r"]
+    assert response["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(response["output_ids"]) < LONG
+    got, ids = logprobs_of(response), response["output_ids"]
+    assert (got - teacher_forced_logprobs(a, ids)).abs().max() < 1e-5
