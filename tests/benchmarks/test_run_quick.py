@@ -29,7 +29,7 @@ def test_quick_run_writes_every_row(tmp_path):
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,  # every benchmark once, several of them full training runs
     )
     assert done.returncode == 0, done.stderr[-4000:]
     rows = load_run_module().ROWS
