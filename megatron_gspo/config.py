@@ -558,11 +558,6 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     algo, rollout, trainer = cfg.algorithm, cfg.rollout, cfg.trainer
     if rollout.max_staleness < 0:
         raise ConfigError(f"rollout.max_staleness={rollout.max_staleness}: must be >= 0 (0: lock-step)")
-    if rollout.max_staleness and algo.routing_replay == "r3":
-        raise ConfigError(
-            f"algorithm.routing_replay=r3 with rollout.max_staleness={rollout.max_staleness}: replaying "
-            "routes of an older policy is not built yet; use r2 or none, or rollout.max_staleness=0"
-        )
     if rollout.update_mode != "drain" and not rollout.max_staleness:
         raise ConfigError(
             f"rollout.update_mode={rollout.update_mode} needs rollout.max_staleness >= 1 (in lock-step no "

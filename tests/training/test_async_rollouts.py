@@ -21,15 +21,14 @@ REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def test_max_staleness_refuses_a_negative_bound_and_r3_by_name():
+def test_max_staleness_refuses_a_negative_bound_and_takes_r3():
     cfg = RunConfig()
     cfg.rollout.max_staleness = -1
     with pytest.raises(ConfigError, match=r"rollout.max_staleness=-1: must be >= 0"):
         validate(cfg)
     cfg.rollout.max_staleness = 1
-    cfg.algorithm.routing_replay = "r3"
-    with pytest.raises(ConfigError, match=r"routing_replay=r3 with rollout.max_staleness=1"):
-        validate(cfg)
+    cfg.algorithm.routing_replay = "r3"  # replays the behaviour policy's routes, however old
+    validate(cfg)
 
 
 @pytest.mark.slow  # one end-to-end run, ~40 s on a loaded 2-core box
@@ -86,7 +85,8 @@ def test_update_mode_keys_are_validated_by_name():
 
 @pytest.mark.slow  # one end-to-end run, ~60 s on a loaded 2-core box
 def test_partial_rollouts_train_with_every_segment_within_the_bound(tmp_path):
-    """k = 2, update_mode=partial: every trained sample's segment versions are read from the log."""
+    """k = 2, update_mode=partial, R3 and drift: every trained sample's segment versions are read
+    from the log; R3 replays each response's routes merged over its segments."""
     k, steps = 2, 4
     cmd = [
         sys.executable, "-m", "megatron_gspo.cli", "train",
@@ -96,6 +96,7 @@ def test_partial_rollouts_train_with_every_segment_within_the_bound(tmp_path):
         "rollout.rollout_batch_size=8", "rollout.group_size=4", "algorithm.num_mini_batches=2",
         "logging.progress_bar=false", "logging.samples_per_step=32", f"trainer.run_dir={tmp_path}",
         f"rollout.max_staleness={k}", "rollout.update_mode=partial",
+        "algorithm.routing_replay=r3", "drift.enabled=true", "drift.every=1",
     ]  # fmt: skip
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -116,3 +117,5 @@ def test_partial_rollouts_train_with_every_segment_within_the_bound(tmp_path):
     assert all(0 <= r["rollout/staleness_max"] <= k for r in records)
     assert any(r["rollout/staleness_max"] > 0 for r in records)
     assert all(1 <= r["rollout/segments_mean"] for r in records)
+    # behaviour -> current routing drift: the engine's routes (older versions) vs pi_old's
+    assert all(0 <= r["drift/infer_train/mean"] <= 1 for r in records)
