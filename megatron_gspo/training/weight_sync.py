@@ -206,16 +206,18 @@ class WeightSync:
 
         So a refused bucket is known before any server enters another receive: no server is
         left waiting in a broadcast that will not come. What overlaps is the sender's own work:
-        bucket k+1 is gathered and flattened while the servers receive and check bucket k.
+        bucket k+1 is gathered while the servers receive and check bucket k. The sender holds
+        about two buckets: k's flat copy while k+1's tensors are gathered, then k+1's tensors
+        and their flat copy (made once k is answered; the tensors are dropped once copied).
         """
         stats = SyncStats()
         device = torch.device("cpu") if self._backend() == "gloo" else compute_device()
         in_flight = None
         for bucket in buckets:
-            flat = bucket.flatten(device)
             if in_flight is not None:
                 stats.add(self._finish(*in_flight))
-            in_flight = (bucket, flat, *self._start(client, bucket, flat, version))
+                in_flight = None  # its flat copy is freed before the next one is made
+            in_flight = self._start(client, bucket, bucket.flatten_and_release(device), version)
         if in_flight is not None:
             stats.add(self._finish(*in_flight))
         return stats
@@ -232,7 +234,8 @@ class WeightSync:
             load_format=FLATTENED_BUCKET,
             blocking=False,
         )
-        return dist.broadcast(flat, group=self._group.group, group_src=0, async_op=True), answers
+        work = dist.broadcast(flat, group=self._group.group, group_src=0, async_op=True)
+        return bucket, flat, work, answers
 
     def _finish(self, bucket: Bucket, flat: torch.Tensor, work, answers) -> Bucket:
         """Wait until every server received and accepted `bucket` (`flat` is alive until then)."""
