@@ -461,25 +461,6 @@ class SGLangClient:
         """Every server's `/get_server_info` (e.g. `tp_size`: its ranks in a weight-update group)."""
         return self._get_all("/get_server_info")
 
-    def served_weights(self) -> list[tuple[str, str, str | None]]:
-        """(url, weight_version, model_path) of every server, from `/get_model_info`.
-
-        SGLang versions whose model info carries no `weight_version` are asked
-        `/get_weight_version`; one that knows neither reports "unknown".
-        """
-        answers = []
-        for url, info in zip(self.urls, self._get_all("/get_model_info"), strict=True):
-            version = info.get("weight_version")
-            if version is None:
-                try:
-                    response = self._http.get(f"{url}/get_weight_version", timeout=self.health_timeout_s)
-                    response.raise_for_status()
-                    version = response.json().get("weight_version")
-                except (httpx.HTTPError, ValueError, AttributeError):
-                    version = None
-            answers.append((url, "unknown" if version is None else str(version), info.get("model_path")))
-        return answers
-
     def _get_all(self, path: str) -> list[dict[str, Any]]:
         """Every server's JSON answer to GET `path`, in `urls` order."""
         answers = []

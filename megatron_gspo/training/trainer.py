@@ -71,7 +71,7 @@ from megatron_gspo.training.rollout_step import RolloutEngine, rollout_servers
 from megatron_gspo.training.routing_step import StepRouting
 from megatron_gspo.training.run_lock import RunLock, lock_path
 from megatron_gspo.training.run_setup import load_tokenizer, weight_sync_dir
-from megatron_gspo.training.server_checks import refuse_unfit_servers, servers_not_serving
+from megatron_gspo.training.server_checks import check_servers
 from megatron_gspo.training.sft import run_sft
 from megatron_gspo.training.shm_exports import claim_export_dir
 from megatron_gspo.training.step_metrics import (
@@ -503,20 +503,16 @@ class Trainer:
                               samples_per_step=cfg.logging.samples_per_step)
                 if self.rank0 else None
             )  # fmt: skip
-            on_rank0(
-                lambda: refuse_unfit_servers(
-                    client.urls,
-                    client.server_info(),
+            stale = on_rank0(  # trust no server on its launch flags: ask what each one serves
+                lambda: check_servers(
+                    client,
                     sync_method=cfg.weight_sync.method,
                     routed_experts=self._routed_experts_layout() is not None,
+                    version=self.weight_version,
+                    expected_path=start_dir or cfg.model.hf_path,
                 )
             )
-            if not must_sync:  # trust no server on its launch flags: ask what each one serves
-                stale = on_rank0(
-                    lambda: servers_not_serving(
-                        client.served_weights(), self.weight_version, start_dir or cfg.model.hf_path
-                    )
-                )
+            if not must_sync:
                 for problem in stale:
                     logger.warning("start-up: %s", problem)
                 must_sync = bool(stale)
