@@ -54,6 +54,7 @@ from megatron_gspo.rollout.server_protocol import TENSOR_LOAD_FORMAT, serialize_
 from megatron_gspo.rollout.update_group import destroy_update_group, init_update_group
 from megatron_gspo.rollout.weight_receiver import FLATTENED_BUCKET
 from megatron_gspo.training.server_checks import refuse_unfit_servers
+from megatron_gspo.training.termination import protocol_step
 
 logger = logging.getLogger(__name__)
 
@@ -224,17 +225,18 @@ class WeightSync:
 
     def _start(self, client: SGLangClient, bucket: Bucket, flat: torch.Tensor, version: int) -> tuple:
         """Announce `bucket` to the servers (answers in the background), then broadcast it."""
-        answers = client.update_weights_from_distributed(
-            bucket.names,
-            bucket.dtypes,
-            bucket.shapes,
-            group_name=self._group.name,
-            flush_cache=False,
-            weight_version=version if bucket.last else None,
-            load_format=FLATTENED_BUCKET,
-            blocking=False,
-        )
-        work = dist.broadcast(flat, group=self._group.group, group_src=0, async_op=True)
+        with protocol_step():  # a server told to receive always gets the broadcast
+            answers = client.update_weights_from_distributed(
+                bucket.names,
+                bucket.dtypes,
+                bucket.shapes,
+                group_name=self._group.name,
+                flush_cache=False,
+                weight_version=version if bucket.last else None,
+                load_format=FLATTENED_BUCKET,
+                blocking=False,
+            )
+            work = dist.broadcast(flat, group=self._group.group, group_src=0, async_op=True)
         return bucket, flat, work, answers
 
     def _finish(self, bucket: Bucket, flat: torch.Tensor, work, answers) -> Bucket:
@@ -263,24 +265,25 @@ class WeightSync:
             port = self.cfg.master_port or _free_port()
             self._generation += 1
             name = f"{GROUP_NAME}_{self._generation}"  # a retry never meets a half-dead group's keys
-            answers = client.init_weights_update_group(
-                master_address=address,
-                master_port=port,
-                world_size=world,
-                rank_offsets=offsets,
-                group_name=name,
-                backend=self._backend(),
-                blocking=False,
-            )
-            group = init_update_group(
-                master_address=address,
-                master_port=port,
-                rank=0,
-                world_size=world,
-                group_name=name,
-                backend=self._backend(),
-                timeout_s=self.cfg.timeout_s,
-            )
+            with protocol_step():  # servers told to join always meet rank 0 there
+                answers = client.init_weights_update_group(
+                    master_address=address,
+                    master_port=port,
+                    world_size=world,
+                    rank_offsets=offsets,
+                    group_name=name,
+                    backend=self._backend(),
+                    blocking=False,
+                )
+                group = init_update_group(
+                    master_address=address,
+                    master_port=port,
+                    rank=0,
+                    world_size=world,
+                    group_name=name,
+                    backend=self._backend(),
+                    timeout_s=self.cfg.timeout_s,
+                )
             answers.result(timeout=self.cfg.timeout_s)
             self._group = _Group(group, name)
             logger.info("weight-update group %s: %d server rank(s) at %s:%d", name, world - 1, address, port)
