@@ -1,12 +1,17 @@
-"""SIGTERM as an orderly exit that never cuts a weight-update protocol step in half.
+"""SIGTERM as an orderly exit that is never lost and never cuts a weight-update step in half.
 
 `megatron-gspo train` turns SIGTERM into `SystemExit(143)` so the run unwinds like Ctrl-C (the
-embedded rollout server is stopped, exported weights removed). Raised between announcing a
-bucket (or a group join) to the servers and the trainer's matching broadcast (or join), that exit
-would leave every server inside a receive holding its weight-update lock until its timeout
-(600 s by default), and the unwinding trainer would wait on them: on the abort of the session,
-and on the announce request still in flight when the client closes. Inside
-`protocol_step()` the signal is held and acted on when the step has been issued.
+embedded rollout server is stopped, exported weights removed). Two ways that went wrong:
+
+- Python runs a signal handler in the main thread at whatever bytecode it is at, and an
+  exception raised inside an at-fork hook, a `__del__` or a gc callback is printed ("Exception
+  ignored in ...") and dropped: a SIGTERM landing in logging's at-fork hook while a checkpoint
+  save forked its writers was lost, and the run trained on. The signal is therefore also
+  recorded, and `exit_if_terminated()` (every step) raises the exit a dropped one would have.
+- Raised between announcing a bucket (or a group join) to the servers and the trainer's matching
+  broadcast (or join), the exit left every server inside a receive holding its weight-update
+  lock until its timeout (600 s by default), and the unwinding trainer waited on them. Inside
+  `protocol_step()` the signal is held and acted on once the step has been issued.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-_held: list[int] = []
+_received: list[int] = []
 _depth = 0
 
 
@@ -27,10 +32,15 @@ def exit_on_sigterm() -> None:
 
 
 def _exit_or_hold(signum: int, frame) -> None:
-    if _depth:
-        _held.append(signum)
-        return
-    sys.exit(128 + signum)
+    _received.append(signum)
+    if not _depth:
+        sys.exit(128 + signum)
+
+
+def exit_if_terminated() -> None:
+    """Raise the exit of a SIGTERM received earlier (its own may have been dropped where it landed)."""
+    if _received and not _depth:
+        sys.exit(128 + _received[0])
 
 
 @contextlib.contextmanager
@@ -48,7 +58,4 @@ def protocol_step() -> Iterator[None]:
         yield
     finally:
         _depth -= 1
-        if not _depth and _held:
-            signum = _held.pop()
-            _held.clear()
-            sys.exit(128 + signum)
+        exit_if_terminated()

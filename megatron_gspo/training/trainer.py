@@ -79,6 +79,7 @@ from megatron_gspo.training.step_metrics import (
     peak_memory_metrics,
     progress_label,
 )
+from megatron_gspo.training.termination import exit_if_terminated
 from megatron_gspo.training.token_kl_step import apply_token_level_kl
 from megatron_gspo.training.update import (
     dp_group,
@@ -495,6 +496,7 @@ class Trainer:
                 gc.collect()  # what start-up left behind; the rest (torch, megatron, the model) lives on:
                 gc.freeze()  # frozen, it is not rescanned by each full collection (0.2-0.3 s apiece)
                 while self.step < cfg.trainer.steps:
+                    exit_if_terminated()  # a SIGTERM whose exit was dropped where it landed
                     t0 = time.perf_counter()
                     metrics = self.train_step(engine)
                     last = self.step == cfg.trainer.steps

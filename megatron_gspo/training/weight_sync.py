@@ -213,30 +213,35 @@ class WeightSync:
         """
         stats = SyncStats()
         device = torch.device("cpu") if self._backend() == "gloo" else compute_device()
-        in_flight = None
-        for bucket in buckets:
-            if in_flight is not None:
-                stats.add(self._finish(*in_flight))
-                in_flight = None  # its flat copy is freed before the next one is made
-            in_flight = self._start(client, bucket, bucket.flatten_and_release(device), version)
-        if in_flight is not None:
-            stats.add(self._finish(*in_flight))
+        in_flight: list[tuple] = []  # the bucket out, if any
+        try:
+            for bucket in buckets:
+                if in_flight:  # popped first: its flat copy is freed before the next one is made
+                    stats.add(self._finish(*in_flight.pop()))
+                with protocol_step():  # a server told to receive always gets the broadcast
+                    in_flight.append(self._start(client, bucket, bucket.flatten_and_release(device), version))
+        except BaseException:  # an error or an exit with a bucket out: the servers finish it
+            if in_flight:  # (within timeout_s) before the session is aborted
+                with contextlib.suppress(Exception):
+                    self._finish(*in_flight.pop())
+            raise
+        if in_flight:
+            stats.add(self._finish(*in_flight.pop()))
         return stats
 
     def _start(self, client: SGLangClient, bucket: Bucket, flat: torch.Tensor, version: int) -> tuple:
         """Announce `bucket` to the servers (answers in the background), then broadcast it."""
-        with protocol_step():  # a server told to receive always gets the broadcast
-            answers = client.update_weights_from_distributed(
-                bucket.names,
-                bucket.dtypes,
-                bucket.shapes,
-                group_name=self._group.name,
-                flush_cache=False,
-                weight_version=version if bucket.last else None,
-                load_format=FLATTENED_BUCKET,
-                blocking=False,
-            )
-            work = dist.broadcast(flat, group=self._group.group, group_src=0, async_op=True)
+        answers = client.update_weights_from_distributed(
+            bucket.names,
+            bucket.dtypes,
+            bucket.shapes,
+            group_name=self._group.name,
+            flush_cache=False,
+            weight_version=version if bucket.last else None,
+            load_format=FLATTENED_BUCKET,
+            blocking=False,
+        )
+        work = dist.broadcast(flat, group=self._group.group, group_src=0, async_op=True)
         return bucket, flat, work, answers
 
     def _finish(self, bucket: Bucket, flat: torch.Tensor, work, answers) -> Bucket:

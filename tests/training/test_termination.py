@@ -1,12 +1,14 @@
-"""SIGTERM during a weight sync: the run exits promptly and no server is left inside a receive.
+"""SIGTERM as `megatron-gspo train` handles it: SystemExit(143), never lost, never mid-protocol.
 
-`megatron-gspo train` turns SIGTERM into SystemExit(143). Delivered right after a bucket was
-announced to the server and before the trainer's broadcast, that exit would leave the server
+A SystemExit raised by the handler inside an at-fork hook or a `__del__` is dropped by Python;
+the recorded signal raises it again at the next check. Delivered right after a bucket was
+announced to the server and before the trainer's broadcast, the exit would leave the server
 waiting in its receive (holding its weight-update lock), and the unwinding trainer would wait on
 it: its abort of the session queues behind the receive until the client's timeout.
 """
 
 import signal
+import sys
 import time
 
 import pytest
@@ -19,7 +21,8 @@ from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed,
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.server_launch import launch_embedded_server
-from megatron_gspo.training.termination import exit_on_sigterm, protocol_step
+from megatron_gspo.training import termination
+from megatron_gspo.training.termination import exit_if_terminated, exit_on_sigterm, protocol_step
 from megatron_gspo.training.weight_sync import WeightSync
 
 CFG = tiny(vocab_size=80)
@@ -27,11 +30,31 @@ CLIENT_TIMEOUT_S = 15.0
 
 
 @pytest.fixture
-def sigterm_exits():
+def sigterm_exits(monkeypatch):
+    monkeypatch.setattr(termination, "_received", [])  # this test's signals stay in this test
     previous = signal.getsignal(signal.SIGTERM)
     exit_on_sigterm()
     yield
     signal.signal(signal.SIGTERM, previous)
+
+
+class SignalledWhileCollected:
+    """Receives SIGTERM inside `__del__`, where Python prints and drops the handler's SystemExit
+    (as in logging's at-fork hook while a checkpoint save forks its writers)."""
+
+    def __del__(self):
+        signal.raise_signal(signal.SIGTERM)
+
+
+def test_an_exit_dropped_where_the_signal_landed_is_raised_at_the_next_check(sigterm_exits, monkeypatch):
+    exit_if_terminated()  # nothing received: nothing to do
+    dropped = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: dropped.append(unraisable.exc_type))
+    SignalledWhileCollected()  # collected at once (no reference left)
+    assert dropped == [SystemExit]  # what Python reports as "Exception ignored in ..."
+    with pytest.raises(SystemExit) as exited:
+        exit_if_terminated()
+    assert exited.value.code == 128 + signal.SIGTERM
 
 
 def test_sigterm_waits_for_an_open_protocol_step(sigterm_exits):
