@@ -15,10 +15,9 @@ The reference is a frozen copy of the policy (`training/reference.py`).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
-from bench_train_step import Setup, paired_ratio, timed
+from bench_train_step import Setup, paired_ratio, print_measured, timed
 
 
 def measure(quick: bool = False) -> dict[str, float]:
@@ -72,13 +71,5 @@ def _model_cfg(cfg):
     return build_model_config(cfg)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 repeats instead of 15")
-    args = parser.parse_args()
-    for key, value in measure(args.quick).items():
-        print(f"{key:28s} {value:10.3f}")
-
-
 if __name__ == "__main__":
-    main()
+    print_measured(measure, __doc__.splitlines()[0])

@@ -218,8 +218,14 @@ def measure(quick: bool = False) -> dict[str, float]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def print_measured(measure, description: str) -> None:
+    """A benchmark's command line: `--quick` (3 repeats instead of 15), then each measured value.
+
+    Args:
+        measure: takes `quick` and returns the named values to print.
+        description: the `--help` text (the benchmark's first docstring line).
+    """
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="3 repeats instead of 15")
     args = parser.parse_args()
     for key, value in measure(args.quick).items():
@@ -227,4 +233,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    print_measured(measure, __doc__.splitlines()[0])

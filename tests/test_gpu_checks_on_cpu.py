@@ -83,3 +83,11 @@ def test_memory_workload_and_plan_estimate():
     estimate = checks.plan_estimate(model_cfg, CPU, samples=2, seq_len=64, flash_attention=False)
     assert estimate.model_states > 0 and estimate.activation > 0
     assert torch.isfinite(torch.tensor(checks.memory_workload(model_cfg, CPU, samples=2, seq_len=64)))
+
+
+def test_memory_verdict_holds_the_margin_the_plan_relies_on():
+    estimate = checks.MemoryEstimate(model_states=6 * 2**30, activation=2 * 2**30)
+    assert "= 1.05x" in checks.memory_verdict(int(1.05 * estimate.total), estimate)
+    for ratio in (0.8, 1.08):  # a plan 8% low would pass a 235B layout that runs out of memory
+        with pytest.raises(AssertionError, match=f"= {ratio:.2f}x"):
+            checks.memory_verdict(int(ratio * estimate.total), estimate)

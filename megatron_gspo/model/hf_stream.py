@@ -119,23 +119,19 @@ class Bucket:
     """No bucket follows (SGLang's `weight_version` rides on the last one)."""
     names: list[str] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    """SGLang's dtype strings (`bfloat16`, `float32`, ...), in order."""
+    shapes: list[list[int]] = field(default_factory=list)
+    """Each tensor's shape, in order."""
     nbytes: int = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Append one tensor."""
         self.names.append(name)
         self.tensors.append(tensor)
+        self.dtypes.append(str(tensor.dtype).removeprefix("torch."))
+        self.shapes.append(list(tensor.shape))
         self.nbytes += tensor.numel() * tensor.element_size()
-
-    @property
-    def dtypes(self) -> list[str]:
-        """SGLang's dtype strings (`bfloat16`, `float32`, ...), in order."""
-        return [str(t.dtype).removeprefix("torch.") for t in self.tensors]
-
-    @property
-    def shapes(self) -> list[list[int]]:
-        """Each tensor's shape, in order."""
-        return [list(t.shape) for t in self.tensors]
 
     def flatten(self, device: torch.device | str | None = None) -> torch.Tensor:
         """All tensors' bytes, concatenated in order: a uint8 tensor of `nbytes` on `device`.
@@ -153,6 +149,17 @@ class Bucket:
             raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
             flat[offset : offset + raw.numel()].copy_(raw)
             offset += raw.numel()
+        return flat
+
+    def flatten_and_release(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """`flatten`, then drop the tensors: the flat copy alone holds their bytes from here on.
+
+        Names, dtypes and shapes stay for the request that announces the bucket. A gathered
+        tensor is a fresh copy that only the bucket holds, so keeping the tensors beside the
+        flat copy would double the sender's memory per bucket.
+        """
+        flat = self.flatten(device)
+        self.tensors = []
         return flat
 
 

@@ -28,7 +28,7 @@ import concurrent.futures as cf
 import itertools
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -54,13 +54,46 @@ class _TransientError(Exception):
         self.description = description
 
 
+class _NotSent(Exception):
+    """A job of a batch that had already failed: it was never sent."""
+
+
 class _Batch:
     """One `generate`/`generate_batched` call: its stop signal, and which server each job is on."""
 
-    def __init__(self, rids: list[list[str | None]]):
+    def __init__(self, rids: list[list[str | None]], on_failed: Callable[[], None] | None = None):
         self.rids = rids  # per job, the request ids of its rows
         self.failed = threading.Event()
         self.servers: dict[int, str] = {}  # job -> server of its attempt in flight
+        self._on_failed = on_failed
+        self._lock = threading.Lock()
+
+    def fail(self) -> None:
+        """Stop the batch (once): wake backoff sleeps, stop retries, send no queued job."""
+        with self._lock:
+            if self.failed.is_set():
+                return
+            self.failed.set()
+        if self._on_failed is not None:
+            self._on_failed()
+
+    def start(self, pool: cf.Executor, send: Callable[..., Any], jobs: Sequence) -> list[cf.Future]:
+        """Submit `send(job, self, index)` for each job; the futures in job order."""
+        return [pool.submit(self._run, send, job, index) for index, job in enumerate(jobs)]
+
+    def _run(self, send: Callable[..., Any], job: Any, index: int) -> Any:
+        """Run one job unless the batch has failed; a job failing for good stops the batch at once.
+
+        So a failure stops the queued jobs in the thread that saw it, without waiting for the
+        caller's thread to wake up and cancel them.
+        """
+        if self.failed.is_set():
+            raise _NotSent
+        try:
+            return send(job, self, index)
+        except Exception:
+            self.fail()
+            raise
 
     def in_flight(self, jobs: list[int]) -> dict[str, list[str]]:
         """Server -> request ids (where known) of those of `jobs` that are on a server now."""
@@ -132,6 +165,10 @@ class SGLangClient:
         self._in_flight = dict.fromkeys(self.urls, 0)
         self._turn = itertools.count()
 
+    on_batch_failed: Callable[[], None] | None = None
+    """Called once when a `generate` / `generate_batched` call fails (a request failed for good or
+    the batch timed out), from the thread that saw it, before any queued request is dropped."""
+
     # ---- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -165,8 +202,8 @@ class SGLangClient:
         """
         if not requests:
             return []
-        batch = _Batch([[body.get("rid")] for body in requests])
-        futures = [self._pool.submit(self._generate_one, body, batch, i) for i, body in enumerate(requests)]
+        batch = _Batch([[body.get("rid")] for body in requests], self.on_batch_failed)
+        futures = batch.start(self._pool, self._generate_one, requests)
         self._wait_batch(futures, batch)
         return [f.result() for f in futures]
 
@@ -186,8 +223,8 @@ class SGLangClient:
         n_chunks = min(len(self.urls), len(requests))
         bounds = [len(requests) * i // n_chunks for i in range(n_chunks + 1)]
         chunks = [list(requests[a:b]) for a, b in zip(bounds, bounds[1:])]
-        batch = _Batch([[row.get("rid") for row in chunk] for chunk in chunks])
-        futures = [self._pool.submit(self._generate_rows, chunk, batch, i) for i, chunk in enumerate(chunks)]
+        batch = _Batch([[row.get("rid") for row in chunk] for chunk in chunks], self.on_batch_failed)
+        futures = batch.start(self._pool, self._generate_rows, chunks)
         self._wait_batch(futures, batch)
         return [response for f in futures for response in f.result()]
 
@@ -199,10 +236,10 @@ class SGLangClient:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
         done, pending = cf.wait(futures, timeout=left(), return_when=cf.FIRST_EXCEPTION)
-        errors = [f for f in futures if f in done and f.exception() is not None]
+        errors = [f for f in futures if f in done and f.exception() is not None and not _not_sent(f)]
         if not errors and not pending:
             return
-        batch.failed.set()  # wakes backoff sleeps and stops further retries of this batch
+        batch.fail()  # wakes backoff sleeps and stops further retries of this batch
         for f in futures:
             f.cancel()
         # Nothing of a failed batch may still be running when we raise, within the time cap.
@@ -213,7 +250,7 @@ class SGLangClient:
         in_flight = batch.in_flight([jobs[f] for f in running])
         for url, rids in in_flight.items():
             self._background.submit(self._abort, url, rids)
-        unfinished = [job for f, job in jobs.items() if not f.done() or f.cancelled()]
+        unfinished = [job for f, job in jobs.items() if not f.done() or f.cancelled() or _not_sent(f)]
         raise RolloutBatchTimeoutError(
             timeout_s=self.batch_timeout_s,
             pending_urls=sorted(in_flight),
@@ -461,25 +498,6 @@ class SGLangClient:
         """Every server's `/get_server_info` (e.g. `tp_size`: its ranks in a weight-update group)."""
         return self._get_all("/get_server_info")
 
-    def served_weights(self) -> list[tuple[str, str, str | None]]:
-        """(url, weight_version, model_path) of every server, from `/get_model_info`.
-
-        SGLang versions whose model info carries no `weight_version` are asked
-        `/get_weight_version`; one that knows neither reports "unknown".
-        """
-        answers = []
-        for url, info in zip(self.urls, self._get_all("/get_model_info"), strict=True):
-            version = info.get("weight_version")
-            if version is None:
-                try:
-                    response = self._http.get(f"{url}/get_weight_version", timeout=self.health_timeout_s)
-                    response.raise_for_status()
-                    version = response.json().get("weight_version")
-                except (httpx.HTTPError, ValueError, AttributeError):
-                    version = None
-            answers.append((url, "unknown" if version is None else str(version), info.get("model_path")))
-        return answers
-
     def _get_all(self, path: str) -> list[dict[str, Any]]:
         """Every server's JSON answer to GET `path`, in `urls` order."""
         answers = []
@@ -666,6 +684,11 @@ class SGLangClient:
     def _release(self, url: str) -> None:
         with self._lock:
             self._in_flight[url] -= 1
+
+
+def _not_sent(future: cf.Future) -> bool:
+    """Whether a finished job was dropped because its batch had already failed."""
+    return not future.cancelled() and isinstance(future.exception(), _NotSent)
 
 
 def _server_message(response: httpx.Response) -> str:

@@ -142,7 +142,9 @@ def run_train(args: argparse.Namespace) -> int:
     if relaunching:
         return relaunch(args.nproc)
     # SIGTERM unwinds like Ctrl-C, so the embedded rollout server and exported weights are cleaned up.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    from megatron_gspo.training.termination import exit_on_sigterm
+
+    exit_on_sigterm()
     rank0 = os.environ.get("RANK", "0") == "0"
     logging.basicConfig(
         level=cfg.logging.level.upper() if rank0 else logging.WARNING,

@@ -9,6 +9,11 @@ instead of failing the first weight sync after minutes of retries:
   runs one server per DP replica (`launch/sglang_servers.sh` does with DP > 1), each URL in
   `rollout.server_urls`; `weight_sync.method: disk` works with any dp_size.
 - Routing Replay R3 and the drift metrics need `--enable-return-routed-experts`.
+
+A server that does not serve the trainer's weights (version or checkpoint) is synced before the
+first evaluation. Both checks read one `/get_server_info` per server (`check_servers`): SGLang's
+answer holds its server arguments, among them `model_path` and the `weight_version` its weight
+updates set.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from megatron_gspo.errors import ConfigError
+from megatron_gspo.rollout.client import SGLangClient
 
 _DP_FIX = (
     "launch one server per DP replica (launch/sglang_servers.sh with DP={dp} does) and list every "
@@ -89,3 +95,37 @@ def servers_not_serving(
         elif not same_path(model_path, expected_path):
             problems.append(f"{url} serves {model_path}, not {expected_path}: syncing")
     return problems
+
+
+def served_weights(
+    urls: Sequence[str], infos: Sequence[Mapping[str, Any]]
+) -> list[tuple[str, str, str | None]]:
+    """(url, weight_version, model_path) of each server from its `/get_server_info` answer.
+
+    A server whose answer carries no `weight_version` reports "unknown" (so it is synced).
+    """
+    return [
+        (url, str(info.get("weight_version", "unknown")), info.get("model_path"))
+        for url, info in zip(urls, infos, strict=True)
+    ]
+
+
+def check_servers(
+    client: SGLangClient,
+    *,
+    sync_method: str,
+    routed_experts: bool,
+    version: int,
+    expected_path: str | os.PathLike | None,
+) -> list[str]:
+    """`refuse_unfit_servers`, then `servers_not_serving`, from one `/get_server_info` per server.
+
+    Returns:
+        Why each out-of-date server is (empty: every server serves the trainer's weights).
+
+    Raises:
+        ConfigError: a server the run cannot use (see `refuse_unfit_servers`).
+    """
+    infos = client.server_info()
+    refuse_unfit_servers(client.urls, infos, sync_method=sync_method, routed_experts=routed_experts)
+    return servers_not_serving(served_weights(client.urls, infos), version, expected_path)

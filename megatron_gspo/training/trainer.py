@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import math
 import os
 import shutil
 import time
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.algorithms import RunningMeanStd, compute_group_advantages
+from megatron_gspo.algorithms import RunningMeanStd
 from megatron_gspo.algorithms.token_kl import KLController
 from megatron_gspo.config import (
     ConfigError,
@@ -61,6 +60,7 @@ from megatron_gspo.tasks import PromptStream, evaluate_accuracy
 from megatron_gspo.tasks.prompt_check import check_prompts
 from megatron_gspo.tasks.tokenizer import resolve_add_bos
 from megatron_gspo.training.batch_scatter import scatter_rank_rows
+from megatron_gspo.training.batch_scoring import score_batch
 from megatron_gspo.training.checkpoint import load_checkpoint, resumable_step, save_checkpoint
 from megatron_gspo.training.checkpoint_meta import step_dir_name
 from megatron_gspo.training.inflight_updates import InFlightUpdates
@@ -74,15 +74,15 @@ from megatron_gspo.training.routing_step import StepRouting
 from megatron_gspo.training.run_lock import RunLock, lock_path
 from megatron_gspo.training.run_setup import load_tokenizer, weight_sync_dir
 from megatron_gspo.training.segment_staleness import mask_stale_tokens, staleness_metrics, trainable_version
-from megatron_gspo.training.server_checks import refuse_unfit_servers, servers_not_serving
+from megatron_gspo.training.server_checks import check_servers
 from megatron_gspo.training.sft import run_sft
 from megatron_gspo.training.shm_exports import claim_export_dir
 from megatron_gspo.training.step_metrics import (
     async_metrics,
     peak_memory_metrics,
     progress_label,
-    rollout_metrics,
 )
+from megatron_gspo.training.termination import exit_if_terminated
 from megatron_gspo.training.token_kl_step import apply_token_level_kl
 from megatron_gspo.training.update import (
     dp_group,
@@ -95,22 +95,6 @@ from megatron_gspo.training.update import (
 from megatron_gspo.training.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
-
-
-def _fit_layout(
-    batch: RolloutBatch, advantages: torch.Tensor, multiple: int
-) -> tuple[RolloutBatch, torch.Tensor]:
-    """Drop trailing groups (after dropped bad groups) so the rows split into mini-batches x DP."""
-    keep = batch.batch_size - batch.batch_size % math.lcm(multiple, batch.group_size)
-    if keep == batch.batch_size:
-        return batch, advantages
-    if not keep:
-        return None, advantages[:0]
-    trimmed = RolloutBatch.from_samples(
-        batch.samples[:keep], batch.group_size, pad_token_id=int(batch.tokens[0, -1])
-    )
-    trimmed.stats = {**batch.stats, "trimmed_samples": batch.batch_size - keep}
-    return trimmed, advantages[:keep]
 
 
 class Trainer:
@@ -369,30 +353,8 @@ class Trainer:
 
     def _score(self, batch: RolloutBatch) -> tuple[Any, torch.Tensor, dict[str, Any]]:
         """Rank 0: a sampled batch's advantages and what every rank must know about it."""
-        algo = self.cfg.algorithm
-        metrics = rollout_metrics(batch)
         self.sample_rows = batch.stats.get("sample_rows", [])  # rank 0 writes them with the step's record
-        token_kl = algo.add_token_level_kl  # then whitening and the advantage clip act per token, later
-        advantages, adv_metrics = compute_group_advantages(
-            batch.rewards,
-            batch.group_size,
-            eps=algo.advantage_eps,
-            reward_clip=algo.reward_clip,
-            reward_norm=effective_reward_norm(algo),
-            reward_shift=algo.reward_shift,
-            reward_scale=algo.reward_scale,
-            whiten_advantages=algo.whiten_advantages and not token_kl,
-            response_lengths=batch.response_lengths,
-            advantage_clip=None if token_kl else algo.advantage_clip,
-            running_stats=self.running,
-        )
-        metrics.update({k: float(v) for k, v in adv_metrics.items()})
-        dropped = int(batch.stats.get("dropped_groups", 0))
-        batch, advantages = _fit_layout(batch, advantages, algo.num_mini_batches * self.layout.dp_size)
-        all_zero = batch is None or bool((advantages == 0).all())
-        tokens = 0 if all_zero else int((batch.prompt_lengths + batch.response_lengths).sum())
-        shared = {"metrics": metrics, "dropped_groups": dropped, "all_zero": all_zero, "train_tokens": tokens}
-        return batch, advantages, shared
+        return score_batch(batch, self.cfg.algorithm, self.running, self.layout.dp_size)
 
     def train_step(self, engine: RolloutEngine | None) -> dict[str, float]:
         """One RL step (collective); returns its metrics."""
@@ -514,20 +476,16 @@ class Trainer:
                               samples_per_step=cfg.logging.samples_per_step)
                 if self.rank0 else None
             )  # fmt: skip
-            on_rank0(
-                lambda: refuse_unfit_servers(
-                    client.urls,
-                    client.server_info(),
+            stale = on_rank0(  # trust no server on its launch flags: ask what each one serves
+                lambda: check_servers(
+                    client,
                     sync_method=cfg.weight_sync.method,
                     routed_experts=self._routed_experts_layout() is not None,
+                    version=self.weight_version,
+                    expected_path=start_dir or cfg.model.hf_path,
                 )
             )
-            if not must_sync:  # trust no server on its launch flags: ask what each one serves
-                stale = on_rank0(
-                    lambda: servers_not_serving(
-                        client.served_weights(), self.weight_version, start_dir or cfg.model.hf_path
-                    )
-                )
+            if not must_sync:
                 for problem in stale:
                     logger.warning("start-up: %s", problem)
                 must_sync = bool(stale)
@@ -549,6 +507,7 @@ class Trainer:
                 gc.collect()  # what start-up left behind; the rest (torch, megatron, the model) lives on:
                 gc.freeze()  # frozen, it is not rescanned by each full collection (0.2-0.3 s apiece)
                 while self.step < cfg.trainer.steps:
+                    exit_if_terminated()  # a SIGTERM whose exit was dropped where it landed
                     t0 = time.perf_counter()
                     metrics = self.train_step(engine)
                     last = self.step == cfg.trainer.steps

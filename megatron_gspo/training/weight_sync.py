@@ -54,6 +54,7 @@ from megatron_gspo.rollout.server_protocol import TENSOR_LOAD_FORMAT, serialize_
 from megatron_gspo.rollout.update_group import destroy_update_group, init_update_group
 from megatron_gspo.rollout.weight_receiver import FLATTENED_BUCKET
 from megatron_gspo.training.server_checks import refuse_unfit_servers
+from megatron_gspo.training.termination import protocol_step
 
 logger = logging.getLogger(__name__)
 
@@ -206,18 +207,26 @@ class WeightSync:
 
         So a refused bucket is known before any server enters another receive: no server is
         left waiting in a broadcast that will not come. What overlaps is the sender's own work:
-        bucket k+1 is gathered and flattened while the servers receive and check bucket k.
+        bucket k+1 is gathered while the servers receive and check bucket k. The sender holds
+        about two buckets: k's flat copy while k+1's tensors are gathered, then k+1's tensors
+        and their flat copy (made once k is answered; the tensors are dropped once copied).
         """
         stats = SyncStats()
         device = torch.device("cpu") if self._backend() == "gloo" else compute_device()
-        in_flight = None
-        for bucket in buckets:
-            flat = bucket.flatten(device)
-            if in_flight is not None:
-                stats.add(self._finish(*in_flight))
-            in_flight = (bucket, flat, *self._start(client, bucket, flat, version))
-        if in_flight is not None:
-            stats.add(self._finish(*in_flight))
+        in_flight: list[tuple] = []  # the bucket out, if any
+        try:
+            for bucket in buckets:
+                if in_flight:  # popped first: its flat copy is freed before the next one is made
+                    stats.add(self._finish(*in_flight.pop()))
+                with protocol_step():  # a server told to receive always gets the broadcast
+                    in_flight.append(self._start(client, bucket, bucket.flatten_and_release(device), version))
+        except BaseException:  # an error or an exit with a bucket out: the servers finish it
+            if in_flight:  # (within timeout_s) before the session is aborted
+                with contextlib.suppress(Exception):
+                    self._finish(*in_flight.pop())
+            raise
+        if in_flight:
+            stats.add(self._finish(*in_flight.pop()))
         return stats
 
     def _start(self, client: SGLangClient, bucket: Bucket, flat: torch.Tensor, version: int) -> tuple:
@@ -232,7 +241,8 @@ class WeightSync:
             load_format=FLATTENED_BUCKET,
             blocking=False,
         )
-        return dist.broadcast(flat, group=self._group.group, group_src=0, async_op=True), answers
+        work = dist.broadcast(flat, group=self._group.group, group_src=0, async_op=True)
+        return bucket, flat, work, answers
 
     def _finish(self, bucket: Bucket, flat: torch.Tensor, work, answers) -> Bucket:
         """Wait until every server received and accepted `bucket` (`flat` is alive until then)."""
@@ -260,24 +270,25 @@ class WeightSync:
             port = self.cfg.master_port or _free_port()
             self._generation += 1
             name = f"{GROUP_NAME}_{self._generation}"  # a retry never meets a half-dead group's keys
-            answers = client.init_weights_update_group(
-                master_address=address,
-                master_port=port,
-                world_size=world,
-                rank_offsets=offsets,
-                group_name=name,
-                backend=self._backend(),
-                blocking=False,
-            )
-            group = init_update_group(
-                master_address=address,
-                master_port=port,
-                rank=0,
-                world_size=world,
-                group_name=name,
-                backend=self._backend(),
-                timeout_s=self.cfg.timeout_s,
-            )
+            with protocol_step():  # servers told to join always meet rank 0 there
+                answers = client.init_weights_update_group(
+                    master_address=address,
+                    master_port=port,
+                    world_size=world,
+                    rank_offsets=offsets,
+                    group_name=name,
+                    backend=self._backend(),
+                    blocking=False,
+                )
+                group = init_update_group(
+                    master_address=address,
+                    master_port=port,
+                    rank=0,
+                    world_size=world,
+                    group_name=name,
+                    backend=self._backend(),
+                    timeout_s=self.cfg.timeout_s,
+                )
             answers.result(timeout=self.cfg.timeout_s)
             self._group = _Group(group, name)
             logger.info("weight-update group %s: %d server rank(s) at %s:%d", name, world - 1, address, port)

@@ -46,8 +46,17 @@ HF_BF16_TOL = (0.3, 0.015)
 RL_BF16_MISMATCH_TOL = 0.05
 INIT_STD = 0.05
 """Init std of the models compared against a reference (see the tolerances above)."""
-MEMORY_FACTOR = 2.0
-"""Measured peak / plan estimate must lie in [1 / MEMORY_FACTOR, MEMORY_FACTOR]."""
+MEMORY_BAND = (0.85, 1.06)
+"""Measured peak / plan estimate must lie in this band: the margin `plan`'s layouts rely on.
+
+Above: the 235B-A22B layout fits at 68.8 GiB per stage (model states + activation) plus the 6 GiB
+reserve (CUDA context, NCCL buffers, fragmentation: none of them in torch's allocated bytes) =
+74.8 of the 79.1 GiB torch gets of an H100, so 4.3 GiB (6% of 68.8) is all that absorbs a peak
+above the estimate; a plan low by more would pass a layout that runs out of memory. Below: model
+states are exact byte counts, so a peak 15% under the estimate means the activation model counts
+tensors that are not there, and `plan` would refuse layouts that fit (the 235B without PP is
+refused by 3%).
+"""
 
 
 def te_import_error() -> str | None:
@@ -349,14 +358,15 @@ def plan_estimate(model_cfg, engine, *, samples: int, seq_len: int, flash_attent
 
 
 def memory_verdict(measured: int, estimate: MemoryEstimate) -> str:
-    """Figure of measured peak bytes vs the estimate; raises when outside `MEMORY_FACTOR` either way."""
+    """Figure of measured peak bytes vs the estimate; raises when outside `MEMORY_BAND`."""
     gib, ratio = 2**30, measured / estimate.total
+    low, high = MEMORY_BAND
     figure = (
         f"peak {measured / gib:.2f} GiB vs plan {estimate.total / gib:.2f} GiB (model states "
         f"{estimate.model_states / gib:.2f} + activation {estimate.activation / gib:.2f}) = {ratio:.2f}x "
-        f"(allowed {1 / MEMORY_FACTOR:g}x-{MEMORY_FACTOR:g}x)"
+        f"(allowed {low:g}x-{high:g}x)"
     )
-    assert 1 / MEMORY_FACTOR <= ratio <= MEMORY_FACTOR, figure
+    assert low <= ratio <= high, figure
     return figure
 
 

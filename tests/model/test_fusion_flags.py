@@ -1,4 +1,4 @@
-"""The fused-kernel decision table (model/fusion.py), with the machine's facts passed explicitly."""
+"""The fused-kernel decision table (model/engine.py), with the machine's facts passed explicitly."""
 
 import dataclasses
 import itertools

@@ -345,12 +345,17 @@ def test_concurrency_bound_is_respected(servers):
 
 
 def test_failed_batch_raises_and_leaves_nothing_running(servers):
-    server = servers(delay_s=0.05, reject_rid="r1")
+    """r0 is held on the server until the client reports the batch failed (r1's 400): by then the
+    eight queued requests must be dropped, whichever thread runs first."""
+    failed = threading.Event()
+    server = servers(reject_rid="r1", hold=failed)
     with client_for(server.url, max_concurrency=2) as client:
+        client.on_batch_failed = failed.set
         with pytest.raises(RolloutRequestError, match="bad request r1"):
             client.generate(requests_for(10))
         assert server.in_flight == 0  # everything of the failed batch finished before the raise
-        assert server.served < 9  # queued requests were cancelled, not sent
+        assert server.generate_attempts == 2 and server.served == 1  # r0, r1; the queued ones not sent
+        client.on_batch_failed = None
         # The client is still usable afterwards.
         server.reject_rid = None
         assert len(client.generate(requests_for(2))) == 2

@@ -19,73 +19,34 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rl_update_common import LR, MINI, T, build_policy, rank_plan
+from rl_update_common import make_batch as make_groups
 
-from megatron_gspo.algorithms import compute_group_advantages
 from megatron_gspo.config import AlgorithmConfig
-from megatron_gspo.model.builder import build_model
-from megatron_gspo.model.config import tiny
-from megatron_gspo.model.convert import load_hf_checkpoint
-from megatron_gspo.model.distributed import (
-    ParallelConfig,
-    compute_device,
-    destroy_distributed,
-    init_distributed,
-)
-from megatron_gspo.model.optim import OptimConfig, build_optimizer, wrap_ddp
-from megatron_gspo.rollout import RolloutBatch, RolloutSample
-from megatron_gspo.training.batch_scatter import scatter_rank_rows
+from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+from megatron_gspo.model.optim import OptimConfig, build_optimizer
 from megatron_gspo.training.micro_batching import DataLayout
-from megatron_gspo.training.update import plan_metrics, plan_rank_rows, recompute_and_measure, train_on_batch
+from megatron_gspo.training.update import plan_metrics, recompute_and_measure, train_on_batch
 
-G, GROUPS, MINI, T, LR, MAX_RESPONSE, BUDGET = 4, 4, 2, 0.7, 0.1, 40, 48
-MODEL = tiny(vocab_size=80)
+MAX_RESPONSE, BUDGET = 40, 48
 
 
-def make_batch() -> tuple[RolloutBatch, torch.Tensor]:
+def response_length(gen: torch.Generator) -> int:
+    """1..8 tokens, or 20..40 for about a third of the responses."""
+    long = bool(torch.rand((), generator=gen) < 0.3)
+    return int(torch.randint(20 if long else 1, (MAX_RESPONSE if long else 8) + 1, (1,), generator=gen))
+
+
+def make_batch():
     """Groups of 2..6-token prompts and 1..40-token responses (a few long, most short)."""
-    gen = torch.Generator().manual_seed(0)
-    samples = []
-    for g in range(GROUPS):
-        prompt = torch.randint(3, 80, (int(torch.randint(2, 7, (1,), generator=gen)),), generator=gen)
-        for _ in range(G):
-            long = bool(torch.rand((), generator=gen) < 0.3)
-            r = int(torch.randint(20 if long else 1, (MAX_RESPONSE if long else 8) + 1, (1,), generator=gen))
-            samples.append(
-                RolloutSample(
-                    prompt,
-                    torch.randint(3, 80, (r,), generator=gen),
-                    torch.zeros(r),
-                    "stop",
-                    "0",
-                    group_index=g,
-                    reward=float(torch.rand((), generator=gen) > 0.5),
-                )
-            )
-    batch = RolloutBatch.from_samples(samples, G)
-    advantages, _ = compute_group_advantages(batch.rewards, G)
-    return batch, advantages
+    return make_groups(response_length)
 
 
-def build(parallel: ParallelConfig, hf: str) -> torch.nn.Module:
-    """The tiny policy with the HF weights, DDP-wrapped."""
-    model = build_model(MODEL, parallel)
-    load_hf_checkpoint(model, hf, MODEL)
-    return wrap_ddp(model)
-
-
-def update(model, batch, advantages, layout: DataLayout, *, rank0: bool) -> tuple[dict, list]:
+def update(model, batch, advantages, layout: DataLayout) -> tuple[dict, list]:
     """One RL update of the batch under `layout`; (metrics, this rank's rows per micro-batch)."""
     optimizer, scheduler = build_optimizer(model, OptimConfig(optimizer="sgd", lr=LR, clip_grad=0.0))
     algo = AlgorithmConfig(loss_type="gspo", num_mini_batches=MINI, old_logprobs="recompute")
-    rows = scatter_rank_rows(
-        batch if rank0 else None,
-        advantages if rank0 else None,
-        num_mini_batches=MINI,
-        layout=layout,
-        routed_experts=False,
-        device=compute_device(),
-    )
-    plan = plan_rank_rows(rows, MINI, layout)
+    plan, rows = rank_plan(batch, advantages, layout)
     metrics = {**recompute_and_measure(model, plan, T), **plan_metrics(plan)}
     metrics.update(
         train_on_batch(model, optimizer, scheduler, plan, algo, temperature=T, max_response_length=1)
@@ -105,14 +66,14 @@ def main() -> None:
     args = parser.parse_args()
     init_distributed(ParallelConfig(expert_parallel=2), seed=3)
     rank = dist.get_rank()
-    model = build(ParallelConfig(expert_parallel=2), args.hf)
+    model = build_policy(ParallelConfig(expert_parallel=2), args.hf)
     batch, advantages = make_batch()
     start = weights(model)
     out = {}
     after = {}
     for name, budget in (("count", 0), ("budget", BUDGET)):
         layout = DataLayout.from_megatron(0, 1, max_tokens_per_micro_batch=budget)
-        metrics, sizes = update(model, batch, advantages, layout, rank0=rank == 0)
+        metrics, sizes = update(model, batch, advantages, layout)
         after[name] = weights(model)
         out[name] = {"metrics": metrics, "micro_batch_sizes": sizes}
         with torch.no_grad():

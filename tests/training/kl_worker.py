@@ -19,61 +19,35 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rl_update_common import LR, MINI, MODEL, T, build_policy, rank_plan
+from rl_update_common import make_batch as make_groups
 
-from megatron_gspo.algorithms import compute_group_advantages
 from megatron_gspo.algorithms.token_kl import KLController
 from megatron_gspo.config import AlgorithmConfig
-from megatron_gspo.model.builder import build_model
-from megatron_gspo.model.config import tiny
-from megatron_gspo.model.convert import load_hf_checkpoint
-from megatron_gspo.model.distributed import (
-    ParallelConfig,
-    compute_device,
-    destroy_distributed,
-    init_distributed,
-)
+from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
 from megatron_gspo.model.engine import EngineConfig
-from megatron_gspo.model.optim import OptimConfig, build_optimizer, wrap_ddp
-from megatron_gspo.rollout import RolloutBatch, RolloutSample
-from megatron_gspo.training.batch_scatter import scatter_rank_rows
+from megatron_gspo.model.optim import OptimConfig, build_optimizer
 from megatron_gspo.training.micro_batching import DataLayout
 from megatron_gspo.training.reference import ReferencePolicy
 from megatron_gspo.training.token_kl_step import apply_token_level_kl
-from megatron_gspo.training.update import plan_rank_rows, recompute_and_measure, train_on_batch
+from megatron_gspo.training.update import recompute_and_measure, train_on_batch
 
-G, GROUPS, MINI, T, LR = 4, 4, 2, 0.7, 0.1
-MODEL = tiny(vocab_size=80)
 ESTIMATORS = ("k1", "k2", "k3")
 KEYS = ("actor/kl_ref", "actor/kl_ref_first_mb", "actor/kl_loss", "actor/pg_loss", "train/grad_norm")
 TOKEN_KL_KEYS = ("critic/kl", "actor/pg_loss", "train/grad_norm")
 
 
-def make_batch() -> tuple[RolloutBatch, torch.Tensor]:
+def make_batch():
     """Groups of 2..6-token prompts and 1..8-token responses with 0/1 rewards."""
-    gen = torch.Generator().manual_seed(0)
-    samples = []
-    for g in range(GROUPS):
-        prompt = torch.randint(3, 80, (int(torch.randint(2, 7, (1,), generator=gen)),), generator=gen)
-        for _ in range(G):
-            r = int(torch.randint(1, 9, (1,), generator=gen))
-            response = torch.randint(3, 80, (r,), generator=gen)
-            reward = float(torch.rand((), generator=gen) > 0.5)
-            samples.append(
-                RolloutSample(prompt, response, torch.zeros(r), "stop", "0", group_index=g, reward=reward)
-            )
-    batch = RolloutBatch.from_samples(samples, G)
-    return batch, compute_group_advantages(batch.rewards, G)[0]
+    return make_groups(lambda gen: int(torch.randint(1, 9, (1,), generator=gen)))
 
 
 def run(parallel: ParallelConfig, hf: str, ref_hf: str) -> dict[str, dict[str, float]]:
     """The update under `parallel` for every estimator (call after `init_distributed`)."""
     reference = ReferencePolicy(MODEL, parallel, EngineConfig())
     reference.load(ref_hf)
-    policy = build_model(MODEL, parallel)
-    load_hf_checkpoint(policy, hf, MODEL)
-    policy = wrap_ddp(policy)
+    policy = build_policy(parallel, hf)
     start = {k: v.detach().clone() for k, v in policy.module.named_parameters()}
-    rank0 = dist.get_rank() == 0
     batch, advantages = make_batch()
     sp = parallel.tensor_parallel if parallel.use_sequence_parallel else 1
     out = {}
@@ -82,15 +56,7 @@ def run(parallel: ParallelConfig, hf: str, ref_hf: str) -> dict[str, dict[str, f
             for k, v in policy.module.named_parameters():
                 v.copy_(start[k])
         layout = DataLayout.from_megatron(0, sp)
-        rows = scatter_rank_rows(
-            batch if rank0 else None,
-            advantages if rank0 else None,
-            num_mini_batches=MINI,
-            layout=layout,
-            routed_experts=False,
-            device=compute_device(),
-        )
-        plan = plan_rank_rows(rows, MINI, layout)
+        plan, _ = rank_plan(batch, advantages, layout)
         recompute_and_measure(policy, plan, T, reference=reference)
         optimizer, scheduler = build_optimizer(policy, OptimConfig(optimizer="sgd", lr=LR, clip_grad=0.0))
         if estimator == "token_kl":

@@ -84,8 +84,8 @@ def synced_peaks(model, checkpoint, bucket: int, out) -> dict[str, int]:
 
 
 def test_weight_sync_sender_holds_about_two_buckets_never_the_model(model, tmp_path):
-    """A world of one, where the stream's tensors are the model's own: the bucket being packed and
-    the flattened one in flight (measured 2.1 x a 2 MiB bucket; 1.0 x the model in one bucket)."""
+    """A world of one, where the stream's tensors are the model's own: only the flattened bucket in
+    flight is new (measured 1.1 x a 2 MiB bucket; 1.0 x the model in one bucket)."""
     model, checkpoint = model
     model_bytes, largest = sizes(model)
     peaks = synced_peaks(model, checkpoint, 2 * MIB, tmp_path)
@@ -93,17 +93,17 @@ def test_weight_sync_sender_holds_about_two_buckets_never_the_model(model, tmp_p
     assert peaks["buckets"] <= 2 * 2 * MIB + largest, peaks
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="with gathered (fresh) tensors the sender keeps each bucket's tensors beside its flattened "
-    "copy, for the bucket in flight and the one being packed: measured 4.8 x a 2 MiB bucket",
-)
 def test_weight_sync_sender_holds_about_two_buckets_of_gathered_tensors(model, gathered_copies, tmp_path):
+    """Gathered (fresh) tensors are dropped once flattened, and a bucket is flattened only after the
+    one in flight was answered: at most the flat bucket in flight beside the tensors being gathered,
+    or those tensors beside their flat copy, plus the next tensor in hand (measured 2.6 x a 2 MiB
+    bucket with 1 MiB tensors; 4.8 x while the sender kept the tensors beside their flat copies)."""
     model, checkpoint = model
     model_bytes, largest = sizes(model)
     peaks = synced_peaks(model, checkpoint, 2 * MIB, tmp_path)
     assert peaks["one bucket"] >= 2 * model_bytes, peaks  # the gathered tensors and their flat copy
-    assert peaks["buckets"] <= 2 * 2 * MIB + largest, peaks
+    # What the meter sees beside the tensors (request bodies, the finite check's masks): ~0.2 MiB.
+    assert peaks["buckets"] <= 2 * 2 * MIB + largest + MIB // 4, peaks
 
 
 def test_export_holds_one_shard_at_a_time(model, gathered_copies, tmp_path):

@@ -21,7 +21,7 @@ from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed,
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.server_launch import launch_embedded_server
-from megatron_gspo.training.server_checks import refuse_unfit_servers
+from megatron_gspo.training.server_checks import check_servers, refuse_unfit_servers, served_weights
 from megatron_gspo.training.weight_sync import WeightSync
 
 CFG = tiny(vocab_size=80)
@@ -57,6 +57,29 @@ def test_start_up_refuses_a_dp2_server_for_group_and_tensor_sync(dp2_server, met
 def test_disk_sync_takes_a_dp2_server(dp2_server):
     _, client = dp2_server
     refuse_unfit_servers(client.urls, client.server_info(), sync_method="disk", routed_experts=True)
+
+
+def test_start_up_checks_ask_each_server_once(dp2_server):
+    """One /get_server_info per server serves the refusal and the out-of-date check."""
+    server, client = dp2_server
+    asked = []
+    hooks = client._http.event_hooks["request"]
+    hooks.append(lambda request: asked.append(request.url.path))
+    try:
+        stale = check_servers(client, sync_method="disk", routed_experts=True, version=0, expected_path=None)
+        assert asked == ["/get_server_info"]
+        assert stale == [f"{server.url} serves weight_version 'default', the trainer's is 0: syncing"]
+        with pytest.raises(ConfigError, match=r"dp_size=2"):
+            check_servers(client, sync_method="tensor", routed_experts=False, version=0, expected_path=None)
+        assert asked == ["/get_server_info"] * 2
+    finally:
+        hooks.pop()
+
+
+def test_served_weights_come_from_the_server_info():
+    urls = ["http://a:1", "http://b:2"]
+    infos = [{"weight_version": 3, "model_path": "/m"}, {"model_path": "/m"}]
+    assert served_weights(urls, infos) == [("http://a:1", "3", "/m"), ("http://b:2", "unknown", "/m")]
 
 
 def test_the_sync_itself_refuses_a_dp2_server_without_retrying(dp2_server, tmp_path):

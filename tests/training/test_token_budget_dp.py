@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from budget_worker import MODEL, build, make_batch, update, weights
+from budget_worker import make_batch, update, weights
+from rl_update_common import MODEL, build_policy
 
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
@@ -22,9 +23,9 @@ def world_of_one_update(hf):
     """The reference: the whole batch, one micro-batch per mini-batch, one process."""
     init_distributed(ParallelConfig(), seed=3)
     try:
-        model = build(ParallelConfig(), hf)
+        model = build_policy(ParallelConfig(), hf)
         batch, advantages = make_batch()
-        metrics, _ = update(model, batch, advantages, DataLayout.from_megatron(0, 1), rank0=True)
+        metrics, _ = update(model, batch, advantages, DataLayout.from_megatron(0, 1))
         return metrics, {k: v for k, v in weights(model).items() if "experts" not in k}
     finally:
         destroy_distributed()

@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 import torch
+from served import served_logprobs
 
 from megatron_gspo.config import WeightSyncConfig
 from megatron_gspo.model.builder import build_model
@@ -98,20 +99,6 @@ def setup(tmp_path_factory):
     destroy_distributed()
 
 
-def served_logprobs(client: SGLangClient) -> torch.Tensor:
-    rows = []
-    for row in TOKENS.tolist():
-        body = {
-            "input_ids": row,
-            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
-            "return_logprob": True,
-            "logprob_start_len": 0,
-        }
-        answer = client.generate([body])[0]
-        rows.append([lp for lp, _, _ in answer["meta_info"]["input_token_logprobs"][1:]])
-    return torch.tensor(rows, dtype=torch.float64)
-
-
 def trainer_logprobs(model) -> torch.Tensor:
     ours, _ = sequence_logprobs(model, list(TOKENS))
     return ours.double()[:, 1:]
@@ -135,7 +122,7 @@ def make_sync(model, export_dir, **overrides) -> WeightSync:
 def test_failed_bucket_leaves_old_weights_and_version_then_retry_succeeds(setup):
     model, client, proxy, _, export_dir = setup
     perturb(model, 1.1)
-    old, old_version = served_logprobs(client), served_version(client)
+    old, old_version = served_logprobs(client, TOKENS), served_version(client)
     assert (old - trainer_logprobs(model)).abs().max() > 1e-2  # the sync below has something to show
 
     sync = make_sync(model, export_dir, retries=0)
@@ -145,7 +132,7 @@ def test_failed_bucket_leaves_old_weights_and_version_then_retry_succeeds(setup)
     message = str(err.value)
     assert "bucket 2" in message and proxy.url in message and "injected fault" in message
     assert served_version(client) == old_version  # buckets 0-1 arrived, none was applied
-    assert torch.equal(served_logprobs(client), old)
+    assert torch.equal(served_logprobs(client, TOKENS), old)
 
     sync = make_sync(model, export_dir, retries=1)
     proxy.fail_once("/update_weights_from_distributed", at=2)
@@ -153,7 +140,7 @@ def test_failed_bucket_leaves_old_weights_and_version_then_retry_succeeds(setup)
     sync.close(client)
     assert stats.attempts == 2 and stats.buckets > 3
     assert served_version(client) == "7"
-    assert (served_logprobs(client) - trainer_logprobs(model)).abs().max() <= 1e-5
+    assert (served_logprobs(client, TOKENS) - trainer_logprobs(model)).abs().max() <= 1e-5
 
 
 def test_a_hung_server_times_out_and_the_retry_serves_the_weights(setup):
@@ -172,7 +159,7 @@ def test_a_hung_server_times_out_and_the_retry_serves_the_weights(setup):
     sync.close(client)
     assert still_hung and stats.attempts == 2
     assert old_version != "11" and served_version(client) == "11"
-    assert (served_logprobs(client) - trainer_logprobs(model)).abs().max() <= 1e-5
+    assert (served_logprobs(client, TOKENS) - trainer_logprobs(model)).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("method", ["tensor", "disk"])
@@ -183,12 +170,12 @@ def test_tensor_and_disk_methods_serve_the_trainer_weights(setup, method):
     stats = make_sync(model, export_dir, method=method).sync(client, version)
     assert stats.attempts == 1
     assert served_version(client) == str(version)
-    assert (served_logprobs(client) - trainer_logprobs(model)).abs().max() <= 1e-5
+    assert (served_logprobs(client, TOKENS) - trainer_logprobs(model)).abs().max() <= 1e-5
 
 
 def test_a_nonfinite_weight_is_never_sent(setup):
     model, client, _, _, export_dir = setup
-    before, version = served_logprobs(client), served_version(client)
+    before, version = served_logprobs(client, TOKENS), served_version(client)
     param = next(p for n, p in model.named_parameters() if "linear_fc2" in n)
     saved = param.detach().clone()
     with torch.no_grad():
@@ -200,7 +187,7 @@ def test_a_nonfinite_weight_is_never_sent(setup):
         with torch.no_grad():
             param.copy_(saved)
     assert served_version(client) == version
-    assert torch.equal(served_logprobs(client), before)
+    assert torch.equal(served_logprobs(client, TOKENS), before)
 
 
 def test_protocol_misuse_gets_400_naming_the_problem(setup):
@@ -245,7 +232,7 @@ def test_flush_cache_refused_while_requests_run_does_not_fail_the_sync(setup, mo
     proxy.fail_once("/flush_cache", at=1, status=400, times=refusals)
     stats = make_sync(model, export_dir, method="tensor", retries=0).sync(client, version)
     assert stats.attempts == 1 and served_version(client) == str(version)
-    assert (served_logprobs(client) - trainer_logprobs(model)).abs().max() <= 1e-5
+    assert (served_logprobs(client, TOKENS) - trainer_logprobs(model)).abs().max() <= 1e-5
     flushed = refusals < 4  # waited out within the attempts, else skipped with a warning
     assert stats.metrics()["sync/cache_flushed"] == float(flushed)
     assert ("kept refusing /flush_cache" in caplog.text) is not flushed

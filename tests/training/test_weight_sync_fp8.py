@@ -6,6 +6,7 @@ import pytest
 import torch
 from fp8_reference import reference_dequantize, reference_quantize
 from safetensors.torch import save_file
+from served import served_logprobs
 
 from megatron_gspo.config import WeightSyncConfig
 from megatron_gspo.model.builder import build_model
@@ -38,20 +39,6 @@ def setup(tmp_path_factory):
     destroy_distributed()
 
 
-def served_logprobs(client: SGLangClient) -> torch.Tensor:
-    rows = []
-    for row in TOKENS.tolist():
-        body = {
-            "input_ids": row,
-            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
-            "return_logprob": True,
-            "logprob_start_len": 0,
-        }
-        answer = client.generate([body])[0]
-        rows.append([lp for lp, _, _ in answer["meta_info"]["input_token_logprobs"][1:]])
-    return torch.tensor(rows, dtype=torch.float64)
-
-
 def sync(model, work, client, version: int, quantization: str, method: str = "distributed"):
     cfg = WeightSyncConfig(method=method, bucket_mb=0.05, timeout_s=60)
     return WeightSync(cfg, model, CFG, work / "export", quantization=quantization).sync(client, version)
@@ -80,18 +67,18 @@ def reference_checkpoint(model, checkpoint, out):
 def test_fp8_sync_serves_the_dequantised_weights_and_a_small_real_mismatch(setup):
     model, client, checkpoint, work = setup
     full = sync(model, work, client, 1, "none")
-    exact = served_logprobs(client)
+    exact = served_logprobs(client, TOKENS)
 
     fp8 = sync(model, work, client, 2, "fp8")
     assert client.server_info()[0]["weight_version"] == "2"
-    served = served_logprobs(client)
+    served = served_logprobs(client, TOKENS)
 
     reference_dir, expected_bytes = reference_checkpoint(model, checkpoint, work / "reference")
     client.update_weights_from_disk(str(reference_dir), weight_version="3")
     # Bit for bit: the served FP8 weights give exactly the reference's log-probs.
-    assert torch.equal(served_logprobs(client), served)
+    assert torch.equal(served_logprobs(client, TOKENS), served)
     sync(model, work, client, 4, "fp8", method="tensor")  # safetensors carries float8 too
-    assert torch.equal(served_logprobs(client), served)
+    assert torch.equal(served_logprobs(client, TOKENS), served)
 
     gap = (served - exact).abs()
     print(

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import torch
+from served import served_logprobs
 
 from megatron_gspo.config import WeightSyncConfig
 from megatron_gspo.model import control_plane
@@ -30,21 +31,8 @@ def server_logprobs(client: SGLangClient | None, tokens: torch.Tensor) -> torch.
     """[B, T] teacher-forced log-probs from the server (column 0 is 0), on every rank."""
 
     def fetch() -> torch.Tensor:
-        rows = []
-        for row in tokens.tolist():
-            answer = client.generate(
-                [
-                    {
-                        "input_ids": row,
-                        "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
-                        "return_logprob": True,
-                        "logprob_start_len": 0,
-                    }
-                ]
-            )[0]
-            picked = [lp for lp, _, _ in answer["meta_info"]["input_token_logprobs"][1:]]
-            rows.append([0.0, *picked])
-        return torch.tensor(rows, dtype=torch.float64)
+        served = served_logprobs(client, tokens)
+        return torch.cat([torch.zeros(len(served), 1, dtype=served.dtype), served], dim=1)
 
     return control_plane.on_rank0(fetch) if client is not None else control_plane.broadcast_from_rank0(None)
 

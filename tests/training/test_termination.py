@@ -1,0 +1,105 @@
+"""SIGTERM as `megatron-gspo train` handles it: SystemExit(143), never lost, never mid-protocol.
+
+A SystemExit raised by the handler inside an at-fork hook or a `__del__` is dropped by Python;
+the recorded signal raises it again at the next check. Delivered right after a bucket was
+announced to the server and before the trainer's broadcast, the exit would leave the server
+waiting in its receive (holding its weight-update lock), and the unwinding trainer would wait on
+it: its abort of the session queues behind the receive until the client's timeout.
+"""
+
+import signal
+import sys
+import time
+
+import pytest
+
+from megatron_gspo.config import WeightSyncConfig
+from megatron_gspo.model.builder import build_model
+from megatron_gspo.model.config import tiny
+from megatron_gspo.model.convert import load_hf_checkpoint
+from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.rollout.client import SGLangClient
+from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.training import termination
+from megatron_gspo.training.termination import exit_if_terminated, exit_on_sigterm, protocol_step
+from megatron_gspo.training.weight_sync import WeightSync
+
+CFG = tiny(vocab_size=80)
+CLIENT_TIMEOUT_S = 15.0
+
+
+@pytest.fixture
+def sigterm_exits(monkeypatch):
+    monkeypatch.setattr(termination, "_received", [])  # this test's signals stay in this test
+    previous = signal.getsignal(signal.SIGTERM)
+    exit_on_sigterm()
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+class SignalledWhileCollected:
+    """Receives SIGTERM inside `__del__`, where Python prints and drops the handler's SystemExit
+    (as in logging's at-fork hook while a checkpoint save forks its writers)."""
+
+    def __del__(self):
+        signal.raise_signal(signal.SIGTERM)
+
+
+def test_an_exit_dropped_where_the_signal_landed_is_raised_at_the_next_check(sigterm_exits, monkeypatch):
+    exit_if_terminated()  # nothing received: nothing to do
+    dropped = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: dropped.append(unraisable.exc_type))
+    SignalledWhileCollected()  # collected at once (no reference left)
+    assert dropped == [SystemExit]  # what Python reports as "Exception ignored in ..."
+    with pytest.raises(SystemExit) as exited:
+        exit_if_terminated()
+    assert exited.value.code == 128 + signal.SIGTERM
+
+
+def test_sigterm_waits_for_an_open_protocol_step(sigterm_exits):
+    done = []
+    with pytest.raises(SystemExit) as exited:
+        with protocol_step():
+            signal.raise_signal(signal.SIGTERM)
+            done.append("the rest of the step")
+    assert exited.value.code == 128 + signal.SIGTERM and done == ["the rest of the step"]
+    with pytest.raises(SystemExit):  # outside a step: at once
+        signal.raise_signal(signal.SIGTERM)
+        done.append("never")
+    assert done == ["the rest of the step"]
+
+
+def test_sigterm_right_after_a_bucket_is_announced(sigterm_exits, tmp_path, monkeypatch):
+    checkpoint = make_tiny_hf_checkpoint(tmp_path / "hf", CFG)
+    init_distributed(ParallelConfig(), seed=0)
+    try:
+        model = build_model(CFG, ParallelConfig()).eval()
+        load_hf_checkpoint(model, checkpoint, CFG)
+        with launch_embedded_server(checkpoint) as server:
+            with SGLangClient([server.url], max_retries=0, timeout_s=CLIENT_TIMEOUT_S) as client:
+                sync = WeightSync(WeightSyncConfig(timeout_s=60), model, CFG, tmp_path / "export")
+                sync.sync(client, 1)  # the group is joined
+                announce = client.update_weights_from_distributed
+
+                announced = []
+
+                def announce_then_sigterm(*args, **kwargs):
+                    announced.append(announce(*args, **kwargs))  # the server now waits for the broadcast
+                    signal.raise_signal(signal.SIGTERM)
+                    return announced[-1]
+
+                monkeypatch.setattr(client, "update_weights_from_distributed", announce_then_sigterm)
+                start = time.monotonic()
+                with pytest.raises(SystemExit):
+                    sync.sync(client, 2)
+                unwound = time.monotonic() - start
+                monkeypatch.undo()
+                # The broadcast went out: the server received the bucket, and answers a new sync.
+                announced[0].result(timeout=10)
+                assert unwound < CLIENT_TIMEOUT_S / 3, unwound
+                sync.sync(client, 3)
+                assert client.server_info()[0]["weight_version"] == "3"
+                sync.close(client)
+    finally:
+        destroy_distributed()
