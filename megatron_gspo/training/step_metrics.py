@@ -1,4 +1,4 @@
-"""What a training step reports beside the loss: rollout statistics, staleness, memory, the bar's title."""
+"""What a training step reports beside the loss: rollout statistics, memory, the bar's title."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import torch
 
 from megatron_gspo.config import RunConfig
 from megatron_gspo.rollout import RolloutBatch
-from megatron_gspo.training.rollout_queue import Taken
 
 
 def peak_memory_metrics() -> dict[str, float]:
@@ -36,28 +35,4 @@ def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
         "rollout/no_answer_frac": float(batch.stats.get("no_answer_frac", 0.0)),
         "rollout/samples": float(batch.batch_size),
         "rollout/routed_experts_bytes": float(sum(r.nbytes for r in batch.routed_experts or ())),
-    }
-
-
-def _version_number(reported: str | None, started_at: int) -> float:
-    """A server-reported weight version as a number; the batch's start version if it reported none."""
-    try:
-        return float(reported)
-    except (TypeError, ValueError):  # unreported, or a server's own label ("default")
-        return float(started_at)
-
-
-def async_metrics(taken: Taken, trainer_version: int) -> dict[str, float]:
-    """Staleness (per response token, from the versions the servers reported) and overlap."""
-    batch, rollout_s = taken.item.batch, taken.item.rollout_s
-    versions = torch.tensor([_version_number(v, taken.item.weight_version) for v in batch.weight_versions])
-    staleness = trainer_version - versions
-    tokens = batch.response_lengths.float()
-    return {
-        "rollout/staleness_mean": float((staleness * tokens).sum() / tokens.sum().clamp(min=1)),
-        "rollout/staleness_max": float(staleness.max()),
-        "rollout/stale_groups_dropped": float(taken.stale_groups_dropped),
-        "time/wait_rollout_s": taken.wait_s,
-        "time/rollout_s": rollout_s,
-        "perf/overlap": min(max(1.0 - taken.wait_s / rollout_s, 0.0), 1.0) if rollout_s > 0 else 0.0,
     }

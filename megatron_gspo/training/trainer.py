@@ -63,22 +63,19 @@ from megatron_gspo.training.batch_scatter import scatter_rank_rows
 from megatron_gspo.training.batch_scoring import score_batch
 from megatron_gspo.training.checkpoint import load_checkpoint, resumable_step, save_checkpoint
 from megatron_gspo.training.checkpoint_meta import step_dir_name
-from megatron_gspo.training.inflight_updates import InFlightUpdates
 from megatron_gspo.training.metrics import MetricsLogger, ZeroRewardWatch
 from megatron_gspo.training.micro_batching import DataLayout
 from megatron_gspo.training.reference import ReferencePolicy
 from megatron_gspo.training.resume_checks import check_resume
-from megatron_gspo.training.rollout_queue import RolloutProducer
 from megatron_gspo.training.rollout_step import RolloutEngine, rollout_servers
+from megatron_gspo.training.rollouts_ahead import RolloutsAhead
 from megatron_gspo.training.routing_step import StepRouting
 from megatron_gspo.training.run_lock import RunLock, lock_path
 from megatron_gspo.training.run_setup import load_tokenizer, weight_sync_dir
-from megatron_gspo.training.segment_staleness import mask_stale_tokens, staleness_metrics, trainable_version
 from megatron_gspo.training.server_checks import check_servers
 from megatron_gspo.training.sft import run_sft
 from megatron_gspo.training.shm_exports import claim_export_dir
 from megatron_gspo.training.step_metrics import (
-    async_metrics,
     peak_memory_metrics,
     progress_label,
 )
@@ -178,8 +175,7 @@ class Trainer:
         self.zero_reward = ZeroRewardWatch(cfg.logging.zero_reward_warn_steps)
         self.step, self.weight_version = 0, 0
         self.sample_rows: list[dict] = []
-        self.producer: RolloutProducer | None = None  # rank 0 with rollout.max_staleness >= 1
-        self.inflight: InFlightUpdates | None = None  # rank 0 with rollout.update_mode pause / partial
+        self.ahead: RolloutsAhead | None = None  # rank 0 with rollout.max_staleness >= 1
         self.ckpt_root = self.run_dir / "checkpoints"
         if self.rank0 and str(self.sync_dir).startswith("/dev/shm/"):
             claim_export_dir(self.sync_dir.parent)  # after removing the exports of runs that died
@@ -338,17 +334,10 @@ class Trainer:
         return self._score(batch)
 
     def _take_and_score(self) -> tuple[Any, torch.Tensor, dict[str, Any]]:
-        """Rank 0 with a producer: the oldest batch within the staleness bound, scored."""
-        taken = self.producer.take(self.weight_version)
+        """Rank 0 with rollouts ahead: the oldest batch within the staleness bound, scored."""
+        taken = self.ahead.take(self.weight_version)
         batch, advantages, shared = self._score(taken.item.batch)
-        metrics = shared["metrics"]
-        metrics.update(async_metrics(taken, self.weight_version))
-        mode, started = self.cfg.rollout.update_mode, taken.item.weight_version
-        if mode != "drain":  # per token, by the version that generated it
-            metrics.update(staleness_metrics(taken.item.batch, started, self.weight_version, mode))
-        if self.cfg.rollout.mask_stale_segments and batch is not None:
-            oldest = self.weight_version - self.cfg.rollout.max_staleness
-            metrics["rollout/stale_tokens_masked"] = float(mask_stale_tokens(batch, started, mode, oldest))
+        shared["metrics"].update(self.ahead.step_metrics(taken, batch, self.weight_version))
         return batch, advantages, shared
 
     def _score(self, batch: RolloutBatch) -> tuple[Any, torch.Tensor, dict[str, Any]]:
@@ -422,7 +411,7 @@ class Trainer:
             self.counters["skipped_steps"] += int(metrics["train/skipped_steps"])
         t2 = time.perf_counter()
         bump = 2 if cfg.debug.version_gap_at_step == self.step else 1
-        with self.inflight.around_sync(self.producer) if self.inflight else self._rollouts_paused():
+        with self.ahead.around_sync() if self.ahead else contextlib.nullcontext():
             sync = self.weight_sync.sync(engine.client if self.rank0 else None, self.weight_version + bump)
             self.weight_version += bump
         metrics.update(sync.metrics())
@@ -550,29 +539,12 @@ class Trainer:
                 routed_experts=self._routed_experts_layout() is not None,
             )
 
-        rollout = self.cfg.rollout
-        bound = None  # drain: one version per batch, the one it started at
-        if rollout.update_mode != "drain":  # syncs land mid-batch; the bound is on token versions
-            self.inflight = InFlightUpdates(rollout.update_mode, engine.client, rollout.pause_mode)
-            engine.partial = self.inflight.partial
-
-            def bound(item) -> int:
-                mode, mask = rollout.update_mode, rollout.mask_stale_segments
-                return trainable_version(item.batch, item.weight_version, mode, mask_stale=mask)
-
-        self.producer = RolloutProducer(
-            produce,
-            k,
-            lambda: self.weight_version,
-            lambda b: b.batch_size // b.group_size,
-            wait_in_flight=rollout.update_mode == "drain",
-            bound_version=bound,
-        )
-        return self.producer
+        self.ahead = RolloutsAhead(self.cfg.rollout, engine, produce, lambda: self.weight_version)
+        return self.ahead
 
     def _rollouts_paused(self) -> contextlib.AbstractContextManager:
         """No rollout request in flight inside (weight sync, eval, checkpoint); a no-op in lock-step."""
-        return self.producer.paused() if self.producer is not None else contextlib.nullcontext()
+        return self.ahead.paused() if self.ahead is not None else contextlib.nullcontext()
 
     def _save(self) -> None:
         """Checkpoint the current step (collective)."""
