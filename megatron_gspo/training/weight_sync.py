@@ -133,6 +133,8 @@ class WeightSync:
         Raises:
             WeightSyncFailed: on every rank, after `retries` + 1 failed attempts.
         """
+        # Behind a router: who is there now, less those that stopped answering since the last sync.
+        control_plane.on_rank0(lambda: client.remove_unhealthy_workers())
         for attempt in range(1, self.cfg.retries + 2):
             try:
                 stats = self._attempt(client, weight_version)
@@ -260,7 +262,7 @@ class WeightSync:
         """Rank 0 and every server rank join a fresh group unless one is up (collective)."""
 
         def join() -> None:
-            if self._group is not None and self._group.urls == client.refresh_workers():
+            if self._group is not None and self._group.urls == client.urls:
                 return
             if self._group is not None:  # the router's workers changed: a group of the new ones
                 self._leave_group(client)
