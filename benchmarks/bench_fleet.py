@@ -5,8 +5,9 @@
 Two embedded servers on the tiny MoE checkpoint, SGLang's real router (pip `sglang-router`,
 cache-aware policy) in front of them. One rollout batch (groups of G=8 responses to one prompt,
 `max_new_tokens` sampled tokens each, EOS ignored) is sent alternately: by the direct client
-(one batched /generate per server, `rollout.server_urls`) and through the router (one request
-per row, `rollout.router_url`). Reports completion tokens/s of each and router / direct.
+(one batched /generate per server, `rollout.server_urls`), through the router (one request
+per row, `rollout.router_url`), and by the direct client one request per row (what the router's
+own hop costs). Reports completion tokens/s of each and router / direct.
 
 Group placement: the two servers are started at different `weight_version`s, so every response
 names the server that generated it. A group whose G rows all ran on one server is the case a
@@ -48,9 +49,9 @@ def batch(tokenizer, groups: int, new_tokens: int) -> list[dict]:
     return rows
 
 
-def timed(client: SGLangClient, rows: list[dict]) -> tuple[float, list[dict]]:
+def timed(client: SGLangClient, rows: list[dict], *, single: bool = False) -> tuple[float, list[dict]]:
     start = time.perf_counter()
-    responses = client.generate_batched(rows)
+    responses = client.generate(rows) if single else client.generate_batched(rows)
     elapsed = time.perf_counter() - start
     return sum(r["meta_info"]["completion_tokens"] for r in responses) / elapsed, responses
 
@@ -76,27 +77,36 @@ def main() -> None:
             launch_embedded_server(checkpoint, extra_args=["--weight-version", "server0"]) as a,
             launch_embedded_server(checkpoint, extra_args=["--weight-version", "server1"]) as b,
             launch_router([a.url, b.url]) as router,
-            SGLangClient([a.url, b.url]) as direct,
+            SGLangClient([a.url, b.url], max_concurrency=GROUP * groups) as direct,
             SGLangClient([], router_url=router.url, max_concurrency=GROUP * groups) as routed,
         ):
             rows = batch(tokenizer, groups, new_tokens)
             timed(direct, rows[:GROUP]), timed(routed, rows[:GROUP])  # warm-up
-            direct_tps, routed_tps, placement, direct_placement = [], [], [], []
+            direct_tps, routed_tps, placement, direct_placement, shares = [], [], [], [], Counter()
+            single_tps = []
             for _ in range(rounds):
+                single_tps.append(timed(direct, rows, single=True)[0])
                 tps, responses = timed(direct, rows)
                 direct_tps.append(tps)
                 direct_placement.append(whole_groups(responses))
                 tps, responses = timed(routed, rows)
                 routed_tps.append(tps)
                 placement.append(whole_groups(responses))
+                shares.update(r["meta_info"]["weight_version"] for r in responses)
     d, r = statistics.median(direct_tps), statistics.median(routed_tps)
     print(f"batch: {groups} groups x {GROUP} responses x {new_tokens} tokens, 2 servers, {rounds} rounds")
     print(f"direct client (one batched /generate per server): {d:.0f} tokens/s")
+    print(f"direct client, one request per row:               {statistics.median(single_tps):.0f} tokens/s")
     print(f"through the router (one request per row):          {r:.0f} tokens/s")
     print(f"router / direct: {r / d:.2f}")
     print(
         f"groups wholly on one server: through the router {statistics.mean(placement):.2f}, "
         f"direct {statistics.mean(direct_placement):.2f}"
+    )
+    total = sum(shares.values())
+    print(
+        "rows per server through the router: "
+        + ", ".join(f"{k} {v / total:.2f}" for k, v in sorted(shares.items()))
     )
 
 
