@@ -30,6 +30,7 @@ sync and version checks still go to every worker.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import itertools
 import threading
 import time
@@ -149,7 +150,8 @@ class SGLangClient:
         self.router = None if router_url is None else RouterWorkers(router_url, self._http, health_timeout_s)
         if self.router is not None:
             self._in_flight = {self.router.url: 0}
-            self.refresh_workers()
+            with contextlib.suppress(RolloutServerError):  # a router still starting: `wait_until_healthy`
+                self.refresh_workers()
 
     # ---- the fleet behind a router -----------------------------------------------------------
 
@@ -341,10 +343,19 @@ class SGLangClient:
             RolloutServerError: some server is still unhealthy after ``timeout_s``.
         """
         deadline = time.monotonic() + timeout_s
-        while self.router is not None and not self.refresh_workers():
+        while self.router is not None:  # first the router, until it lists a worker
+            try:
+                if self.refresh_workers():
+                    break
+                problem = "the router lists no worker"
+            except RolloutServerError as err:
+                problem = err.last_error
             if time.monotonic() + poll_s > deadline:
                 raise RolloutServerError(
-                    url=self.router.url, path="/workers", attempts=1, last_error="the router lists no worker"
+                    url=self.router.url,
+                    path="/workers",
+                    attempts=1,
+                    last_error=f"{problem} (waited {timeout_s:.1f}s)",
                 )
             time.sleep(poll_s)
         pending = list(self.urls)
