@@ -139,7 +139,8 @@ class SGLangClient:
         self.batch_timeout_s = batch_timeout_s
         self._http = httpx.Client(
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=max_concurrency + 2 * len(self.urls)),
+            # Room for control calls beside a full load of /generate (a router's workers are listed later).
+            limits=httpx.Limits(max_connections=max_concurrency + (2 * len(self.urls) if self.urls else 128)),
             trust_env=trust_env,
         )
         self._pool = cf.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang-generate")
