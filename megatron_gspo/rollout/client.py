@@ -130,6 +130,7 @@ class SGLangClient:
         if len(set(self.urls)) != len(self.urls):
             raise ValueError(f"duplicate server URLs: {self.urls}")
         self.min_workers = min_workers
+        self._removed: set[str] = set()  # workers taken out of the router, probed before each sync
         self.fleet = FleetStats(workers=len(self.urls))
         self.max_concurrency = max_concurrency
         self.max_retries = max_retries
@@ -166,7 +167,9 @@ class SGLangClient:
     def remove_unhealthy_workers(self) -> list[str]:
         """Remove every worker that fails ``/health`` from the router and from `urls`; those removed.
 
-        Without a router nothing is removed (the configured servers are the fleet).
+        Workers removed earlier that answer ``/health`` again are put back in `urls` (not in the
+        router: `readmit_workers` does that after they were synced). Without a router nothing
+        is removed (the configured servers are the fleet).
 
         Raises:
             FleetTooSmallError: fewer than `min_workers` remain (the removals are done).
@@ -177,7 +180,9 @@ class SGLangClient:
         dead = {url: p for url in self.urls if (p := self._health_problem(url)) is not None}
         for url in dead:
             self.router.remove(url)
-        self.urls = [u for u in self.urls if u not in dead]
+        back = {url for url in self._removed if self._health_problem(url) is None}
+        self._removed = (self._removed - back) | set(dead)
+        self.urls = sorted((set(self.urls) - set(dead)) | back)
         self.fleet.workers = len(self.urls)
         self.fleet.removed += len(dead)
         if len(self.urls) < self.min_workers:
@@ -187,6 +192,16 @@ class SGLangClient:
                 f"rollout.min_workers={self.min_workers} (lost: {lost})"
             )
         return list(dead)
+
+    def readmit_workers(self) -> list[str]:
+        """Add the workers in `urls` that the router does not list (synced ones coming back) to it."""
+        if self.router is None:
+            return []
+        missing = [url for url in self.urls if url not in self.router.list()]
+        for url in missing:
+            self.router.add(url)
+        self.fleet.rejoined += len(missing)
+        return missing
 
     # ---- lifecycle -------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ fan out control calls or weight updates, so the client sends those to every work
 lists at ``GET /workers`` (as slime does). A worker that stops answering is removed from the
 router (``DELETE /workers/{id}``) so no generation is routed to it, and from the client's list,
 so the next weight-update group is built without it; below `min_workers` the run stops with
-`FleetTooSmallError`.
+`FleetTooSmallError`. A removed worker that answers again is synced with the others and only
+then added back to the router (``POST /workers``), so it never serves an older version.
 """
 
 from __future__ import annotations
@@ -31,10 +32,15 @@ class FleetStats:
 
     workers: int = 0
     removed: int = 0
+    rejoined: int = 0
 
     def metrics(self) -> dict[str, float]:
-        """`fleet/workers` (now) and `fleet/removed` (since the start)."""
-        return {"fleet/workers": float(self.workers), "fleet/removed": float(self.removed)}
+        """`fleet/workers` (now), `fleet/removed` and `fleet/rejoined` (since the start)."""
+        return {
+            "fleet/workers": float(self.workers),
+            "fleet/removed": float(self.removed),
+            "fleet/rejoined": float(self.rejoined),
+        }
 
 
 class RouterWorkers:
@@ -70,6 +76,15 @@ class RouterWorkers:
             raise RolloutServerError(
                 url=self.url, path="/workers", attempts=1, last_error=f"{type(err).__name__}: {err}"
             ) from None
+
+    def add(self, worker_url: str) -> None:
+        """Put `worker_url` (back) into the router's rotation and wait until it is listed healthy."""
+        self._http.post(
+            f"{self.url}/workers", json={"url": worker_url}, timeout=self._timeout_s
+        ).raise_for_status()
+        deadline = time.monotonic() + REMOVAL_WAIT_S
+        while worker_url.rstrip("/") not in self.list() and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def remove(self, worker_url: str) -> None:
         """Take `worker_url` out of the router's rotation and wait until it is no longer listed."""

@@ -133,7 +133,8 @@ class WeightSync:
         Raises:
             WeightSyncFailed: on every rank, after `retries` + 1 failed attempts.
         """
-        # Behind a router: who is there now, less those that stopped answering since the last sync.
+        # Behind a router: who is there now, less those that stopped answering since the last sync,
+        # plus removed ones answering again (added back to the router once synced, by `_readmit`).
         control_plane.on_rank0(lambda: client.remove_unhealthy_workers())
         for attempt in range(1, self.cfg.retries + 2):
             try:
@@ -146,7 +147,7 @@ class WeightSync:
                     raise WeightSyncFailed(f"weight sync failed {attempt} time(s); last: {err}") from None
                 continue
             stats.attempts = attempt
-            stats.fleet = control_plane.on_rank0(lambda: client.fleet.metrics() if client.router else {})
+            stats.fleet = control_plane.on_rank0(_readmit, client)
             return stats
         raise AssertionError("unreachable")
 
@@ -318,6 +319,14 @@ class WeightSync:
             client.destroy_weights_update_group(group.name)
         with contextlib.suppress(Exception):
             destroy_update_group(group.group)
+
+
+def _readmit(client: SGLangClient) -> dict[str, float]:
+    """Behind a router: workers synced on their way back rejoin it; the `fleet/*` metrics."""
+    if client.router is None:
+        return {}
+    client.readmit_workers()
+    return client.fleet.metrics()
 
 
 def _at_bucket(bucket: Bucket, send) -> None:

@@ -115,6 +115,7 @@ def test_worker_lost_mid_batch_is_retried_by_the_router(checkpoint):
         assert client.urls == [a.url] and client.fleet.metrics() == {
             "fleet/workers": 1.0,
             "fleet/removed": 1.0,
+            "fleet/rejoined": 0.0,
         }
         client.min_workers = 2
         a.process.kill()

@@ -96,8 +96,10 @@ def test_worker_lost_mid_sync(model_and_checkpoint, fleet, tmp_path, min_workers
         assert client.urls == [a.url] and listed(router) == [a.url]  # out of the router too
 
 
-def test_worker_lost_between_syncs_leaves_the_next_group(model_and_checkpoint, fleet, tmp_path):
-    model, _ = model_and_checkpoint
+def test_worker_lost_between_syncs_leaves_the_next_group_and_rejoins_synced(
+    model_and_checkpoint, fleet, tmp_path
+):
+    model, checkpoint = model_and_checkpoint
     a, b, router = fleet
     with SGLangClient([], router_url=router.url, max_retries=0) as client:
         sync = make_sync(model, tmp_path, "distributed")
@@ -110,3 +112,13 @@ def test_worker_lost_between_syncs_leaves_the_next_group(model_and_checkpoint, f
         sync.close(client)
         assert stats.attempts == 1 and stats.metrics()["fleet/removed"] == 1
         assert client.served_weights()[0][:2] == (a.url, "2") and listed(router) == [a.url]
+        # The worker comes back (restarted on its address, at its launch version): synced, then re-added.
+        port = int(b.url.rsplit(":", 1)[1])
+        with launch_embedded_server(checkpoint, port=port, extra_args=["--weight-version", "0"]) as again:
+            assert again.url == b.url and listed(router) == [a.url]  # not routed to before its sync
+            stats = sync.sync(client, 3)
+            assert sync._group.urls == sorted([a.url, b.url])
+            sync.close(client)
+            assert stats.metrics()["fleet/rejoined"] == 1 and stats.metrics()["fleet/workers"] == 2
+            assert sorted(listed(router)) == sorted([a.url, b.url])
+            assert [v for _, v, _ in client.served_weights()] == ["3", "3"]
