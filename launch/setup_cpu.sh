@@ -38,7 +38,7 @@ pip install -q --upgrade pip
 # multi-GB CUDA build); on 3.12 there is only the CUDA build (~4.7 GB), which runs on CPU.
 pip install -q torch==2.13.0
 # megatron-core: 0.16.1 on Python 3.11 (its newest release there), 0.19.x on 3.12 (pyproject.toml).
-pip install -q -e ".[dev,wandb]"
+pip install -q -e ".[dev,wandb,router]"
 # SGLang's request/response contract types (sglang/api/v1/api_types.py) without its GPU stack.
 pip install -q --no-deps "sglang==0.5.23"
 python -W ignore -c "import sys, importlib.metadata as m, megatron_gspo, megatron.core, torch; print('megatron-gspo ready in $VENV: Python', sys.version.split()[0], '| torch', torch.__version__, '| megatron-core', m.version('megatron-core'))"

@@ -20,6 +20,12 @@
 #   weight sync sends FP8 e4m3 with per-128x128-block weight_scale_inv). QUANTIZATION=fp8 / none
 #   overrides the config.
 #
+# ROUTER=1 also starts SGLang's router (pip `sglang-router`, in the `router` extra) on this node,
+# in front of this node's servers and the URLs in ROUTER_WORKERS (comma-separated servers of
+# other rollout nodes), on ROUTER_PORT (default PORT+100); it prints the router's URL for the
+# trainer's SGLANG_ROUTER / rollout.router_url. The router runs in its own process group (it
+# renames itself `sglang::router`), which Ctrl-C, SIGTERM or any server exiting takes down.
+#
 # Security: HOST defaults to 0.0.0.0 (every interface) because the trainer runs on other nodes
 # and must reach this server over the network. SGLang's HTTP API has no authentication here:
 # whoever can reach PORT can generate, pause the engine, and make it load weights from any path
@@ -37,6 +43,13 @@ MEM_FRACTION=${MEM_FRACTION:-0.85}
 DETERMINISTIC=${DETERMINISTIC:-}
 ROUTED_EXPERTS=${ROUTED_EXPERTS:-}
 QUANTIZATION=${QUANTIZATION:-}
+ROUTER=${ROUTER:-0}
+ROUTER_PORT=${ROUTER_PORT:-$((PORT + 100))}
+ROUTER_WORKERS=${ROUTER_WORKERS:-}
+case "$HOST" in
+  0.0.0.0 | ::) ADVERTISE=${ADVERTISE_HOST:-$(hostname -f)} ;;  # the name other nodes reach
+  *) ADVERTISE=$HOST ;;
+esac
 if [ -n "${CONFIG:-}" ]; then
   # The YAML file as written (dotlist overrides given to the trainer are not seen here).
   read -r CONFIG_DETERMINISTIC CONFIG_ROUTED CONFIG_QUANTIZATION <<<"$(python - "$CONFIG" <<'PY'
@@ -86,28 +99,51 @@ server_cmd() {
 }
 EXTRA_ARGS=("$@")
 
+# The router in front of this node's servers and ROUTER_WORKERS (it waits for them to come up).
+router_cmd() {
+  local workers=()
+  for ((r = 0; r < DP; r++)); do workers+=("http://${ADVERTISE}:$((PORT + r))"); done
+  if [ -n "$ROUTER_WORKERS" ]; then IFS=, read -r -a more <<<"$ROUTER_WORKERS"; workers+=("${more[@]}"); fi
+  ROUTER_CMD=(python -m sglang_router.launch_router --host "$HOST" --port "$ROUTER_PORT"
+              --policy cache_aware --worker-startup-timeout-secs 1800 --worker-urls "${workers[@]}")
+}
+
 for ((r = 0; r < DP; r++)); do
-  echo "rollout server URL: http://$(hostname -f):$((PORT + r))"
+  echo "rollout server URL: http://${ADVERTISE}:$((PORT + r))"
 done
+if [ "$ROUTER" = 1 ]; then
+  router_cmd
+  echo "rollout router URL: http://${ADVERTISE}:${ROUTER_PORT} (rollout.router_url / SGLANG_ROUTER)"
+fi
 if [ "${DRY_RUN:-0}" = 1 ]; then
   for ((r = 0; r < DP; r++)); do
     server_cmd "$r"
     echo "would run: ${CMD[*]}"
   done
+  if [ "$ROUTER" = 1 ]; then echo "would run router: ${ROUTER_CMD[*]}"; fi
   exit 0
 fi
-if [ "$DP" = 1 ]; then
+if [ "$DP" = 1 ] && [ "$ROUTER" != 1 ]; then
   server_cmd 0
   exec "${CMD[@]}"
 fi
 PIDS=()
-stop_all() { kill "${PIDS[@]}" 2>/dev/null || true; }
+ROUTER_PGID=""
+stop_all() {
+  kill "${PIDS[@]}" 2>/dev/null || true
+  if [ -n "$ROUTER_PGID" ]; then kill -TERM -- "-$ROUTER_PGID" 2>/dev/null || true; fi
+}
 trap 'stop_all; wait; exit 143' TERM INT
 for ((r = 0; r < DP; r++)); do
   server_cmd "$r"
   "${CMD[@]}" &
   PIDS+=($!)
 done
+if [ "$ROUTER" = 1 ]; then
+  setsid "${ROUTER_CMD[@]}" &  # a session of its own: its group is stopped as a whole
+  ROUTER_PGID=$!
+  PIDS+=("$ROUTER_PGID")
+fi
 # The first server to exit takes the others down (a node half-serving is not a deployment).
 status=0
 wait -n "${PIDS[@]}" || status=$?

@@ -73,7 +73,16 @@ class RolloutConfig:
     """The rollout engine (SGLang servers or the embedded CPU server) and sampling."""
 
     server_urls: list[str] = field(default_factory=list)
-    """SGLang server URLs; empty starts the embedded server on this machine."""
+    """SGLang server URLs; empty (and no router_url) starts the embedded server on this machine."""
+    router_url: str | None = None
+    """SGLang's router (pip `sglang-router`) in front of the servers, instead of server_urls:
+    generation goes through it, weight sync and control calls to every worker it lists at
+    GET /workers (launch/sglang_servers.sh ROUTER=1 starts one)."""
+    min_workers: int = 1
+    """Behind a router: a worker lost mid-run is removed from it and the run goes on while at least
+    this many remain; below, it stops (FleetTooSmallError)."""
+    router_max_in_flight: int = 256
+    """Behind a router: most /generate requests in flight through it at once (one per response)."""
     group_size: int = 8
     """G: responses sampled per prompt."""
     rollout_batch_size: int = 16

@@ -73,7 +73,8 @@ def check_rollout(rollout: Any) -> None:
             raise ValueCheckError(f"rollout.{name} must be > 0 seconds, got {getattr(rollout, name)}")
     if rollout.server_threads < 1:
         raise ValueCheckError(f"rollout.server_threads must be >= 1, got {rollout.server_threads}")
-    if rollout.server_urls and rollout.dtype != "fp32":
+    check_router(rollout)
+    if (rollout.server_urls or rollout.router_url) and rollout.dtype != "fp32":
         raise ValueCheckError(
             f"rollout.dtype={rollout.dtype} sets the embedded server's dtype; the SGLang servers in "
             "rollout.server_urls run with their own --dtype: remove rollout.dtype"
@@ -92,6 +93,27 @@ def check_rollout(rollout: Any) -> None:
         )
 
 
+def check_router(rollout: Any) -> None:
+    """rollout.router_url: an http(s) URL, not beside server_urls; the fleet's sizes."""
+    if rollout.router_url is not None:
+        if rollout.server_urls:
+            raise ValueCheckError(
+                "rollout.router_url and rollout.server_urls both set: the router lists its workers "
+                "itself; keep one of them"
+            )
+        parts = urlsplit(str(rollout.router_url))
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueCheckError(
+                f"rollout.router_url: {rollout.router_url!r} is not an http(s) URL such as http://10.0.0.5:30000"
+            )
+    if rollout.min_workers < 1:
+        raise ValueCheckError(f"rollout.min_workers must be >= 1, got {rollout.min_workers}")
+    if rollout.router_max_in_flight < 1:
+        raise ValueCheckError(
+            f"rollout.router_max_in_flight must be >= 1, got {rollout.router_max_in_flight}"
+        )
+
+
 def check_weight_sync(sync: Any, rollout: Any) -> None:
     """weight_sync.*: sizes, timeouts, and a method the configured servers can take."""
     if sync.bucket_mb <= 0:
@@ -102,7 +124,7 @@ def check_weight_sync(sync: Any, rollout: Any) -> None:
         raise ValueCheckError(f"weight_sync.retries must be >= 0, got {sync.retries}")
     if not 0 <= sync.master_port <= 65535:
         raise ValueCheckError(f"weight_sync.master_port={sync.master_port} is not a port (0: any free port)")
-    if sync.method == "tensor" and rollout.server_urls:
+    if sync.method == "tensor" and (rollout.server_urls or rollout.router_url):
         raise ValueCheckError(
             "weight_sync.method=tensor sends the embedded server's safetensors-base64 buckets; real SGLang "
             "takes CUDA-IPC handles from a colocated trainer, which is not implemented: use distributed"

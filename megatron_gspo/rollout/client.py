@@ -20,11 +20,17 @@ after the per-request bound).
 
 Weight-sync and control calls (``/update_weights_from_disk``, ``/pause_generation``, ...) go to
 every server and check SGLang's ``{"success", "message"}`` answer.
+
+Behind SGLang's router (`router_url`), the servers are the workers the router lists
+(`fleet.RouterWorkers`): generation goes through the router, one request per row (it routes
+each, cache-aware, and retries elsewhere when a worker fails), while control calls, weight
+sync and version checks still go to every worker.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import itertools
 import threading
 import time
@@ -41,6 +47,7 @@ from megatron_gspo.rollout.errors import (
     RolloutServerError,
     WeightUpdateError,
 )
+from megatron_gspo.rollout.fleet import FleetStats, FleetTooSmallError, RouterWorkers
 
 _RETRYABLE_4XX = (408, 429)  # timeouts and back-pressure are transient, unlike other 4xx
 
@@ -119,6 +126,9 @@ class SGLangClient:
         health_timeout_s: timeout of one ``/health`` probe (SGLang's runs a 1-token generation).
         trust_env: honour proxy environment variables (off: cluster proxies rarely reach servers).
         batch_timeout_s: most seconds one `generate` / `generate_batched` call may take (None: no cap).
+        router_url: SGLang's router: generation goes through it and the servers are the workers
+            it lists (`urls` must then be empty).
+        min_workers: fewest workers a router's fleet may shrink to (`remove_unhealthy_workers`).
     """
 
     def __init__(
@@ -134,10 +144,14 @@ class SGLangClient:
         health_timeout_s: float = 30.0,
         trust_env: bool = False,
         batch_timeout_s: float | None = None,
+        router_url: str | None = None,
+        min_workers: int = 1,
     ):
         if isinstance(urls, str):
             urls = [urls]
-        if not urls:
+        if router_url is not None and urls:
+            raise ValueError("give server URLs or a router_url, not both: the router lists its workers")
+        if not urls and router_url is None:
             raise ValueError("at least one server URL is needed")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
@@ -148,6 +162,9 @@ class SGLangClient:
         self.urls = [u.rstrip("/") for u in urls]
         if len(set(self.urls)) != len(self.urls):
             raise ValueError(f"duplicate server URLs: {self.urls}")
+        self.min_workers = min_workers
+        self._removed: set[str] = set()  # workers taken out of the router, probed before each sync
+        self.fleet = FleetStats(workers=len(self.urls))
         self.max_concurrency = max_concurrency
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -156,7 +173,8 @@ class SGLangClient:
         self.batch_timeout_s = batch_timeout_s
         self._http = httpx.Client(
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=max_concurrency + 2 * len(self.urls)),
+            # Room for control calls beside a full load of /generate (a router's workers are listed later).
+            limits=httpx.Limits(max_connections=max_concurrency + (2 * len(self.urls) if self.urls else 128)),
             trust_env=trust_env,
         )
         self._pool = cf.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang-generate")
@@ -164,6 +182,59 @@ class SGLangClient:
         self._lock = threading.Lock()
         self._in_flight = dict.fromkeys(self.urls, 0)
         self._turn = itertools.count()
+        self.router = None if router_url is None else RouterWorkers(router_url, self._http, health_timeout_s)
+        if self.router is not None:
+            self._in_flight = {self.router.url: 0}
+            with contextlib.suppress(RolloutServerError):  # a router still starting: `wait_until_healthy`
+                self.refresh_workers()
+
+    # ---- the fleet behind a router -----------------------------------------------------------
+
+    def refresh_workers(self) -> list[str]:
+        """Re-read the router's worker list into `urls` (unchanged without a router)."""
+        if self.router is not None:
+            self.urls = sorted(self.router.list())
+            self.fleet.workers = len(self.urls)
+        return self.urls
+
+    def remove_unhealthy_workers(self) -> list[str]:
+        """Remove every worker that fails ``/health`` from the router and from `urls`; those removed.
+
+        Workers removed earlier that answer ``/health`` again are put back in `urls` (not in the
+        router: `readmit_workers` does that after they were synced). Without a router nothing
+        is removed (the configured servers are the fleet).
+
+        Raises:
+            FleetTooSmallError: fewer than `min_workers` remain (the removals are done).
+        """
+        if self.router is None:
+            return []
+        self.refresh_workers()
+        dead = {url: p for url in self.urls if (p := self._health_problem(url)) is not None}
+        for url in dead:
+            self.router.remove(url)
+        back = {url for url in self._removed if self._health_problem(url) is None}
+        self._removed = (self._removed - back) | set(dead)
+        self.urls = sorted((set(self.urls) - set(dead)) | back)
+        self.fleet.workers = len(self.urls)
+        self.fleet.removed += len(dead)
+        if len(self.urls) < self.min_workers:
+            lost = "; ".join(f"{u}: {p}" for u, p in dead.items()) or "none this time"
+            raise FleetTooSmallError(
+                f"{len(self.urls)} healthy rollout worker(s) left behind {self.router.url}, "
+                f"rollout.min_workers={self.min_workers} (lost: {lost})"
+            )
+        return list(dead)
+
+    def readmit_workers(self) -> list[str]:
+        """Add the workers in `urls` that the router does not list (synced ones coming back) to it."""
+        if self.router is None:
+            return []
+        missing = [url for url in self.urls if url not in self.router.list()]
+        for url in missing:
+            self.router.add(url)
+        self.fleet.rejoined += len(missing)
+        return missing
 
     on_batch_failed: Callable[[], None] | None = None
     """Called once when a `generate` / `generate_batched` call fails (a request failed for good or
@@ -220,6 +291,8 @@ class SGLangClient:
         """
         if not requests:
             return []
+        if self.router is not None:  # the router takes one sampling_params per request, and routes each row
+            return self.generate(requests)
         n_chunks = min(len(self.urls), len(requests))
         bounds = [len(requests) * i // n_chunks for i in range(n_chunks + 1)]
         chunks = [list(requests[a:b]) for a, b in zip(bounds, bounds[1:])]
@@ -249,7 +322,8 @@ class SGLangClient:
         jobs = {f: job for job, f in enumerate(futures)}
         in_flight = batch.in_flight([jobs[f] for f in running])
         for url, rids in in_flight.items():
-            self._background.submit(self._abort, url, rids)
+            for target in self.urls if self.router is not None else [url]:  # the router does not route aborts
+                self._background.submit(self._abort, target, rids)
         unfinished = [job for f, job in jobs.items() if not f.done() or f.cancelled() or _not_sent(f)]
         raise RolloutBatchTimeoutError(
             timeout_s=self.batch_timeout_s,
@@ -322,6 +396,21 @@ class SGLangClient:
             RolloutServerError: some server is still unhealthy after ``timeout_s``.
         """
         deadline = time.monotonic() + timeout_s
+        while self.router is not None:  # first the router, until it lists a worker
+            try:
+                if self.refresh_workers():
+                    break
+                problem = "the router lists no worker"
+            except RolloutServerError as err:
+                problem = err.last_error
+            if time.monotonic() + poll_s > deadline:
+                raise RolloutServerError(
+                    url=self.router.url,
+                    path="/workers",
+                    attempts=1,
+                    last_error=f"{problem} (waited {timeout_s:.1f}s)",
+                )
+            time.sleep(poll_s)
         pending = list(self.urls)
         problems: dict[str, str] = {}
         polls = 0
@@ -670,7 +759,8 @@ class SGLangClient:
         """The server with the fewest requests in flight (round-robin among ties), counted in."""
         with self._lock:
             start = next(self._turn)
-            order = [self.urls[(start + i) % len(self.urls)] for i in range(len(self.urls))]
+            targets = [self.router.url] if self.router is not None else self.urls
+            order = [targets[(start + i) % len(targets)] for i in range(len(targets))]
             if avoid is not None and len(order) > 1:
                 order.remove(avoid)  # after a failure, try another server first
             target = min(order, key=lambda u: self._in_flight[u])
@@ -679,7 +769,7 @@ class SGLangClient:
 
     def _hold(self, url: str) -> None:
         with self._lock:
-            self._in_flight[url] += 1
+            self._in_flight[url] = self._in_flight.get(url, 0) + 1
 
     def _release(self, url: str) -> None:
         with self._lock:

@@ -198,6 +198,17 @@ class RolloutEngine:
         return [self.tokenizer.decode(r["output_ids"], skip_special_tokens=True) for r in responses]
 
 
+def router_options(cfg: RolloutConfig) -> dict:
+    """The client's router settings of `cfg` (none without `rollout.router_url`)."""
+    if cfg.router_url is None:
+        return {}
+    return {
+        "router_url": cfg.router_url,
+        "min_workers": cfg.min_workers,
+        "max_concurrency": cfg.router_max_in_flight,
+    }
+
+
 @contextlib.contextmanager
 def rollout_servers(
     cfg: RolloutConfig, model_dir: str | Path | None, *, weight_version: int, seed: int
@@ -209,7 +220,7 @@ def rollout_servers(
     """
     with contextlib.ExitStack() as stack:
         urls = list(cfg.server_urls)
-        if not urls:
+        if not urls and cfg.router_url is None:
             args = ["--weight-version", str(weight_version), "--seed", str(seed)]
             server = stack.enter_context(
                 launch_embedded_server(
@@ -227,6 +238,7 @@ def rollout_servers(
                 timeout_s=cfg.request_timeout_s,
                 max_retries=cfg.max_retries,
                 batch_timeout_s=cfg.batch_timeout_s,
+                **router_options(cfg),
             )
         )
         client.wait_until_healthy(cfg.server_start_timeout_s)

@@ -298,7 +298,7 @@ class Trainer:
         then from an export of the current weights, the one export a non-disk run makes.
         """
         hf_path = self.cfg.model.hf_path
-        if self.cfg.rollout.server_urls:
+        if self.cfg.rollout.server_urls or self.cfg.rollout.router_url:
             return None, changed
         if hf_path and self.cfg.weight_sync.method != "disk":
             return Path(hf_path), changed

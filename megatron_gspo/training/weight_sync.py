@@ -22,6 +22,11 @@ dying, or timing out) is retried from scratch `retries` times, with a fresh grou
 distributed method; the embedded server applies a session all-or-nothing, so a failed attempt
 leaves the old weights and `weight_version` serving. The last failure is raised on every rank
 as `WeightSyncFailed`, naming the server and the bucket.
+
+Behind SGLang's router the servers are the workers it lists, read again before a group is
+joined (a group is rebuilt when they changed). A failed attempt first removes the workers
+that no longer answer /health (from the router and the group), so the retry syncs the rest;
+below `rollout.min_workers` the run stops with `FleetTooSmallError` on every rank.
 """
 
 from __future__ import annotations
@@ -77,6 +82,8 @@ class SyncStats:
     largest_bucket_bytes: int = 0
     attempts: int = 1
     cache_flushed: bool = True
+    fleet: dict[str, float] = field(default_factory=dict)
+    """`fleet/*` of a fleet behind a router (workers now, removed so far); empty otherwise."""
 
     def add(self, bucket: Bucket) -> None:
         """Count one bucket sent."""
@@ -92,6 +99,7 @@ class SyncStats:
             "sync/largest_bucket_bytes": float(self.largest_bucket_bytes),
             "sync/attempts": float(self.attempts),
             "sync/cache_flushed": float(self.cache_flushed),
+            **self.fleet,
         }
 
 
@@ -99,6 +107,7 @@ class SyncStats:
 class _Group:
     group: dist.ProcessGroup
     name: str
+    urls: list[str]
 
 
 @dataclass
@@ -125,16 +134,21 @@ class WeightSync:
         Raises:
             WeightSyncFailed: on every rank, after `retries` + 1 failed attempts.
         """
+        # Behind a router: who is there now, less those that stopped answering since the last sync,
+        # plus removed ones answering again (added back to the router once synced, by `_readmit`).
+        control_plane.on_rank0(lambda: client.remove_unhealthy_workers())
         for attempt in range(1, self.cfg.retries + 2):
             try:
                 stats = self._attempt(client, weight_version)
             except WeightSyncFailed as err:
                 logger.warning("weight sync attempt %d/%d failed: %s", attempt, self.cfg.retries + 1, err)
                 self._drop_group(client)
+                control_plane.on_rank0(lambda: client.remove_unhealthy_workers())  # the rest are retried
                 if attempt == self.cfg.retries + 1:
                     raise WeightSyncFailed(f"weight sync failed {attempt} time(s); last: {err}") from None
                 continue
             stats.attempts = attempt
+            stats.fleet = control_plane.on_rank0(_readmit, client)
             return stats
         raise AssertionError("unreachable")
 
@@ -259,8 +273,10 @@ class WeightSync:
         """Rank 0 and every server rank join a fresh group unless one is up (collective)."""
 
         def join() -> None:
-            if self._group is not None:
+            if self._group is not None and self._group.urls == client.urls:
                 return
+            if self._group is not None:  # the router's workers changed: a group of the new ones
+                self._leave_group(client)
             infos = client.server_info()
             refuse_unfit_servers(client.urls, infos, sync_method="distributed", routed_experts=False)
             tp_sizes = [int(info.get("tp_size", 1)) for info in infos]
@@ -290,7 +306,7 @@ class WeightSync:
                     timeout_s=self.cfg.timeout_s,
                 )
             answers.result(timeout=self.cfg.timeout_s)
-            self._group = _Group(group, name)
+            self._group = _Group(group, name, list(client.urls))
             logger.info("weight-update group %s: %d server rank(s) at %s:%d", name, world - 1, address, port)
 
         try:
@@ -303,16 +319,25 @@ class WeightSync:
             ) from err
 
     def _drop_group(self, client: SGLangClient | None) -> None:
-        def drop() -> None:
-            group, self._group = self._group, None
-            if group is None:
-                return
-            with contextlib.suppress(Exception):  # a dead server cannot leave; its group dies with it
-                client.destroy_weights_update_group(group.name)
-            with contextlib.suppress(Exception):
-                destroy_update_group(group.group)
+        control_plane.on_rank0(self._leave_group, client)
 
-        control_plane.on_rank0(drop)
+    def _leave_group(self, client: SGLangClient) -> None:
+        """Rank 0: the servers and this rank leave the group (if one is up)."""
+        group, self._group = self._group, None
+        if group is None:
+            return
+        with contextlib.suppress(Exception):  # a dead server cannot leave; its group dies with it
+            client.destroy_weights_update_group(group.name)
+        with contextlib.suppress(Exception):
+            destroy_update_group(group.group)
+
+
+def _readmit(client: SGLangClient) -> dict[str, float]:
+    """Behind a router: workers synced on their way back rejoin it; the `fleet/*` metrics."""
+    if client.router is None:
+        return {}
+    client.readmit_workers()
+    return client.fleet.metrics()
 
 
 def _at_bucket(bucket: Bucket, send) -> None:

@@ -1,0 +1,124 @@
+"""Weight sync into a fleet behind SGLang's real router when a worker dies (a world of one).
+
+A worker lost mid-sync (killed with SIGKILL as the second bucket goes out): the failed attempt
+removes it from the router and from the client, and the retry syncs the rest while at least
+rollout.min_workers remain; below, the sync stops with FleetTooSmallError and the survivors keep
+their old weights. A worker lost between syncs is removed before the next one, whose
+weight-update group is built from the workers that remain.
+"""
+
+import httpx
+import pytest
+
+from megatron_gspo.config import WeightSyncConfig
+from megatron_gspo.model.builder import build_model
+from megatron_gspo.model.config import tiny
+from megatron_gspo.model.convert import load_hf_checkpoint
+from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.rollout.client import SGLangClient
+from megatron_gspo.rollout.fleet import FleetTooSmallError
+from megatron_gspo.rollout.router_launch import launch_router, router_available
+from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.training.weight_sync import WeightSync
+
+pytestmark = [
+    pytest.mark.skipif(router_available() is not None, reason=str(router_available())),
+    pytest.mark.slow,  # two servers and a router per test
+]
+
+CFG = tiny(vocab_size=80, init_std=0.2)
+
+
+@pytest.fixture(scope="module")
+def model_and_checkpoint(tmp_path_factory):
+    checkpoint = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("hf") / "ckpt", CFG)
+    init_distributed(ParallelConfig(), seed=3)
+    model = build_model(CFG, ParallelConfig()).eval()
+    load_hf_checkpoint(model, checkpoint, CFG)
+    yield model, checkpoint
+    destroy_distributed()
+
+
+@pytest.fixture
+def fleet(model_and_checkpoint):
+    """Two workers at weight_version 0 behind the router."""
+    _, checkpoint = model_and_checkpoint
+    with (
+        launch_embedded_server(checkpoint, extra_args=["--weight-version", "0"]) as a,
+        launch_embedded_server(checkpoint, extra_args=["--weight-version", "0"]) as b,
+        launch_router([a.url, b.url]) as router,
+    ):
+        yield a, b, router
+
+
+def kill_at_second_bucket(client: SGLangClient, server) -> None:
+    """Kill `server` just before the second bucket is sent (the first went to every worker)."""
+    send = client.update_weights_from_tensor
+    calls = []
+
+    def send_and_kill(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            server.process.kill()
+            server.process.wait()
+        return send(*args, **kwargs)
+
+    client.update_weights_from_tensor = send_and_kill
+
+
+def listed(router) -> list[str]:
+    return [w["url"] for w in httpx.get(f"{router.url}/workers").json()["workers"]]
+
+
+def make_sync(model, tmp_path, method: str) -> WeightSync:
+    return WeightSync(
+        WeightSyncConfig(method=method, bucket_mb=0.05, timeout_s=60, retries=1), model, CFG, tmp_path
+    )
+
+
+@pytest.mark.parametrize("min_workers", [1, 2])
+def test_worker_lost_mid_sync(model_and_checkpoint, fleet, tmp_path, min_workers):
+    model, _ = model_and_checkpoint
+    a, b, router = fleet
+    with SGLangClient([], router_url=router.url, max_retries=0, min_workers=min_workers) as client:
+        sync = make_sync(model, tmp_path, "tensor")
+        kill_at_second_bucket(client, b)
+        if min_workers == 1:
+            stats = sync.sync(client, 5)
+            assert stats.attempts == 2 and stats.buckets > 2
+            assert stats.metrics()["fleet/workers"] == 1 and stats.metrics()["fleet/removed"] == 1
+            assert client.served_weights()[0][:2] == (a.url, "5")  # the survivor has the new weights
+        else:
+            with pytest.raises(FleetTooSmallError, match=rf"1 healthy .*min_workers=2 \(lost: {b.url}"):
+                sync.sync(client, 5)
+            assert client.served_weights()[0][:2] == (a.url, "0")  # nothing half-applied
+        assert client.urls == [a.url] and listed(router) == [a.url]  # out of the router too
+
+
+def test_worker_lost_between_syncs_leaves_the_next_group_and_rejoins_synced(
+    model_and_checkpoint, fleet, tmp_path
+):
+    model, checkpoint = model_and_checkpoint
+    a, b, router = fleet
+    with SGLangClient([], router_url=router.url, max_retries=0) as client:
+        sync = make_sync(model, tmp_path, "distributed")
+        assert sync.sync(client, 1).metrics()["fleet/workers"] == 2
+        assert sync._group.urls == sorted([a.url, b.url])
+        b.process.kill()
+        b.process.wait()
+        stats = sync.sync(client, 2)
+        assert sync._group.urls == [a.url] and sync._group.name.endswith("_2")  # a new group, of one worker
+        sync.close(client)
+        assert stats.attempts == 1 and stats.metrics()["fleet/removed"] == 1
+        assert client.served_weights()[0][:2] == (a.url, "2") and listed(router) == [a.url]
+        # The worker comes back (restarted on its address, at its launch version): synced, then re-added.
+        port = int(b.url.rsplit(":", 1)[1])
+        with launch_embedded_server(checkpoint, port=port, extra_args=["--weight-version", "0"]) as again:
+            assert again.url == b.url and listed(router) == [a.url]  # not routed to before its sync
+            stats = sync.sync(client, 3)
+            assert sync._group.urls == sorted([a.url, b.url])
+            sync.close(client)
+            assert stats.metrics()["fleet/rejoined"] == 1 and stats.metrics()["fleet/workers"] == 2
+            assert sorted(listed(router)) == sorted([a.url, b.url])
+            assert [v for _, v, _ in client.served_weights()] == ["3", "3"]
