@@ -63,22 +63,24 @@ def iter_hf_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF on-disk name, tensor) for every weight; collective over all ranks.
 
-    Every rank must drain the iterator (the gathers are collectives); only `sender` ranks
-    convert and receive tensors, the others get nothing. Tensors stay on the device they
-    were gathered on. With tied embeddings `lm_head.weight` is not produced.
+    Every rank must drain the iterator (the gathers are collectives); only the `sender`,
+    global rank 0, converts and receives tensors, the others get nothing, and only those
+    holding shards of the replica rank 0 gathers take part (`iter_global_tensors(to_rank0=True)`).
+    Tensors stay on the device they were gathered on. With tied embeddings `lm_head.weight` is
+    not produced.
 
     Raises:
         ConversionError: the model has a tensor the name table lacks, or lacks one it has
             (raised on every rank: the names are the same everywhere).
     """
     table = {t.megatron: t for t in name_table(model_cfg)}
-    for name, tensor in iter_global_tensors(model):
+    for name, tensor in iter_global_tensors(model, to_rank0=True):
         mapping = table.pop(name, None)
         if mapping is None:
             raise ConversionError(f"model tensor {name!r} has no HF counterpart in the name table")
         if sender:
             yield from megatron_tensor_to_hf(mapping, tensor, model_cfg).items()
-    if table:
+    if table and sender:  # the other ranks walk only their part of the model
         raise ConversionError(f"model lacks {len(table)} tensor(s), e.g. {sorted(table)[:3]}")
 
 

@@ -228,11 +228,26 @@ def _expert_kind(layer_relative: str) -> str:
     return _LOCAL_EXPERT.sub(r"\g<1>0\g<3>", layer_relative)
 
 
-def _iter_stage_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def _on_rank0_path() -> tuple[bool, bool]:
+    """Whether this rank holds shards of the replica global rank 0 gathers: (dense, expert).
+
+    Dense tensors are gathered from data-parallel replica 0 (rank 0's TP group), expert tensors
+    from expert-data-parallel replica 0 (rank 0's EP x expert-TP groups); under pipeline
+    parallelism the same holds on every stage.
+    """
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        return True, True
+    return ps.get_data_parallel_rank() == 0, ps.get_expert_data_parallel_rank() == 0
+
+
+def _iter_stage_tensors(model: torch.nn.Module, to_rank0: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(global name, full tensor) for every tensor of this pipeline stage, gathered over TP and EP.
 
     Collective over this stage's TP and EP groups. A tied last stage's copy of the embedding
-    is skipped (the first stage yields it).
+    is skipped (the first stage yields it). With `to_rank0`, only the tensors of the replica
+    rank 0 gathers (`_on_rank0_path`): the rest are neither gathered nor yielded.
     """
     from megatron.core import parallel_state as ps
 
@@ -240,8 +255,11 @@ def _iter_stage_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
     ep_rank, ep_world = _expert_layout()
     n_local = _num_local_experts(named)
     skip_replica = _is_tied_replica(unwrap_model(model))
+    dense_path, expert_path = _on_rank0_path() if to_rank0 else (True, True)
     for local_name, param in named.items():
         if skip_replica and local_name == _EMBEDDING:
+            continue
+        if not (expert_path if _is_expert(param) else dense_path):
             continue
         tensor = param.detach()
         if getattr(param, "tensor_model_parallel", False):
@@ -301,7 +319,9 @@ def _stage_manifests(model: torch.nn.Module, in_rank0_group: bool) -> list[list[
     return [manifest for _, manifest in sorted(m for m in control_plane.all_gather_objects(mine) if m)]
 
 
-def iter_global_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_global_tensors(
+    model: torch.nn.Module, *, to_rank0: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (global name, full tensor) for every tensor of the model, on every rank.
 
     Collective: all ranks must iterate it to the end together. Tensors are gathered one at a
@@ -309,19 +329,28 @@ def iter_global_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
     pipeline parallelism the stages take turns in order: the owning stage gathers a tensor and
     broadcasts it over each pipeline group, so every rank sees every tensor, one at a time,
     received on the compute device; no rank ever holds another stage's weights at once.
+
+    With `to_rank0` only global rank 0 gets every tensor (the weight sync's sender, an export's
+    writer): only the ranks holding shards of the replica it gathers take part, and only rank
+    0's pipeline group receives other stages' tensors. Other ranks yield a subset or nothing
+    and move no weight bytes: at DP x EP replicas, one replica's worth of traffic instead of all.
     """
     from megatron.core import parallel_state as ps
 
     from megatron_gspo.model.distributed import compute_device
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
-        yield from _iter_stage_tensors(model)
+        yield from _iter_stage_tensors(model, to_rank0)
         return
     group = ps.get_pipeline_model_parallel_group()
     pp_ranks = dist.get_process_group_ranks(group)  # in stage order
     stage = ps.get_pipeline_model_parallel_rank()
-    own = _iter_stage_tensors(model)
-    for source, manifest in enumerate(_stage_manifests(model, 0 in pp_ranks)):
+    manifests = _stage_manifests(model, 0 in pp_ranks)  # control plane: every rank takes part
+    own = _iter_stage_tensors(model, to_rank0)
+    if to_rank0 and 0 not in pp_ranks:  # this stage's gathers feed rank 0's pipeline group only
+        yield from own
+        return
+    for source, manifest in enumerate(manifests):
         for info in manifest:
             if source == stage:
                 name, tensor = next(own)

@@ -16,12 +16,13 @@ WORKER = Path(__file__).with_name("weight_sync_worker.py")
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_tp2_ep2_trainer_syncs_into_the_embedded_server(tmp_path):
+@pytest.mark.parametrize("tp,ep", [(2, 2), (1, 2)], ids=["tp2_ep2", "tp1_ep2"])
+def test_trainer_syncs_into_the_embedded_server_and_only_rank0s_replica_gathers(tmp_path, tp, ep):
     checkpoint = make_tiny_hf_checkpoint(tmp_path / "hf", tiny(vocab_size=80, init_std=0.2))
     result = tmp_path / "result.json"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(WORKER),
-        "--tp=2", "--ep=2", f"--checkpoint={checkpoint}", f"--result={result}",
+        f"--tp={tp}", f"--ep={ep}", f"--checkpoint={checkpoint}", f"--result={result}",
     ]  # fmt: skip
     proc = subprocess.run(
         cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600
@@ -32,9 +33,18 @@ def test_tp2_ep2_trainer_syncs_into_the_embedded_server(tmp_path):
         r = results[method]
         print(
             f"{method}: |server - trainer| max before {r['before']:.3e}, after {r['after']:.3e}; "
-            f"{r['buckets']} buckets, {r['bytes']} bytes"
+            f"{r['buckets']} buckets, {r['bytes']} bytes; bytes gathered per rank {r['gathered']}"
         )
         assert r["before"] > 1e-2  # the perturbation is visible: the check below can fail
         assert r["after"] <= 1e-5
         assert r["version"] == str(version)
         assert r["buckets"] > 3  # 50 KiB buckets: the model went in several
+        # Ranks 0-1 hold data-parallel replica 0 and expert-data-parallel replica 0 (EP groups
+        # {0, 1} and {2, 3}); ranks 2-3 hold replica 1 of the dense tensors and, at TP2 x EP2,
+        # the same expert replica 0 (expert DP 1), at TP1 x EP2 expert replica 1 (expert DP 2).
+        g = r["gathered"]
+        assert g[0] == g[1] > 0
+        if tp == 2:  # 2-3 gather the experts rank 0 needs, never the dense tensors
+            assert 0 < g[2] == g[3] < g[0]
+        else:  # nothing of 2-3 is on rank 0's path: no weight bytes move there
+            assert g[2] == g[3] == 0

@@ -5,11 +5,14 @@
 
 For each method (distributed, then tensor): perturb the trainer's weights, sync them as the
 next weight version, and compare the server's teacher-forced log-probs with the trainer's.
+Each rank also counts the bytes it receives in `all_gather` / `broadcast` calls during the sync
+(`gathered`, one entry per rank), at the torch.distributed boundary.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -35,6 +38,32 @@ def server_logprobs(client: SGLangClient | None, tokens: torch.Tensor) -> torch.
         return torch.cat([torch.zeros(len(served), 1, dtype=served.dtype), served], dim=1)
 
     return control_plane.on_rank0(fetch) if client is not None else control_plane.broadcast_from_rank0(None)
+
+
+@contextlib.contextmanager
+def counting_received_bytes(counter: list[int]):
+    """Adds to counter[0] the bytes this rank receives in `dist.all_gather` / `dist.broadcast` inside."""
+    import torch.distributed as dist
+
+    real_all_gather, real_broadcast = dist.all_gather, dist.broadcast
+
+    def all_gather(tensor_list, tensor, *args, **kwargs):
+        counter[0] += sum(t.numel() * t.element_size() for t in tensor_list)
+        return real_all_gather(tensor_list, tensor, *args, **kwargs)
+
+    def broadcast(tensor, *args, **kwargs):
+        src = kwargs.get("src", args[0] if args else None)
+        if src is None:  # given as a rank within the group
+            src = dist.get_global_rank(kwargs["group"], kwargs["group_src"])
+        if dist.get_rank() != src:
+            counter[0] += tensor.numel() * tensor.element_size()
+        return real_broadcast(tensor, *args, **kwargs)
+
+    dist.all_gather, dist.broadcast = all_gather, broadcast
+    try:
+        yield
+    finally:
+        dist.all_gather, dist.broadcast = real_all_gather, real_broadcast
 
 
 def main() -> None:
@@ -67,7 +96,10 @@ def main() -> None:
             sync = WeightSync(
                 WeightSyncConfig(method=method, bucket_mb=0.05, timeout_s=120), model, cfg, args.result.parent
             )
-            stats = sync.sync(client, version)
+            received = [0]
+            with counting_received_bytes(received):
+                stats = sync.sync(client, version)
+            gathered = control_plane.all_gather_objects(received[0])
             after = server_logprobs(client, tokens)
             served_version = control_plane.on_rank0(lambda: client.server_info()[0]["weight_version"])
             sync.close(client)
@@ -77,6 +109,7 @@ def main() -> None:
                 "version": served_version,
                 "buckets": stats.buckets,
                 "bytes": stats.bytes,
+                "gathered": gathered,
             }
     finally:
         if server is not None:
