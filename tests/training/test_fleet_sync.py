@@ -20,6 +20,7 @@ from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.fleet import FleetTooSmallError
 from megatron_gspo.rollout.router_launch import launch_router, router_available
 from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.training.server_checks import served_weights
 from megatron_gspo.training.weight_sync import WeightSync
 
 pytestmark = [
@@ -88,11 +89,17 @@ def test_worker_lost_mid_sync(model_and_checkpoint, fleet, tmp_path, min_workers
             stats = sync.sync(client, 5)
             assert stats.attempts == 2 and stats.buckets > 2
             assert stats.metrics()["fleet/workers"] == 1 and stats.metrics()["fleet/removed"] == 1
-            assert client.served_weights()[0][:2] == (a.url, "5")  # the survivor has the new weights
+            assert served_weights(client.urls, client.server_info())[0][:2] == (
+                a.url,
+                "5",
+            )  # the survivor has the new weights
         else:
             with pytest.raises(FleetTooSmallError, match=rf"1 healthy .*min_workers=2 \(lost: {b.url}"):
                 sync.sync(client, 5)
-            assert client.served_weights()[0][:2] == (a.url, "0")  # nothing half-applied
+            assert served_weights(client.urls, client.server_info())[0][:2] == (
+                a.url,
+                "0",
+            )  # nothing half-applied
         assert client.urls == [a.url] and listed(router) == [a.url]  # out of the router too
 
 
@@ -111,7 +118,9 @@ def test_worker_lost_between_syncs_leaves_the_next_group_and_rejoins_synced(
         assert sync._group.urls == [a.url] and sync._group.name.endswith("_2")  # a new group, of one worker
         sync.close(client)
         assert stats.attempts == 1 and stats.metrics()["fleet/removed"] == 1
-        assert client.served_weights()[0][:2] == (a.url, "2") and listed(router) == [a.url]
+        assert served_weights(client.urls, client.server_info())[0][:2] == (a.url, "2") and listed(
+            router
+        ) == [a.url]
         # The worker comes back (restarted on its address, at its launch version): synced, then re-added.
         port = int(b.url.rsplit(":", 1)[1])
         with launch_embedded_server(checkpoint, port=port, extra_args=["--weight-version", "0"]) as again:
@@ -121,4 +130,4 @@ def test_worker_lost_between_syncs_leaves_the_next_group_and_rejoins_synced(
             sync.close(client)
             assert stats.metrics()["fleet/rejoined"] == 1 and stats.metrics()["fleet/workers"] == 2
             assert sorted(listed(router)) == sorted([a.url, b.url])
-            assert [v for _, v, _ in client.served_weights()] == ["3", "3"]
+            assert [v for _, v, _ in served_weights(client.urls, client.server_info())] == ["3", "3"]
