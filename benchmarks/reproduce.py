@@ -111,6 +111,7 @@ QUICK = {
 }
 QUICK_VARIANTS, QUICK_SEEDS = ["gspo", "grpo_r3"], [1]
 DONE = "done.json"
+NOT_RUN = "not run (--report-only)"
 
 
 @dataclass(eq=False)
@@ -333,6 +334,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     target.add_argument("--target", type=float, default=None, help="absolute held-out accuracy target")
     target.add_argument("--target-gain", type=float, default=0.1, help="target = cold start + this (default)")
     parser.add_argument("--quick", action="store_true", help="smoke test: 2 variants x 1 seed, tiny settings")
+    parser.add_argument(
+        "--report-only", action="store_true",
+        help="run nothing: report the runs already finished (same arguments otherwise); the others are "
+        f"listed as failed with '{NOT_RUN}', e.g. while the same invocation still runs the rest",
+    )  # fmt: skip
     grid = parser.add_argument_group("stability grid (stability_grid.py)")
     grid.add_argument(
         "--grid", action="store_true",
@@ -402,7 +408,11 @@ def main(argv: list[str] | None = None) -> int:
 
     where = machine()  # before the runs: its load average says what else shared the cores
     start = time.perf_counter()
-    outcomes = run_jobs(jobs, args.jobs)
+    if args.report_only:
+        finished = {j: (j.run_dir / DONE).is_file() for j in jobs}
+        outcomes = {j: Outcome("reused") if finished[j] else Outcome("failed", message=NOT_RUN) for j in jobs}
+    else:
+        outcomes = run_jobs(jobs, args.jobs)
     runs, colds = collect(jobs, outcomes)
     provenance = {
         "command": shlex.join(
@@ -425,9 +435,16 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "summary.md").write_text(markdown(report))
         plot(report, args.out / "reproduce.png")
         written = ["summary.md", "summary.json", "reproduce.png"]
-    failed = [job.label for job in jobs if outcomes[job].status == "failed"]
-    print(f"wrote {args.out}/{', '.join(written)}" + (f"; FAILED: {failed}" if failed else ""))
-    return 1 if failed else 0
+    unrun = sum(outcomes[job].message == NOT_RUN for job in jobs)
+    failed = [
+        job.label for job in jobs if outcomes[job].status == "failed" and outcomes[job].message != NOT_RUN
+    ]
+    print(
+        f"wrote {args.out}/{', '.join(written)}"
+        + (f"; {unrun} of {len(jobs)} runs not finished yet" if unrun else "")
+        + (f"; FAILED: {failed}" if failed else "")
+    )
+    return 1 if failed or unrun else 0
 
 
 if __name__ == "__main__":

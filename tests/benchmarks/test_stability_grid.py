@@ -128,3 +128,18 @@ def test_quick_grid_runs_fp8_cells_at_two_n_and_a_stale_cell(tmp_path):
     (cold,) = report["cold_starts"]
     assert cold["same_start"]
     assert (out / "stability_grid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_only_runs_nothing_and_lists_what_has_not_finished(modules, tmp_path, capsys):
+    reproduce, _, _ = modules
+    out, work = tmp_path / "out", tmp_path / "work"
+    assert (
+        reproduce.main(["--grid", "--quick", "--report-only", "--out", str(out), "--work-dir", str(work)])
+        == 1
+    )
+    assert not work.exists()  # no run was started (a started one makes its directory)
+    assert "4 of 4 runs not finished yet" in capsys.readouterr().out  # 1 cold start + 3 cells
+    report = json.loads((out / "summary.json").read_text())
+    assert [c["runs"] for c in report["grid"]["cells"]] == [0, 0, 0]
+    assert {r["message"] for r in report["runs"]} == {reproduce.NOT_RUN}
+    assert "0/1 runs" in (out / "summary.md").read_text()
