@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/reproduce.py --seeds 1 2 3 --jobs 2 \\
         [--variants gspo grpo ...] [--set optim.lr=5e-4 --set trainer.steps=30] [--target-gain 0.1]
     python benchmarks/reproduce.py --quick --out /tmp/q --work-dir /tmp/q/runs    # smoke test
+    python benchmarks/reproduce.py --grid --jobs 1 [--updates 1 4 8 16] [--seeds 1 2 3 4 5]
 
 The GSPO paper's claim (arXiv 2507.18071): on MoE models GRPO needs Routing Replay to stay stable
 when the experts a token is routed to change between pi_old and pi_theta, and GSPO does not.
@@ -26,6 +27,12 @@ written after a successful exit) is reused by any later invocation with the same
 an unfinished one is deleted and restarted. A failed run is reported with its log and does not
 stop the others (exit status 1 at the end). `--out` gets only summary.md, summary.json and
 reproduce.png (see reproduce_report.py).
+
+`--grid` runs the stability grid instead (stability_grid.py): FP8 rollouts and a bf16 trainer
+for every run and cold start, each of its variants at N optimizer steps per rollout batch
+(`--updates`), plus cells at rollout.max_staleness=2 (`--stale-variants`, `--stale-updates`);
+each cell is one "variant" to the harness above, and `--out` (default
+benchmarks/results/stability_grid) gets summary.md, summary.json and stability_grid.png.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))  # reproduce_report and run (machine description) sit next to this file
 
+import stability_grid  # noqa: E402
 from reproduce_report import ColdStart, Run, assemble, markdown, plot, read_metrics  # noqa: E402
 
 BASE_CONFIG = REPO / "configs" / "drift_moe_cpu.yaml"
@@ -85,8 +93,8 @@ RESERVED = (
     "trainer.resume_or_start",
 )
 # What the cold start depends on: its directory is keyed by these, so an RL-only --set reuses it.
-COLD_START_KEYS = ("model", "task", "sft", "engine", "parallel", "rollout.dtype", "rollout.max_new_tokens",
-                   "eval.num_problems", "trainer.seed")  # fmt: skip
+COLD_START_KEYS = ("model", "task", "sft", "engine", "parallel", "rollout.dtype", "rollout.quantization",
+                   "rollout.max_new_tokens", "eval.num_problems", "trainer.seed")  # fmt: skip
 # --quick: a 2-layer model sorting 1-3 digits, 60 SFT steps, 3 RL steps of 4 prompts x 4 responses.
 QUICK = {
     "task.options": {"min_length": 1, "max_length": 3},
@@ -103,6 +111,7 @@ QUICK = {
 }
 QUICK_VARIANTS, QUICK_SEEDS = ["gspo", "grpo_r3"], [1]
 DONE = "done.json"
+NOT_RUN = "not run (--report-only)"
 
 
 @dataclass(eq=False)
@@ -179,14 +188,21 @@ def check_config(name: str, cfg: DictConfig) -> None:
             raise ValueError(f"variant {name}: config error: {err}") from None
 
 
-def plan(variants: list[str], seeds: list[int], sets: dict[str, Any], work: Path) -> list[Job]:
+def plan(
+    variants: list[str],
+    seeds: list[int],
+    sets: dict[str, Any],
+    work: Path,
+    specs: dict[str, dict[str, Any]] = VARIANTS,
+) -> list[Job]:
     """Cold starts first, then each seed's variants (each needing its seed's cold start).
 
-    A run's config: the base config, `HARNESS`, the variant's overrides, `sets` (--set wins),
-    then what the harness sets per run (seeds, directories, the cold start's checkpoint).
+    A run's config: the base config, `HARNESS`, the variant's overrides (`specs[name]`; the grid's
+    cells are variants too), `sets` (--set wins), then what the harness sets per run (seeds,
+    directories, the cold start's checkpoint).
     """
     for name in variants:
-        check_config(name, compose(HARNESS, VARIANTS[name], sets))
+        check_config(name, compose(HARNESS, specs[name], sets))
     # RL starts from the cold start's weights: no SFT (nor its early-stop target, which needs SFT steps).
     no_sft = {"sft.steps": 0, "sft.target_accuracy": None}
     jobs, runs = [], []
@@ -199,7 +215,7 @@ def plan(variants: list[str], seeds: list[int], sets: dict[str, Any], work: Path
         cold = Job(None, seed, cold_dir, cold_cfg, product=cold_dir / "hf" / "config.json")
         jobs.append(cold)
         for name in variants:
-            rl = compose(HARNESS, VARIANTS[name], sets, seeded, no_sft)
+            rl = compose(HARNESS, specs[name], sets, seeded, no_sft)
             rl.model.pop("overrides", None)  # the architecture comes from the cold start's checkpoint
             run_dir = work / name / f"seed{seed}-{config_hash(rl)}-{cold_key}"
             OmegaConf.update(rl, "model.hf_path", str(cold_dir / "hf"), force_add=True)
@@ -294,10 +310,13 @@ def collect(jobs: list[Job], outcomes: dict[Job, Outcome]) -> tuple[list[Run], l
     return runs, colds
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=None, help="default: all")
-    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 1 2 3")
+    parser.add_argument(
+        "--variants", nargs="+", default=None,
+        help=f"default: all; of {list(VARIANTS)}, or with --grid of {list(stability_grid.GRID_VARIANTS)}",
+    )  # fmt: skip
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 1 2 3 (--grid: 1..5)")
     parser.add_argument(
         "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
         help="override of every run, e.g. optim.lr=5e-4 (repeatable; a value replaces the key whole)",
@@ -307,31 +326,93 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--out", type=Path, default=None,
-        help="report directory (default: benchmarks/results/reproduce; --quick: benchmarks/quick/reproduce, "
-        "which git ignores, so a smoke test never overwrites the committed report)",
+        help="report directory (default: benchmarks/results/reproduce or .../stability_grid; --quick: "
+        "under benchmarks/quick/, which git ignores, so a smoke test never overwrites the committed report)",
     )  # fmt: skip
     parser.add_argument("--work-dir", type=Path, default=REPO / "runs" / "reproduce")
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--target", type=float, default=None, help="absolute held-out accuracy target")
     target.add_argument("--target-gain", type=float, default=0.1, help="target = cold start + this (default)")
     parser.add_argument("--quick", action="store_true", help="smoke test: 2 variants x 1 seed, tiny settings")
+    parser.add_argument(
+        "--report-only", action="store_true",
+        help="run nothing: report the runs already finished (same arguments otherwise); the others are "
+        f"listed as failed with '{NOT_RUN}', e.g. while the same invocation still runs the rest",
+    )  # fmt: skip
+    grid = parser.add_argument_group("stability grid (stability_grid.py)")
+    grid.add_argument(
+        "--grid", action="store_true",
+        help="variants x N updates per rollout batch (+ stale cells), FP8 rollouts, bf16 trainer",
+    )  # fmt: skip
+    grid.add_argument("--updates", type=int, nargs="+", default=None, help="N values (default: 1 4 8 16)")
+    grid.add_argument(
+        "--stale-variants", nargs="*", default=None,
+        help=f"variants run at rollout.max_staleness={stability_grid.STALENESS} (default: "
+        f"{' '.join(stability_grid.STALE_VARIANTS)}; none: no stale cells)",
+    )  # fmt: skip
+    grid.add_argument(
+        "--stale-updates", type=int, default=None,
+        help=f"N of the stale cells (default {stability_grid.STALE_UPDATES})",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    kind = "stability_grid" if args.grid else "reproduce"
     if args.out is None:
-        args.out = REPO / "benchmarks" / ("quick" if args.quick else "results") / "reproduce"
+        args.out = REPO / "benchmarks" / ("quick" if args.quick else "results") / kind
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
-    variants = args.variants or (QUICK_VARIANTS if args.quick else list(VARIANTS))
-    seeds = args.seeds or (QUICK_SEEDS if args.quick else [1, 2, 3])
+    if not args.grid and (args.updates or args.stale_variants is not None or args.stale_updates):
+        parser.error("--updates, --stale-variants and --stale-updates belong to --grid")
+    known = stability_grid.GRID_VARIANTS if args.grid else VARIANTS
+    for name in (args.variants or []) + (args.stale_variants or []):
+        if name not in known:
+            parser.error(f"unknown variant {name!r}; choose from {list(known)}")
+    if any(n < 1 for n in args.updates or []) or (args.stale_updates or 1) < 1:
+        parser.error("--updates / --stale-updates: N must be >= 1")
+    args.parser = parser
+    return args
+
+
+def grid_plan(args: argparse.Namespace) -> tuple[list[stability_grid.Cell], dict[str, dict[str, Any]]]:
+    """The grid's cells (from the arguments, or --quick's few) and their overrides by cell name."""
+    quick_n, quick_stale = stability_grid.QUICK_STALE
+    variants = args.variants or (
+        stability_grid.QUICK_VARIANTS if args.quick else list(stability_grid.GRID_VARIANTS)
+    )
+    updates = args.updates or (stability_grid.QUICK_UPDATES if args.quick else stability_grid.UPDATES)
+    stale = args.stale_variants if args.stale_variants is not None else (
+        quick_stale if args.quick else stability_grid.STALE_VARIANTS)  # fmt: skip
+    stale_n = args.stale_updates or (quick_n if args.quick else stability_grid.STALE_UPDATES)
+    grid = stability_grid.cells(variants, updates, stale, stale_n)
+    return grid, {cell.name: cell.overrides() for cell in grid}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    grid, specs = grid_plan(args) if args.grid else ([], VARIANTS)
+    variants = (
+        [c.name for c in grid]
+        if args.grid
+        else (args.variants or (QUICK_VARIANTS if args.quick else list(VARIANTS)))
+    )
+    seeds = args.seeds or (QUICK_SEEDS if args.quick else [1, 2, 3, 4, 5] if args.grid else [1, 2, 3])
     try:
-        sets = {**(QUICK if args.quick else {}), **parse_set(args.sets)}
-        jobs = plan(variants, seeds, sets, args.work_dir.resolve())
+        given = parse_set(args.sets)
+        if args.grid and (clash := sorted(set(given) & set(stability_grid.GRID_RESERVED))):
+            raise ValueError(f"--set {clash[0]}: set per cell by --grid; choose cells with --updates")
+        grid_sets = stability_grid.GRID_SETS if args.grid else {}
+        sets = {**grid_sets, **(QUICK if args.quick else {}), **given}
+        jobs = plan(variants, seeds, sets, args.work_dir.resolve(), specs)
     except ValueError as err:
-        parser.error(str(err))
+        args.parser.error(str(err))
     from run import machine  # benchmarks/run.py: what the figures were measured on
 
     where = machine()  # before the runs: its load average says what else shared the cores
     start = time.perf_counter()
-    outcomes = run_jobs(jobs, args.jobs)
+    if args.report_only:
+        finished = {j: (j.run_dir / DONE).is_file() for j in jobs}
+        outcomes = {j: Outcome("reused") if finished[j] else Outcome("failed", message=NOT_RUN) for j in jobs}
+    else:
+        outcomes = run_jobs(jobs, args.jobs)
     runs, colds = collect(jobs, outcomes)
     provenance = {
         "command": shlex.join(
@@ -339,23 +420,31 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "base_config": str(BASE_CONFIG.relative_to(REPO)),
         "overrides": [f"{k}={json.dumps(v)}" for k, v in {**HARNESS, **sets}.items()],
-        "variant_overrides": {n: [f"{k}={json.dumps(v)}" for k, v in VARIANTS[n].items()] for n in variants},
+        "variant_overrides": {n: [f"{k}={json.dumps(v)}" for k, v in specs[n].items()] for n in variants},
         "seeds": seeds,
         "jobs": args.jobs,
         "wall_seconds": time.perf_counter() - start,
         "machine": where,
     }
     report = assemble(runs, colds, variants, target=args.target, gain=args.target_gain, provenance=provenance)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.json").write_text(json.dumps(report, indent=1))
-    (args.out / "summary.md").write_text(markdown(report))
-    plot(report, args.out / "reproduce.png")
-    failed = [job.label for job in jobs if outcomes[job].status == "failed"]
+    if args.grid:
+        written = stability_grid.write(report, runs, grid, args.out)
+    else:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "summary.json").write_text(json.dumps(report, indent=1))
+        (args.out / "summary.md").write_text(markdown(report))
+        plot(report, args.out / "reproduce.png")
+        written = ["summary.md", "summary.json", "reproduce.png"]
+    unrun = sum(outcomes[job].message == NOT_RUN for job in jobs)
+    failed = [
+        job.label for job in jobs if outcomes[job].status == "failed" and outcomes[job].message != NOT_RUN
+    ]
     print(
-        f"wrote {args.out}/summary.md, summary.json, reproduce.png"
+        f"wrote {args.out}/{', '.join(written)}"
+        + (f"; {unrun} of {len(jobs)} runs not finished yet" if unrun else "")
         + (f"; FAILED: {failed}" if failed else "")
     )
-    return 1 if failed else 0
+    return 1 if failed or unrun else 0
 
 
 if __name__ == "__main__":
