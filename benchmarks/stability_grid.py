@@ -18,9 +18,9 @@ Variants (GRPO clip 0.2 / 0.27; "TIS" is token-level truncated IS, w = min(pi_ol
 - gspo / gspo_r3: GSPO as the project runs it (pi_old = the rollout server's log-probs, so the
   sequence ratio and its clip see the FP8 mismatch), without / with R3.
 
-Staleness cells run only GSPO and GRPO + TIS + R2: R3 replays the routing of the weights that
-sampled a batch, which the trainer no longer holds when the batch is stale, and the config
-refuses routing_replay=r3 with max_staleness >= 1.
+Staleness cells (`--stale-variants`, default GSPO and GRPO + TIS + R2) take any variant; R3 at
+staleness k replays the routes of the weights that sampled the batch (k versions old), which the
+rollout server returned with it.
 
 This module defines the cells and writes the grid's summary.md, summary.json and figure from the
 report `reproduce_report.assemble` builds (one "variant" there per cell).

@@ -36,10 +36,11 @@ def test_the_grid_is_every_variant_at_every_n_plus_the_stale_cells_and_each_vali
     assert tis["algorithm.rollout_correction"] == {"method": "tis", "level": "token", "cap": 2.0}
     assert grid_mod.Cell("grpo", 1).overrides()["algorithm.old_logprobs"] == "recompute"
     assert "algorithm.rollout_correction" not in grid_mod.Cell("grpo", 1).overrides()
-    # Why there is no stale R3 cell: the config refuses it.
+    # A stale R3 cell is a valid config too (R3 replays the sampling weights' routes).
     stale_r3 = grid_mod.Cell("grpo_tis_r3", 4, 2)
-    with pytest.raises(ValueError, match="routing_replay=r3 with rollout.max_staleness=2"):
-        reproduce.check_config(stale_r3.name, reproduce.compose(stale_r3.overrides(), grid_mod.GRID_SETS))
+    cfg = reproduce.compose(reproduce.HARNESS, stale_r3.overrides(), grid_mod.GRID_SETS)
+    reproduce.check_config(stale_r3.name, cfg)
+    assert cfg.rollout.max_staleness == 2 and cfg.algorithm.routing_replay == "r3"
 
 
 def test_grid_arguments_are_checked(modules, capsys):
