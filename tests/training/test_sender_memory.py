@@ -48,7 +48,9 @@ def model(tmp_path_factory):
 def gathered_copies(monkeypatch):
     """Every global tensor reaches the stream as a new tensor (as from a TP/EP gather)."""
     gather = hf_stream.iter_global_tensors
-    monkeypatch.setattr(hf_stream, "iter_global_tensors", lambda m: ((n, t.clone()) for n, t in gather(m)))
+    monkeypatch.setattr(
+        hf_stream, "iter_global_tensors", lambda m, **kw: ((n, t.clone()) for n, t in gather(m, **kw))
+    )
 
 
 def sizes(model) -> tuple[int, int]:
