@@ -17,7 +17,8 @@ def test_alltoall_keeps_each_ranks_shape_and_allgather_pads_to_the_largest():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    rows = json.loads(line)
     shapes = {(r["dispatcher"], r["layout"], r["rank"]): (r["own"], r["padded"]) for r in rows}
     assert len(shapes) == 8
     # rank 0 packs 5 + 9 + 3 tokens, rank 1 packs 17 + 4
