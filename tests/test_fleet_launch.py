@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # plan and both launch scripts' dry runs: ~36 s
+
 ROOT = Path(__file__).resolve().parents[1]
 PATH = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 

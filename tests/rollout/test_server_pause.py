@@ -21,6 +21,8 @@ from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout.server_launch import launch_embedded_server
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 
+pytestmark = pytest.mark.slow  # an embedded server and 480-token generations: ~45 s
+
 TOKENIZER = build_char_tokenizer()
 CFG = tiny(vocab_size=len(TOKENIZER), init_std=0.2)
 PROMPT = TOKENIZER.encode("12+34=")

@@ -21,6 +21,8 @@ from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 from megatron_gspo.training.inflight_updates import InFlightUpdates
 from megatron_gspo.training.rollout_queue import RolloutProducer
 
+pytestmark = pytest.mark.slow  # a weight sync landing mid-batch on a live server: ~40 s
+
 TOKENIZER = build_char_tokenizer()
 CFG = tiny(vocab_size=len(TOKENIZER), init_std=0.2)
 LONG = 480  # the context is 512: the sync lands mid-generation on a fast box too
