@@ -27,6 +27,9 @@ CFG = tiny(vocab_size=len(TOKENIZER), init_std=0.2)
 PROMPTS = [TOKENIZER.encode("12+34="), TOKENIZER.encode("7*8=")]
 LONG = 480  # the context is 512: long enough that the sync lands mid-generation on a fast box too
 TEMPERATURE = 0.8
+# fp32 decoding token by token (KV cache) vs one teacher-forced forward over up to ~490 positions:
+# float noise up to 1.2e-5 was seen (CI); the other version's weights differ by > 1e-2.
+DECODE_TOL = 5e-5
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +104,7 @@ def test_sync_mid_generation_gives_segments_with_their_versions_logprobs_and_rou
             logprobs, router = teacher_forced(path, seq)
             positions = torch.arange(p - 1 + seg.start, p - 1 + seg.start + seg.length)
             ref = logprobs[positions].gather(1, torch.tensor(seq)[positions + 1, None])[:, 0].double()
-            assert (got[seg.start : seg.start + seg.length] - ref).abs().max() < 1e-5, path
+            assert (got[seg.start : seg.start + seg.length] - ref).abs().max() < DECODE_TOL, path
             # Routes: the rows whose token the segment predicted (positions p-1+start ...).
             rows = slice(0 if seg.start == 0 else p - 1 + seg.start, p - 1 + seg.start + seg.length)
             assert routes_agree(routed[rows], router[rows]), path

@@ -27,6 +27,9 @@ TOKENIZER = build_char_tokenizer()
 CFG = tiny(vocab_size=len(TOKENIZER), init_std=0.2)
 PROMPT = TOKENIZER.encode("12+34=")
 LONG = 480  # tokens (the context is 512): the pause lands well inside the generation, fast box or slow
+# fp32 decoding token by token (KV cache) vs one teacher-forced forward over up to ~490 positions:
+# float noise up to ~1.2e-5 was seen; the other version's weights differ by > 1e-3.
+DECODE_TOL = 5e-5
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +85,7 @@ def logprobs_of(response):
     return torch.tensor([lp for lp, _, _ in response["meta_info"]["output_token_logprobs"]])
 
 
-def first_mismatch(got, ref, tol=1e-4):
+def first_mismatch(got, ref, tol=DECODE_TOL):
     bad = ((got - ref).abs() > tol).nonzero()
     return int(bad[0]) if len(bad) else len(got)
 
@@ -112,10 +115,10 @@ def test_weight_update_while_paused_mid_generation(server, checkpoints, mode):
     ref_b = teacher_forced_logprobs(b, ids)
     n = first_mismatch(got, ref_a)
     assert 0 < n < LONG  # the update landed mid-generation
-    assert (got[:n] - ref_a[:n]).abs().max() < 1e-5  # before the pause: the old weights
+    assert (got[:n] - ref_a[:n]).abs().max() < DECODE_TOL  # before the pause: the old weights
     after = (got[n:] - ref_b[n:]).abs().max()
     if mode == "retract":  # cache recomputed with b: exactly b's teacher-forced log-probs
-        assert after < 1e-5
+        assert after < DECODE_TOL
     else:  # in_place: b's weights over a's cached keys/values, which a fresh b forward does not give
         assert after > 1e-3
 
@@ -131,7 +134,7 @@ def test_abort_mode_returns_the_tokens_so_far_and_holds_new_requests(server, che
     ids = response["output_ids"]
     assert response["meta_info"]["finish_reason"]["type"] == "abort"
     assert 0 < len(ids) < LONG and response["meta_info"]["weight_version"] == "0"
-    assert (logprobs_of(response) - teacher_forced_logprobs(a, ids)).abs().max() < 1e-5
+    assert (logprobs_of(response) - teacher_forced_logprobs(a, ids)).abs().max() < DECODE_TOL
     later, held = start_generation_while_paused(url)
     later.join(0.5)
     assert later.is_alive()  # held until /continue_generation
@@ -162,4 +165,4 @@ def test_abort_request_by_rid_ends_a_running_generation_only(server, checkpoints
     assert response["meta_info"]["finish_reason"]["type"] == "abort"
     assert 0 < len(response["output_ids"]) < LONG
     got, ids = logprobs_of(response), response["output_ids"]
-    assert (got - teacher_forced_logprobs(a, ids)).abs().max() < 1e-5
+    assert (got - teacher_forced_logprobs(a, ids)).abs().max() < DECODE_TOL
