@@ -70,6 +70,7 @@ def test_sigterm_waits_for_an_open_protocol_step(sigterm_exits):
     assert done == ["the rest of the step"]
 
 
+@pytest.mark.slow  # an embedded server and a weight sync: 12-23 s
 def test_sigterm_right_after_a_bucket_is_announced(sigterm_exits, tmp_path, monkeypatch):
     checkpoint = make_tiny_hf_checkpoint(tmp_path / "hf", CFG)
     init_distributed(ParallelConfig(), seed=0)
