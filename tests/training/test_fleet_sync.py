@@ -9,13 +9,10 @@ weight-update group is built from the workers that remain.
 
 import httpx
 import pytest
+from world_one import world_one_policy
 
 from megatron_gspo.config import WeightSyncConfig
-from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.convert import load_hf_checkpoint
-from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.fleet import FleetTooSmallError
 from megatron_gspo.rollout.router_launch import launch_router, router_available
@@ -33,12 +30,8 @@ CFG = tiny(vocab_size=80, init_std=0.2)
 
 @pytest.fixture(scope="module")
 def model_and_checkpoint(tmp_path_factory):
-    checkpoint = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("hf") / "ckpt", CFG)
-    init_distributed(ParallelConfig(), seed=3)
-    model = build_model(CFG, ParallelConfig()).eval()
-    load_hf_checkpoint(model, checkpoint, CFG)
-    yield model, checkpoint
-    destroy_distributed()
+    with world_one_policy(tmp_path_factory.mktemp("hf"), CFG, seed=3) as loaded:
+        yield loaded
 
 
 @pytest.fixture

@@ -13,14 +13,11 @@ import gc
 import pytest
 import torch
 from memory_meter import PeakMemory, linux_only
+from world_one import world_one_policy
 
 from megatron_gspo.config import WeightSyncConfig
 from megatron_gspo.model import hf_stream
-from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.convert import load_hf_checkpoint
-from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.model.hf_export import export_hf_checkpoint
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.server_launch import launch_embedded_server
@@ -36,12 +33,8 @@ MIB = 2**20
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    checkpoint = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("hf") / "ckpt", CFG)
-    init_distributed(ParallelConfig(), seed=3)
-    model = build_model(CFG, ParallelConfig()).eval()
-    load_hf_checkpoint(model, checkpoint, CFG)
-    yield model, checkpoint
-    destroy_distributed()
+    with world_one_policy(tmp_path_factory.mktemp("hf"), CFG, seed=3) as loaded:
+        yield loaded
 
 
 @pytest.fixture

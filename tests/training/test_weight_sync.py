@@ -11,13 +11,11 @@ import httpx
 import pytest
 import torch
 from served import served_logprobs
+from world_one import world_one_policy
 
 from megatron_gspo.config import WeightSyncConfig
-from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.convert import load_hf_checkpoint, random_tokens
-from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.convert import random_tokens
 from megatron_gspo.model.hf_stream import NonFiniteWeightError
 from megatron_gspo.model.logprobs import sequence_logprobs
 from megatron_gspo.rollout.client import SGLangClient
@@ -85,18 +83,14 @@ class FaultyProxy:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    checkpoint = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("hf") / "ckpt", CFG)
-    init_distributed(ParallelConfig(), seed=3)
-    model = build_model(CFG, ParallelConfig()).eval()
-    load_hf_checkpoint(model, checkpoint, CFG)
-    server = launch_embedded_server(checkpoint)
-    proxy = FaultyProxy(server.url)
-    client = SGLangClient([proxy.url], max_retries=0)
-    yield model, client, proxy, server, tmp_path_factory.mktemp("export")
-    client.close()
-    proxy.server.shutdown()
-    server.terminate()
-    destroy_distributed()
+    with world_one_policy(tmp_path_factory.mktemp("hf"), CFG, seed=3) as (model, checkpoint):
+        server = launch_embedded_server(checkpoint)
+        proxy = FaultyProxy(server.url)
+        client = SGLangClient([proxy.url], max_retries=0)
+        yield model, client, proxy, server, tmp_path_factory.mktemp("export")
+        client.close()
+        proxy.server.shutdown()
+        server.terminate()
 
 
 def trainer_logprobs(model) -> torch.Tensor:

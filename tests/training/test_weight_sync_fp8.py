@@ -7,13 +7,11 @@ import torch
 from fp8_reference import reference_dequantize, reference_quantize
 from safetensors.torch import save_file
 from served import served_logprobs
+from world_one import world_one_policy
 
 from megatron_gspo.config import WeightSyncConfig
-from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.convert import load_hf_checkpoint, random_tokens
-from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.convert import random_tokens
 from megatron_gspo.model.hf_stream import iter_hf_tensors
 from megatron_gspo.plan import sync_bytes
 from megatron_gspo.rollout.client import SGLangClient
@@ -27,16 +25,12 @@ PROJECTION = ("_proj.weight",)
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    checkpoint = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("hf") / "ckpt", CFG)
-    init_distributed(ParallelConfig(), seed=5)
-    model = build_model(CFG, ParallelConfig()).eval()
-    load_hf_checkpoint(model, checkpoint, CFG)
-    server = launch_embedded_server(checkpoint)
-    client = SGLangClient([server.url], max_retries=0)
-    yield model, client, checkpoint, tmp_path_factory.mktemp("work")
-    client.close()
-    server.terminate()
-    destroy_distributed()
+    with world_one_policy(tmp_path_factory.mktemp("hf"), CFG, seed=5) as (model, checkpoint):
+        server = launch_embedded_server(checkpoint)
+        client = SGLangClient([server.url], max_retries=0)
+        yield model, client, checkpoint, tmp_path_factory.mktemp("work")
+        client.close()
+        server.terminate()
 
 
 def sync(model, work, client, version: int, quantization: str, method: str = "distributed"):
