@@ -560,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as err:
             print(f"megatron-gspo serve: {err}", file=sys.stderr, flush=True)
             return 2
-        if model != args.model:  # SIGTERM then unwinds like Ctrl-C, so the temporary export is removed
+        if model != args.model:  # SIGTERM while the model loads unwinds like Ctrl-C: the export is removed
             signal.signal(signal.SIGTERM, _interrupt)
             args.model = model
         return _serve(args, sock)
@@ -583,8 +583,6 @@ def _serve(args: argparse.Namespace, sock) -> int:
     print(f"embedded rollout server listening on http://{service.host}:{service.port}", flush=True)
     try:
         server_http.serve(app, sock)
-    except KeyboardInterrupt:
-        pass
     finally:
         service.scheduler.close()
         for pool in pools:

@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures as cf
 import json
 import logging
+import signal
 import socket
 from collections.abc import Callable, Mapping
 from http import HTTPStatus
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 Endpoint = Callable[[Any], tuple[int, Any]]
 LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
+SHUTDOWN_GRACE_S = 5.0
+"""How long requests in flight at SIGTERM / Ctrl-C get to finish (aiohttp's default is 60 s)."""
 
 
 class BodyError(ValueError):
@@ -118,15 +121,25 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 async def _serve(app: web.Application, sock: socket.socket) -> None:
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
+    # SIGTERM and Ctrl-C end the loop at a point of its choosing: a KeyboardInterrupt raised from
+    # a Python signal handler lands in whatever callback runs, and can leave a request's future
+    # unresolved, so that shutdown waits on it.
+    loop, stop = asyncio.get_running_loop(), asyncio.Event()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        loop.add_signal_handler(sig, stop.set)
     try:
         await web.SockSite(runner, sock, backlog=LISTEN_BACKLOG).start()
-        await asyncio.Event().wait()  # until cancelled (KeyboardInterrupt)
+        await stop.wait()
     finally:
+        for sig, handler in previous.items():
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, handler)
         await runner.cleanup()
 
 
 def serve(app: web.Application, sock: socket.socket) -> None:
-    """Serve `app` on the bound `sock` until interrupted (KeyboardInterrupt)."""
+    """Serve `app` on the bound `sock` until SIGTERM or SIGINT (main thread only)."""
     asyncio.run(_serve(app, sock))

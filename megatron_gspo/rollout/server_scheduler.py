@@ -124,13 +124,16 @@ class BatchScheduler:
         return len(queued) + len(running)
 
     def close(self) -> None:
-        """Stop the worker after the running batch; queued rows fail."""
+        """Stop the worker: queued rows fail, running ones (held by a pause too) end as aborted."""
         with self._cond:
             self._closed = True
             leftover, self._queue = self._queue, []
+            running = list(self._running)
             self._cond.notify_all()
         for p in leftover:
             p.future.set_exception(RuntimeError("server shutting down"))
+        for p in running:
+            p.item.abort.set()  # a batch held by a pause sees it and ends: exit never waits on /continue
         self._thread.join(timeout=60)
 
     def _take_batch(self) -> list[_Pending] | None:

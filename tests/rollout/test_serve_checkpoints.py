@@ -55,7 +55,7 @@ def test_serve_takes_a_training_checkpoint(short_run, tmp_path):
         meta = httpx.post(f"{url}/generate", json=body, timeout=60).json()["meta_info"]
     finally:
         server.terminate()
-        server.wait(30)
+        server.wait(60)
     assert not list(tmp_path.glob("megatron-gspo-export-*"))  # SIGTERM removed the temporary export
     tokens = [t for _, t, _ in meta["output_token_logprobs"]]
     served = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]], dtype=torch.float64)

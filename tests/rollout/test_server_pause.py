@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.rollout.server_http import SHUTDOWN_GRACE_S
 from megatron_gspo.rollout.server_launch import launch_embedded_server
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 
@@ -69,9 +70,14 @@ def start_generation(url, rid):
         },
         "return_logprob": True,
     }
-    thread = threading.Thread(
-        target=lambda: holder.setdefault("r", httpx.post(f"{url}/generate", json=body, timeout=300).json())
-    )
+
+    def post():
+        try:
+            holder["r"] = httpx.post(f"{url}/generate", json=body, timeout=300).json()
+        except httpx.HTTPError as err:  # the server went away under it
+            holder["error"] = err
+
+    thread = threading.Thread(target=post)
     thread.start()
     deadline = time.monotonic() + 60
     while httpx.get(f"{url}/get_server_info").json()["num_pending_requests"] == 0:
@@ -166,3 +172,17 @@ def test_abort_request_by_rid_ends_a_running_generation_only(server, checkpoints
     assert 0 < len(response["output_ids"]) < LONG
     got, ids = logprobs_of(response), response["output_ids"]
     assert (got - teacher_forced_logprobs(a, ids)).abs().max() < DECODE_TOL
+
+
+def test_sigterm_with_a_request_held_mid_generation_exits_within_the_grace(checkpoints):
+    """In-flight requests get SHUTDOWN_GRACE_S, not aiohttp's 60 s: the server exits and the client hears."""
+    with launch_embedded_server(checkpoints[0]) as srv:
+        thread, holder = start_generation(srv.url, "held-at-exit")
+        httpx.post(f"{srv.url}/pause_generation", json={"mode": "in_place"}, timeout=60)
+        start = time.monotonic()
+        srv.process.terminate()
+        assert srv.process.wait(60) == 0, srv.output()
+        waited = time.monotonic() - start
+    thread.join(60)
+    assert not thread.is_alive() and "error" in holder  # the held request's client heard, not hung
+    assert waited < SHUTDOWN_GRACE_S + 15, waited
