@@ -321,7 +321,16 @@ class TrainerConfig:
     save_every: int = 0
     """Checkpoint every this many steps (0: only at the end)."""
     keep_last: int = 2
-    """Checkpoints kept."""
+    """Checkpoints kept (and, beside them, the newest reshardable one)."""
+    reshardable_every: int = 0
+    """Make every this many steps' checkpoint reshardable (0: never). With the distributed
+    optimizer, routine checkpoints hold each rank's slice of its flat buffers and resume only at
+    the same TP/PP/EP/DP layout; a reshardable one resumes at any layout but gathers each
+    model-parallel shard's fp32 optimizer state (12 bytes per parameter) into every data-parallel
+    rank's host memory while saving (`megatron-gspo plan` prints both). Without the distributed
+    optimizer every checkpoint is reshardable."""
+    reshardable_at_end: bool = True
+    """Make the run's last checkpoint reshardable (see reshardable_every)."""
     resume: bool = False
     """Continue from the latest checkpoint in run_dir/checkpoints (an error when there is none)."""
     resume_or_start: bool = False
@@ -722,6 +731,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     if trainer.steps < 0 or trainer.save_every < 0 or cfg.eval.every < 0 or trainer.keep_last < 1:
         raise ConfigError(
             "trainer.steps, trainer.save_every and eval.every must be >= 0, trainer.keep_last >= 1"
+        )
+    if trainer.reshardable_every < 0:
+        raise ConfigError(
+            f"trainer.reshardable_every must be >= 0 (0: never), got {trainer.reshardable_every}"
         )
     if cfg.sft.steps < 0 or cfg.sft.batch_size < 1 or cfg.sft.lr <= 0:
         raise ConfigError("sft.steps must be >= 0, sft.batch_size >= 1 and sft.lr > 0")

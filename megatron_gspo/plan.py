@@ -7,7 +7,9 @@ activations of one micro-batch (logits and the fp32 chunks the log-prob and entr
 work in, the tensors each layer keeps for backward, with or without activation recompute), so
 a layout for H100 nodes can be checked on a laptop or in CI. A layout whose estimate plus a
 reserve (CUDA context, NCCL buffers, allocator fragmentation) exceeds the GPU memory is refused.
-It also prints the bytes each weight sync sends to a rollout server (FP8 with rollout.quantization).
+It also prints the bytes each weight sync sends to a rollout server (FP8 with rollout.quantization)
+and the host memory a checkpoint save needs per rank and per node, routine and reshardable
+(`plan_checkpoint`).
 The KV cache of colocated rollout engines is not included (rollouts run on other nodes).
 
 Under pipeline parallelism every stage is estimated on its own: its share of the layers,
@@ -237,6 +239,9 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         default=6.0,
         help="kept free for the CUDA context, NCCL buffers and allocator fragmentation",
     )
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=8, help="ranks per node, for the host memory of a save"
+    )
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. parallel.expert_parallel=8")
 
 
@@ -375,6 +380,7 @@ def run_plan(args: argparse.Namespace) -> int:
             else ""
         )
     )
+    print_save_host_memory(stages, cfg, args.world_size, args.gpus_per_node)
     need = plan.total_bytes + act.total_bytes + args.reserve_gb * GIB
     over = need - args.gpu_memory_gb * GIB
     print(
@@ -390,3 +396,21 @@ def run_plan(args: argparse.Namespace) -> int:
         "engine.recompute_activations or lower trainer.micro_batch_size / trainer.max_tokens_per_micro_batch"
     )
     return 1
+
+
+def print_save_host_memory(stages: list[StagePlan], cfg, world_size: int, gpus_per_node: int) -> None:
+    """One line: host memory of a checkpoint save per rank and per node (the largest stage's)."""
+    from megatron_gspo.plan_checkpoint import save_host_memory
+
+    host = max(
+        (save_host_memory(sp.states, cfg.parallel, cfg.engine, world_size) for sp in stages),
+        key=lambda h: h.reshardable_bytes,
+    )
+    node = min(gpus_per_node, world_size)
+    print(
+        f"checkpoint save, host memory: routine {host.routine_bytes / GIB:.1f} GiB per rank, "
+        f"{host.routine_bytes * node / GIB:.1f} GiB per node of {node}; reshardable "
+        f"{host.reshardable_bytes / GIB:.1f} GiB per rank, {host.reshardable_bytes * node / GIB:.1f} GiB "
+        f"per node (trainer.reshardable_every={cfg.trainer.reshardable_every}, "
+        f"reshardable_at_end={cfg.trainer.reshardable_at_end})"
+    )
