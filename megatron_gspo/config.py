@@ -620,6 +620,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     _check_pipeline(cfg)
+    _check_context_parallel(cfg)
     if model_cfg.num_query_groups % cfg.parallel.tensor_parallel:
         raise ConfigError(
             f"parallel.tensor_parallel={cfg.parallel.tensor_parallel} does not divide the "
@@ -840,6 +841,26 @@ def _check_pipeline(cfg: RunConfig) -> None:
     if cfg.drift.enabled:
         raise ConfigError(
             f"drift.enabled with {pp}: drift metrics need every layer's routing of a token on one rank"
+        )
+
+
+def _check_context_parallel(cfg: RunConfig) -> None:
+    """What context parallelism does not run: the local spec, passes that need whole sequences."""
+    cp = cfg.parallel.context_parallel
+    if cp == 1:
+        return
+    name = f"parallel.context_parallel={cp}"
+    if cfg.engine.use_te is False:
+        raise ConfigError(
+            f"{name} with engine.use_te=false: megatron's local attention cannot attend across "
+            "context-parallel ranks; context parallelism needs the TransformerEngine spec"
+        )
+    if cfg.drift.enabled:
+        raise ConfigError(f"{name} with drift.enabled: each rank routes only its part of every sequence")
+    if cfg.sft.steps > 0 and cfg.sft.target_accuracy is not None:
+        raise ConfigError(
+            f"sft.target_accuracy with {name}: the held-out check generates with the trainer's model "
+            "on whole sequences; set sft.target_accuracy=null (fixed sft.steps)"
         )
 
 

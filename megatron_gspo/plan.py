@@ -121,7 +121,8 @@ class ActivationPlan:
     """Activation bytes one rank holds at the peak of a micro-batch's forward/backward.
 
     Attributes:
-        tokens: tokens of the micro-batch (responses x longest prompt + response), all TP ranks'.
+        tokens: tokens of the micro-batch (responses x longest prompt + response) on this CP rank,
+            all TP ranks'.
         logits_bytes: the output layer's [tokens, vocab / TP] logits in the compute dtype plus
             two fp32 token chunks of them, the most the chunked log-prob and entropy passes
             hold at once (`model/chunked_cross_entropy.py`).
@@ -177,7 +178,10 @@ def activation_plan(
 
     `stage` (default: the first, or the only one) decides the layers held, the micro-batches
     in flight (PP - stage index under 1F1B) and whether the logits are there (last stage).
+    Under context parallelism each rank holds 1 / CP of every sequence: its layer activations
+    and logits are those of tokens / CP (only the per-token log-probs are gathered).
     """
+    tokens = -(-tokens // parallel.context_parallel)
     pp = parallel.pipeline_parallel
     stage = stage or pipeline_stages(model.num_layers, pp)[0]
     in_flight = pp - stage.index
@@ -328,7 +332,8 @@ def run_plan(args: argparse.Namespace) -> int:
         f"{args.config}: {model.num_parameters / 1e9:.1f}B parameters ({shape}) on {args.world_size} ranks: "
         f"TP={p.tensor_parallel} PP={p.pipeline_parallel} EP={p.expert_parallel} ETP={p.expert_tp} "
         f"DP={p.check_world_size(args.world_size)} SP={p.use_sequence_parallel} "
-        f"distributed optimizer={p.distributed_optimizer} dtype={cfg.engine.dtype}"
+        + (f"CP={p.context_parallel} " if p.context_parallel > 1 else "")
+        + f"distributed optimizer={p.distributed_optimizer} dtype={cfg.engine.dtype}"
     )
     if len(stages) > 1:
         for sp in stages:

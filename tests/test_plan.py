@@ -371,3 +371,19 @@ def test_sync_bytes_fp8_is_about_half_of_bf16_and_unquantised_is_every_parameter
     assert result.returncode == 0, result.stdout + result.stderr
     line = next(x for x in result.stdout.splitlines() if x.startswith("weight sync: "))
     assert f"fp8: {ratio:.2f}x the 56.9 GiB in bf16)" in line, line
+
+
+def test_context_parallel_activations_are_those_of_tokens_over_cp():
+    """CP2 on 100 tokens holds what 50 tokens cost without CP: layers and logits alike."""
+    model = presets.tiny(vocab_size=80)
+    engine = EngineConfig(dtype="bf16")
+    cp2 = activation_plan(
+        model, ParallelConfig(context_parallel=2), engine, tokens=100, seq_len=100, flash_attention=True
+    )
+    half = activation_plan(model, ParallelConfig(), engine, tokens=50, seq_len=100, flash_attention=True)
+    assert cp2.tokens == 50 and cp2.logits_bytes == 50 * 80 * (2 + 2 * 4)
+    assert (cp2.layer_bytes, cp2.stored_bytes, cp2.logits_bytes) == (
+        half.layer_bytes,
+        half.stored_bytes,
+        half.logits_bytes,
+    )

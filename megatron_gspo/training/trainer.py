@@ -160,7 +160,7 @@ class Trainer:
         )
         self.layout = DataLayout.from_megatron(
             cfg.trainer.micro_batch_size,
-            sp_tp,
+            cfg.parallel.pad_multiple,
             packing_layout(model),
             max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch or 0,
         )
