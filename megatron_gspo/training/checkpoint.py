@@ -152,6 +152,11 @@ def current_layout(optimizer=None) -> dict[str, Any]:
     }
 
 
+def layout_text(layout: dict[str, Any]) -> str:
+    """`world=2 TP=1 PP=1 EP=2 ETP=1 DP=2 distributed_optimizer=True`: a layout as messages name it."""
+    return _layout_text(layout)
+
+
 def _layout_text(layout: dict[str, Any]) -> str:
     return (
         f"world={layout['world_size']} TP={layout['tensor_parallel']} "
