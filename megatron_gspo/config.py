@@ -321,7 +321,16 @@ class TrainerConfig:
     save_every: int = 0
     """Checkpoint every this many steps (0: only at the end)."""
     keep_last: int = 2
-    """Checkpoints kept."""
+    """Checkpoints kept (and, beside them, the newest reshardable one)."""
+    reshardable_every: int = 0
+    """Make every this many steps' checkpoint reshardable (0: never). With the distributed
+    optimizer, routine checkpoints hold each rank's slice of its flat buffers and resume only at
+    the same TP/PP/EP/DP layout; a reshardable one resumes at any layout but gathers each
+    model-parallel shard's fp32 optimizer state (12 bytes per parameter) into every data-parallel
+    rank's host memory while saving (`megatron-gspo plan` prints both). Without the distributed
+    optimizer every checkpoint is reshardable."""
+    reshardable_at_end: bool = True
+    """Make the run's last checkpoint reshardable (see reshardable_every)."""
     resume: bool = False
     """Continue from the latest checkpoint in run_dir/checkpoints (an error when there is none)."""
     resume_or_start: bool = False
@@ -611,6 +620,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     _check_pipeline(cfg)
+    _check_context_parallel(cfg)
     if model_cfg.num_query_groups % cfg.parallel.tensor_parallel:
         raise ConfigError(
             f"parallel.tensor_parallel={cfg.parallel.tensor_parallel} does not divide the "
@@ -723,6 +733,10 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         raise ConfigError(
             "trainer.steps, trainer.save_every and eval.every must be >= 0, trainer.keep_last >= 1"
         )
+    if trainer.reshardable_every < 0:
+        raise ConfigError(
+            f"trainer.reshardable_every must be >= 0 (0: never), got {trainer.reshardable_every}"
+        )
     if cfg.sft.steps < 0 or cfg.sft.batch_size < 1 or cfg.sft.lr <= 0:
         raise ConfigError("sft.steps must be >= 0, sft.batch_size >= 1 and sft.lr > 0")
     _check_sft_target(cfg.sft)
@@ -827,6 +841,26 @@ def _check_pipeline(cfg: RunConfig) -> None:
     if cfg.drift.enabled:
         raise ConfigError(
             f"drift.enabled with {pp}: drift metrics need every layer's routing of a token on one rank"
+        )
+
+
+def _check_context_parallel(cfg: RunConfig) -> None:
+    """What context parallelism does not run: the local spec, passes that need whole sequences."""
+    cp = cfg.parallel.context_parallel
+    if cp == 1:
+        return
+    name = f"parallel.context_parallel={cp}"
+    if cfg.engine.use_te is False:
+        raise ConfigError(
+            f"{name} with engine.use_te=false: megatron's local attention cannot attend across "
+            "context-parallel ranks; context parallelism needs the TransformerEngine spec"
+        )
+    if cfg.drift.enabled:
+        raise ConfigError(f"{name} with drift.enabled: each rank routes only its part of every sequence")
+    if cfg.sft.steps > 0 and cfg.sft.target_accuracy is not None:
+        raise ConfigError(
+            f"sft.target_accuracy with {name}: the held-out check generates with the trainer's model "
+            "on whole sequences; set sft.target_accuracy=null (fixed sft.steps)"
         )
 
 

@@ -7,7 +7,9 @@ activations of one micro-batch (logits and the fp32 chunks the log-prob and entr
 work in, the tensors each layer keeps for backward, with or without activation recompute), so
 a layout for H100 nodes can be checked on a laptop or in CI. A layout whose estimate plus a
 reserve (CUDA context, NCCL buffers, allocator fragmentation) exceeds the GPU memory is refused.
-It also prints the bytes each weight sync sends to a rollout server (FP8 with rollout.quantization).
+It also prints the bytes each weight sync sends to a rollout server (FP8 with rollout.quantization)
+and the host memory a checkpoint save needs per rank and per node, routine and reshardable
+(`plan_checkpoint`).
 The KV cache of colocated rollout engines is not included (rollouts run on other nodes).
 
 Under pipeline parallelism every stage is estimated on its own: its share of the layers,
@@ -119,7 +121,8 @@ class ActivationPlan:
     """Activation bytes one rank holds at the peak of a micro-batch's forward/backward.
 
     Attributes:
-        tokens: tokens of the micro-batch (responses x longest prompt + response), all TP ranks'.
+        tokens: tokens of the micro-batch (responses x longest prompt + response) on this CP rank,
+            all TP ranks'.
         logits_bytes: the output layer's [tokens, vocab / TP] logits in the compute dtype plus
             two fp32 token chunks of them, the most the chunked log-prob and entropy passes
             hold at once (`model/chunked_cross_entropy.py`).
@@ -175,7 +178,10 @@ def activation_plan(
 
     `stage` (default: the first, or the only one) decides the layers held, the micro-batches
     in flight (PP - stage index under 1F1B) and whether the logits are there (last stage).
+    Under context parallelism each rank holds 1 / CP of every sequence: its layer activations
+    and logits are those of tokens / CP (only the per-token log-probs are gathered).
     """
+    tokens = -(-tokens // parallel.context_parallel)
     pp = parallel.pipeline_parallel
     stage = stage or pipeline_stages(model.num_layers, pp)[0]
     in_flight = pp - stage.index
@@ -236,6 +242,9 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=6.0,
         help="kept free for the CUDA context, NCCL buffers and allocator fragmentation",
+    )
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=8, help="ranks per node, for the host memory of a save"
     )
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. parallel.expert_parallel=8")
 
@@ -323,7 +332,8 @@ def run_plan(args: argparse.Namespace) -> int:
         f"{args.config}: {model.num_parameters / 1e9:.1f}B parameters ({shape}) on {args.world_size} ranks: "
         f"TP={p.tensor_parallel} PP={p.pipeline_parallel} EP={p.expert_parallel} ETP={p.expert_tp} "
         f"DP={p.check_world_size(args.world_size)} SP={p.use_sequence_parallel} "
-        f"distributed optimizer={p.distributed_optimizer} dtype={cfg.engine.dtype}"
+        + (f"CP={p.context_parallel} " if p.context_parallel > 1 else "")
+        + f"distributed optimizer={p.distributed_optimizer} dtype={cfg.engine.dtype}"
     )
     if len(stages) > 1:
         for sp in stages:
@@ -375,6 +385,7 @@ def run_plan(args: argparse.Namespace) -> int:
             else ""
         )
     )
+    print_save_host_memory(stages, cfg, args.world_size, args.gpus_per_node)
     need = plan.total_bytes + act.total_bytes + args.reserve_gb * GIB
     over = need - args.gpu_memory_gb * GIB
     print(
@@ -390,3 +401,21 @@ def run_plan(args: argparse.Namespace) -> int:
         "engine.recompute_activations or lower trainer.micro_batch_size / trainer.max_tokens_per_micro_batch"
     )
     return 1
+
+
+def print_save_host_memory(stages: list[StagePlan], cfg, world_size: int, gpus_per_node: int) -> None:
+    """One line: host memory of a checkpoint save per rank and per node (the largest stage's)."""
+    from megatron_gspo.plan_checkpoint import save_host_memory
+
+    host = max(
+        (save_host_memory(sp.states, cfg.parallel, cfg.engine, world_size) for sp in stages),
+        key=lambda h: h.reshardable_bytes,
+    )
+    node = min(gpus_per_node, world_size)
+    print(
+        f"checkpoint save, host memory: routine {host.routine_bytes / GIB:.1f} GiB per rank, "
+        f"{host.routine_bytes * node / GIB:.1f} GiB per node of {node}; reshardable "
+        f"{host.reshardable_bytes / GIB:.1f} GiB per rank, {host.reshardable_bytes * node / GIB:.1f} GiB "
+        f"per node (trainer.reshardable_every={cfg.trainer.reshardable_every}, "
+        f"reshardable_at_end={cfg.trainer.reshardable_at_end})"
+    )

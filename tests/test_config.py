@@ -173,6 +173,27 @@ RECOMPUTE = ["algorithm.old_logprobs=recompute", "rc.method=tis", "rc.level=sequ
             2,
             "expert tensor parallel 2 (parallel.expert_tensor_parallel, default tensor_parallel) with",
         ),
+        (["parallel.context_parallel=0"], 1, "parallel.context_parallel must be >= 1, got 0"),
+        (
+            ["parallel.context_parallel=2", "parallel.pipeline_parallel=2"],
+            4,
+            "context parallelism is supported without pipeline stages only",
+        ),
+        (
+            ["parallel.context_parallel=3"],
+            2,
+            "tensor_parallel x pipeline_parallel x context_parallel = 1 x 1 x 3",
+        ),
+        (
+            ["parallel.context_parallel=2", "engine.use_te=false"],
+            2,
+            "parallel.context_parallel=2 with engine.use_te=false: megatron's local attention cannot attend",
+        ),
+        (
+            ["parallel.context_parallel=2", "drift.enabled=true"],
+            2,
+            "parallel.context_parallel=2 with drift.enabled: each rank routes only its part",
+        ),
     ],
 )
 def test_validation_errors(overrides, world, message):

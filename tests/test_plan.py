@@ -11,6 +11,7 @@ from megatron_gspo.model import config as presets
 from megatron_gspo.model.distributed import ParallelConfig
 from megatron_gspo.model.engine import EngineConfig
 from megatron_gspo.plan import activation_plan, pipeline_stages, shard_plan, sync_bytes
+from megatron_gspo.plan_checkpoint import save_host_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,6 +42,25 @@ def test_shard_plan_counts_by_hand():
     assert result.optimizer_bytes == int(result.dense_params * 12 / 4 + result.expert_params * 12 / 1)
 
 
+def test_save_host_memory_by_hand():
+    """TP2 x EP4 on 8 ranks, bf16: 18,112 dense params per rank (4 DP replicas), 12,288 expert (1)."""
+    model = presets.tiny(vocab_size=80)
+    engine = EngineConfig(dtype="bf16")
+    distopt = ParallelConfig(tensor_parallel=2, expert_parallel=4, distributed_optimizer=True)
+    states = shard_plan(model, distopt, engine, world_size=8)
+    assert (states.dense_params, states.expert_params) == (18112, 12288)
+    host = save_host_memory(states, distopt, engine, world_size=8)
+    # Routine: this rank writes 18112 / 4 + 12288 = 16816 parameters' bf16 weights (2 B) and
+    # its own fp32 main-param + two-moment slice (12 B).
+    assert host.routine_bytes == 16816 * (2 + 12) == 235424
+    # Reshardable: the same weights, plus the whole TP/EP shard's fp32 state gathered (30400 x 12 B).
+    assert host.reshardable_bytes == 16816 * 2 + 30400 * 12 == 398432
+    # Plain Adam: model-space state (two moments + fp32 master = 12 B), spread over DP both ways.
+    plain = ParallelConfig(tensor_parallel=2, expert_parallel=4)
+    host = save_host_memory(shard_plan(model, plain, engine, world_size=8), plain, engine, world_size=8)
+    assert host.routine_bytes == host.reshardable_bytes == 16816 * (2 + 12)
+
+
 @pytest.mark.parametrize(
     "config,world,max_gib",
     [("qwen3_30b_a3b_gspo", 16, 50), ("qwen3_30b_a3b_grpo_r2", 16, 50), ("qwen3_235b_a22b_gspo", 64, 70)],
@@ -58,6 +78,11 @@ def test_large_configs_validate_and_fit_on_h100(config, world, max_gib, math_dat
     assert "with recompute on" in activation
     per_gpu = next(line for line in result.stdout.splitlines() if line.startswith("per GPU: "))
     assert per_gpu.endswith("GiB of 79.1 GiB") and " activation + 6 reserve" in per_gpu  # an H100's usable
+    host = next(line for line in result.stdout.splitlines() if line.startswith("checkpoint save, host"))
+    routine, reshardable = (
+        float(part.split(" GiB per rank")[0].rsplit(" ", 1)[1]) for part in host.split(";")
+    )
+    assert 0 < routine < reshardable and "GiB per node of 8" in host
 
 
 def test_pipeline_stages_split_layers_and_model_ends_by_hand():
@@ -346,3 +371,19 @@ def test_sync_bytes_fp8_is_about_half_of_bf16_and_unquantised_is_every_parameter
     assert result.returncode == 0, result.stdout + result.stderr
     line = next(x for x in result.stdout.splitlines() if x.startswith("weight sync: "))
     assert f"fp8: {ratio:.2f}x the 56.9 GiB in bf16)" in line, line
+
+
+def test_context_parallel_activations_are_those_of_tokens_over_cp():
+    """CP2 on 100 tokens holds what 50 tokens cost without CP: layers and logits alike."""
+    model = presets.tiny(vocab_size=80)
+    engine = EngineConfig(dtype="bf16")
+    cp2 = activation_plan(
+        model, ParallelConfig(context_parallel=2), engine, tokens=100, seq_len=100, flash_attention=True
+    )
+    half = activation_plan(model, ParallelConfig(), engine, tokens=50, seq_len=100, flash_attention=True)
+    assert cp2.tokens == 50 and cp2.logits_bytes == 50 * 80 * (2 + 2 * 4)
+    assert (cp2.layer_bytes, cp2.stored_bytes, cp2.logits_bytes) == (
+        half.layer_bytes,
+        half.stored_bytes,
+        half.logits_bytes,
+    )

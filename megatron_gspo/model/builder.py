@@ -98,6 +98,7 @@ def transformer_config(
         **flags,
         tensor_model_parallel_size=parallel.tensor_parallel,
         pipeline_model_parallel_size=parallel.pipeline_parallel,
+        context_parallel_size=parallel.context_parallel,
         # Packed micro-batches differ in length: stages exchange shapes before activations.
         variable_seq_lengths=parallel.pipeline_parallel > 1,
         pipeline_dtype=engine.torch_dtype,
@@ -175,6 +176,12 @@ def build_model(
     parallel.check_num_layers(model.num_layers)
     if routing_replay and engine.router_fusion:
         raise ValueError("routing replay with engine.router_fusion: the fused top-k silently bypasses replay")
+    if parallel.context_parallel > 1 and not resolve_use_te(engine, available):
+        raise ValueError(
+            f"parallel.context_parallel={parallel.context_parallel} needs the TransformerEngine spec "
+            "(engine.use_te, CUDA + transformer_engine): megatron's local attention cannot attend across "
+            "context-parallel ranks; set parallel.context_parallel=1"
+        )
     RouterReplay.clear_global_router_replay_instances()
     config = transformer_config(
         model,

@@ -48,6 +48,11 @@ class ParallelConfig:
     """Tensor-parallel size inside each expert (default: tensor_parallel, megatron's default)."""
     sequence_parallel: bool | None = None
     """Shard activations along the sequence between TP ranks (default: on when TP > 1; MoE needs it)."""
+    context_parallel: int = 1
+    """Context-parallel size: every packed sequence split over this many ranks (megatron's
+    load-balanced 2·CP chunks, `model/context_parallel.py`), for long responses. Needs the
+    TransformerEngine spec (its attention exchanges keys/values between the CP ranks) and THD
+    packing; not with pipeline_parallel > 1."""
     token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     """MoE token dispatcher. `flex` (DeepEP) is GPU-only and not offered here."""
     distributed_optimizer: bool = False
@@ -78,6 +83,13 @@ class ParallelConfig:
             raise ValueError(
                 f"parallel.timeout_minutes must be a finite number > 0, got {self.timeout_minutes!r}"
             )
+        if self.context_parallel < 1:
+            raise ValueError(f"parallel.context_parallel must be >= 1, got {self.context_parallel}")
+        if self.context_parallel > 1 and self.pipeline_parallel > 1:
+            raise ValueError(
+                f"parallel.context_parallel={self.context_parallel} with pipeline_parallel="
+                f"{self.pipeline_parallel}: context parallelism is supported without pipeline stages only"
+            )
         if self.sequence_parallel is False and self.tensor_parallel > 1:
             raise ValueError(
                 "MoE training with tensor_parallel > 1 requires sequence_parallel (megatron-core)"
@@ -102,6 +114,12 @@ class ParallelConfig:
         return self.tensor_parallel > 1 if self.sequence_parallel is None else self.sequence_parallel
 
     @property
+    def pad_multiple(self) -> int:
+        """Every packed sequence's length multiple: TP under sequence parallelism, x 2·CP with CP."""
+        tp = self.tensor_parallel if self.use_sequence_parallel else 1
+        return tp * (2 * self.context_parallel if self.context_parallel > 1 else 1)
+
+    @property
     def expert_tp(self) -> int:
         """Expert tensor-parallel size, resolved."""
         return self.expert_tensor_parallel or self.tensor_parallel
@@ -112,12 +130,14 @@ class ParallelConfig:
         Megatron lays out world = TP x PP x DP for dense parts and world = ETP x EP x PP x
         expert-DP for experts: both products must divide the world.
         """
-        model_group = self.tensor_parallel * self.pipeline_parallel
+        model_group = self.tensor_parallel * self.pipeline_parallel * self.context_parallel
         if world_size % model_group:
-            raise ValueError(
-                f"world size {world_size} is not divisible by tensor_parallel x pipeline_parallel = "
-                f"{self.tensor_parallel} x {self.pipeline_parallel}"
+            product = (
+                f"tensor_parallel x pipeline_parallel = {self.tensor_parallel} x {self.pipeline_parallel}"
             )
+            if self.context_parallel > 1:
+                product = product.replace(" =", " x context_parallel =") + f" x {self.context_parallel}"
+            raise ValueError(f"world size {world_size} is not divisible by {product}")
         expert_group = self.expert_tp * self.expert_parallel * self.pipeline_parallel
         if world_size % expert_group:
             raise ValueError(
@@ -201,6 +221,7 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> int:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_parallel,
         pipeline_model_parallel_size=parallel.pipeline_parallel,
+        context_parallel_size=parallel.context_parallel,
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.expert_tp,
         distributed_timeout_minutes=math.ceil(parallel.timeout_minutes),  # megatron's own groups too

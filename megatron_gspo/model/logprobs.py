@@ -29,6 +29,7 @@ from megatron_gspo.model.chunked_cross_entropy import (
     chunked_vocab_parallel_cross_entropy,
     chunked_vocab_parallel_entropy,
 )
+from megatron_gspo.model.context_parallel import context_parallel_state, gather_positions, partition_index
 from megatron_gspo.model.distributed import compute_device, unwrap_model
 from megatron_gspo.model.packing import (
     PackedBatch,
@@ -124,8 +125,14 @@ def stage_forward(
             temperature, as SGLang's returned log-probs are log_softmax(logits / T)).
         with_entropy: also compute the entropy of every position's distribution (last stage).
 
+    Under context parallelism (THD only, no pipeline stages) the model sees this CP rank's
+    positions (`context_parallel.partition_index`; `PackedSeqParams` keep the whole row's
+    offsets, as TransformerEngine's CP attention expects) and the [R, L / CP] outputs are
+    gathered back into the row (differentiable), so callers see [R, L] as without CP.
+
     Raises:
-        PackingError: a "mask" batch for a model whose attention ignores the mask (TE).
+        PackingError: a "mask" batch for a model whose attention ignores the mask (TE), or a
+            "mask" batch under context parallelism.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
@@ -134,14 +141,21 @@ def stage_forward(
     last = is_last_stage(model)
     found: dict = {}
     hook = _logprob_loss(model, temperature, with_entropy, found) if last else contextlib.nullcontext()
+    inputs = (packed.tokens, packed.position_ids, packed.labels)
+    cp_size, cp_rank, cp_group = context_parallel_state()
+    if cp_size > 1:
+        if packed.layout != "thd":
+            raise PackingError("context parallelism needs THD packing (the TransformerEngine spec)")
+        cu_padded = packed.cu_seqlens_padded()
+        index = partition_index(cu_padded, cp_size, cp_rank)
+        inputs = tuple(t.index_select(1, index.to(t.device)) for t in inputs)
+    tokens, position_ids, labels = (t.to(device) for t in inputs)
     with hook:
-        output = model(
-            packed.tokens.to(device),
-            packed.position_ids.to(device),
-            labels=packed.labels.to(device),
-            **kwargs,
-        )
+        output = model(tokens, position_ids, labels=labels, **kwargs)
     entropy = found["entropy"].transpose(0, 1) if last and with_entropy else None
+    if cp_size > 1:
+        output = gather_positions(output, cu_padded, index, cp_group)
+        entropy = None if entropy is None else gather_positions(entropy, cu_padded, index, cp_group)
     return output, entropy
 
 

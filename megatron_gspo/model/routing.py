@@ -425,6 +425,19 @@ def filler_routing(num_tokens: int, topk: int, num_experts: int, *, offset: int 
     return (t * topk + torch.arange(topk)) % num_experts
 
 
+def _router_positions(
+    packed: PackedBatch, tp_rank: int, tp_size: int, sequence_parallel: bool, cp_size: int, cp_rank: int
+) -> torch.Tensor | slice:
+    """Row positions this rank's router sees, in its order: the CP partition, then the SP slice."""
+    length = packed.tokens.shape[1]
+    if cp_size == 1:
+        return _local_positions(length, tp_rank, tp_size, sequence_parallel)
+    from megatron_gspo.model.context_parallel import partition_index
+
+    index = partition_index(packed.cu_seqlens_padded(), cp_size, cp_rank)
+    return index[_local_positions(len(index), tp_rank, tp_size, sequence_parallel)]
+
+
 def _local_positions(length: int, tp_rank: int, tp_size: int, sequence_parallel: bool) -> slice:
     if not sequence_parallel or tp_size == 1:
         return slice(0, length)
@@ -435,17 +448,23 @@ def _local_positions(length: int, tp_rank: int, tp_size: int, sequence_parallel:
 
 
 def routing_token_mask(
-    packed: PackedBatch, *, tp_rank: int = 0, tp_size: int = 1, sequence_parallel: bool = False
+    packed: PackedBatch,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    sequence_parallel: bool = False,
+    cp_size: int = 1,
+    cp_rank: int = 0,
 ) -> torch.Tensor:
     """`[local_tokens]` bool: True where the rollout engine routed the token (not padding, not last).
 
-    Token order as the router sees it on this rank (position-major, SP slice).
+    Token order as the router sees it on this rank (position-major; CP partition, SP slice).
     """
     rows, length = packed.tokens.shape
     mask = torch.zeros(length, rows, dtype=torch.bool)
     for row, start, n in packed.segments:
         mask[start : start + n - 1, row] = True
-    return mask[_local_positions(length, tp_rank, tp_size, sequence_parallel)].reshape(-1)
+    return mask[_router_positions(packed, tp_rank, tp_size, sequence_parallel, cp_size, cp_rank)].reshape(-1)
 
 
 def routing_from_rollout(
@@ -457,6 +476,8 @@ def routing_from_rollout(
     tp_size: int = 1,
     sequence_parallel: bool = False,
     layers: Sequence[int] | None = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
 ) -> LayerRouting:
     """The rollout engine's per-sample routing in this rank's packed router order (for R3).
 
@@ -469,10 +490,13 @@ def routing_from_rollout(
         tp_size: tensor-parallel size.
         sequence_parallel: whether positions are split over TP ranks.
         layers: the global MoE layers this rank holds, in order (default: all of them).
+        cp_size: context-parallel size (THD only): the row is first cut as the model's input is
+            (`context_parallel.partition_index`), then split over TP under SP.
+        cp_rank: this rank's context-parallel rank.
 
     Returns:
-        Per local layer `[local_tokens, k]` expert ids, local_tokens = (L / tp) * R under SP,
-        L * R otherwise (THD: R = 1, L = total padded length). Padding and each sample's
+        Per local layer `[local_tokens, k]` expert ids, local_tokens = (L / (cp x tp)) * R
+        under SP, L / cp * R otherwise (THD: R = 1, L = total padded length). Padding and each sample's
         last token get `filler_routing`.
 
     Raises:
@@ -509,7 +533,8 @@ def routing_from_rollout(
         full[start : start + n - 1, row] = routes[:, layers].to(torch.long)
     if full.numel() and (full.min() < 0 or full.max() >= num_experts):
         raise RoutingError(f"routed experts hold ids outside [0, {num_experts})")
-    local = full[_local_positions(length, tp_rank, tp_size, sequence_parallel)].reshape(-1, len(layers), topk)
+    positions = _router_positions(packed, tp_rank, tp_size, sequence_parallel, cp_size, cp_rank)
+    local = full[positions].reshape(-1, len(layers), topk)
     return compact(list(local.unbind(dim=1)), num_experts)
 
 

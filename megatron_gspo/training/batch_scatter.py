@@ -246,7 +246,9 @@ def scatter_rank_rows(
     size = max(h.nbytes for h in headers)
     buffer = torch.empty(size, dtype=torch.uint8, device=device)
     model_parallel = ps.get_model_parallel_group()
-    if dist.get_rank(model_parallel) == 0:  # tensor/pipeline rank 0: in rank 0's dp group
+    if ps.get_context_parallel_world_size() > 1:  # CP peers train on the same rows (no PP with CP)
+        model_parallel = ps.get_tensor_and_context_parallel_group()
+    if dist.get_rank(model_parallel) == 0:  # tensor/pipeline (/context) rank 0: in rank 0's dp group
         chunks = None
         if dist.get_rank() == 0:
             chunks = [torch.nn.functional.pad(b, (0, size - b.numel())).to(device) for _, b in encoded]

@@ -18,6 +18,11 @@ Layout of a checkpoint root::
 Resharding: model weights and optimizer state (Adam moments, fp32 main params, step) are
 stored per global tensor, so a checkpoint written at TP2 resumes at EP2, at TP1 x EP1, or at
 any other layout of the same model; only the optimizer kind (distributed or not) must match.
+The exception is the distributed optimizer's routine save (`reshardable=False`): its state is
+each rank's slice of megatron's flat buffers (`dp_reshardable`), written without the gather
+into host memory that a reshardable save costs, and it loads only at the layout that wrote it;
+another layout is refused (`CheckpointLayoutError`) in favour of a reshardable checkpoint,
+the newest of which `keep_last` never deletes.
 RNG streams are per rank and only restored at the same layout (world size, TP, EP, ETP, DP);
 at another layout the run keeps the streams it was seeded with, and says so.
 
@@ -54,6 +59,8 @@ import torch
 from megatron_gspo.model.config import MoEModelConfig
 from megatron_gspo.model.control_plane import all_gather_objects, broadcast_from_rank0
 from megatron_gspo.training.checkpoint_dist import (
+    RESHARDABLE_SHARDING,
+    ROUTINE_SHARDING,
     is_distributed_optimizer,
     leaf_optimizers,
     load_model_sharded,
@@ -94,11 +101,14 @@ __all__ = [  # names other modules and the tests take from here
     "MODEL_DIR",
     "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointLayoutError",
     "current_layout",
+    "is_reshardable",
     "latest_step",
     "list_steps",
     "load_checkpoint",
     "load_weights",
+    "newest_reshardable_step",
     "read_meta",
     "resumable_step",
     "save_checkpoint",
@@ -110,6 +120,11 @@ LATEST_FILE = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _TMP_DIR = re.compile(r"^step_\d{8}\.(tmp|old)-[0-9a-f]+$")
 _TMP_LATEST = re.compile(r"^\.latest\.tmp-[0-9a-f]+$")
+
+
+class CheckpointLayoutError(CheckpointError):
+    """A routine (layout-bound) checkpoint cannot be loaded at this run's parallel layout."""
+
 
 # --------------------------------------------------------------------------- layout
 
@@ -135,6 +150,11 @@ def current_layout(optimizer=None) -> dict[str, Any]:
         "data_parallel": dp,
         "distributed_optimizer": any(is_distributed_optimizer(o) for o in leaves),
     }
+
+
+def layout_text(layout: dict[str, Any]) -> str:
+    """`world=2 TP=1 PP=1 EP=2 ETP=1 DP=2 distributed_optimizer=True`: a layout as messages name it."""
+    return _layout_text(layout)
 
 
 def _layout_text(layout: dict[str, Any]) -> str:
@@ -213,6 +233,7 @@ def save_checkpoint(
     keep_last: int = 2,
     model_cfg: MoEModelConfig | None = None,
     tokenizer=None,
+    reshardable: bool = True,
 ) -> Path:
     """Write the checkpoint of `step` atomically and make it `latest` (collective: every rank calls it).
 
@@ -229,6 +250,10 @@ def save_checkpoint(
         model_cfg: the architecture, written (by rank 0) as `model/config.json` so that
             `megatron-gspo export` can rebuild the model from the checkpoint alone.
         tokenizer: the run's tokenizer, saved under `model/` beside it (HF `save_pretrained`).
+        reshardable: whether the checkpoint must load at any layout. False (a routine save)
+            writes the distributed optimizer's state as each rank holds it (`dp_reshardable`),
+            loadable only at this layout; True gathers it into model space on every DP rank's
+            host (`fully_reshardable`). Other optimizers are reshardable either way.
 
     Returns:
         The final checkpoint directory `root/step_NNNNNNNN`.
@@ -268,8 +293,9 @@ def save_checkpoint(
     files: dict[str, tuple[int, str]] = {}  # name -> (bytes, checksum)
     failure = None
     with_optimizer = any(_all_gather(optimizer_has_state(optimizer)))
+    sharding = RESHARDABLE_SHARDING if reshardable else ROUTINE_SHARDING
     try:
-        save_sharded(tmp / DIST_DIR, model, optimizer, with_optimizer=with_optimizer)
+        save_sharded(tmp / DIST_DIR, model, optimizer, with_optimizer=with_optimizer, sharding=sharding)
         files |= _checksum_share(tmp, _broadcast(_dist_files(tmp) if rank == 0 else None))
         files[rank_file_name(rank)] = save_durably(
             {"format_version": FORMAT_VERSION, "rank": rank, "rng": capture_rng_state()},
@@ -289,7 +315,7 @@ def save_checkpoint(
 
     if rank == 0:
         try:
-            meta = _meta(step, optimizer, scheduler, trainer_state, all_files, with_optimizer)
+            meta = _meta(step, optimizer, scheduler, trainer_state, all_files, with_optimizer, sharding)
             write_meta(tmp / META_FILE, meta)
             fsync_dir(tmp / DIST_DIR)
             fsync_dir(tmp)
@@ -337,6 +363,7 @@ def _meta(
     trainer_state: dict[str, Any],
     files: dict[str, tuple[int, str]],
     with_optimizer: bool,
+    sharding: str,
 ) -> dict[str, Any]:
     from importlib.metadata import version
 
@@ -351,6 +378,7 @@ def _meta(
         "layout": current_layout(optimizer),
         "optimizer_step": optimizer_step_count(optimizer),
         "optimizer_state": with_optimizer,  # False: saved before the first step, model only
+        "optimizer_sharding": sharding,  # the distributed optimizer's format (others: model space)
         "scheduler": scheduler.state_dict(),
         "versions": {"megatron-core": version("megatron-core"), "torch": torch.__version__},
         "files": {name: size for name, (size, _) in sorted(files.items())},
@@ -377,13 +405,34 @@ def _prune(root: Path, step: int, keep_last: int) -> None:
 
     Only checkpoints whose meta.json reads back intact are counted (or deleted): a damaged one
     must not stand in for an intact older one. Those a resume found damaged were moved aside.
+    The newest reshardable one is kept too: the only way to resume at another layout.
     """
     older = [s for s in list_steps(root) if s <= step and _meta_intact(root / step_dir_name(s))]
+    keep = newest_reshardable_step(root, older)
     for old in older[:-keep_last]:
+        if old == keep:
+            continue
         # Rename first so a crash mid-delete leaves a name the next save's cleanup recognises.
         doomed = root / f"{step_dir_name(old)}.old-{secrets.token_hex(6)}"
         os.rename(root / step_dir_name(old), doomed)
         shutil.rmtree(doomed)
+
+
+def is_reshardable(meta: dict[str, Any]) -> bool:
+    """Whether a checkpoint loads at any layout (all but the distributed optimizer's routine saves)."""
+    routine = meta.get("optimizer_sharding") == ROUTINE_SHARDING  # absent: written before routine saves
+    return not (routine and meta["layout"].get("distributed_optimizer") and meta.get("optimizer_state", True))
+
+
+def newest_reshardable_step(root: Path, steps: list[int] | None = None) -> int | None:
+    """The newest of `steps` (default: every complete one) whose checkpoint loads at any layout."""
+    for step in sorted(list_steps(root) if steps is None else steps, reverse=True):
+        try:
+            if is_reshardable(read_meta(root / step_dir_name(step))):
+                return step
+        except CheckpointError:
+            continue
+    return None
 
 
 def _meta_intact(directory: Path) -> bool:
@@ -398,7 +447,7 @@ def _meta_intact(directory: Path) -> bool:
 
 
 def _inspect(directory: Path, step: int, optimizer) -> tuple[str, str] | None:
-    """This rank's verdict on one checkpoint: None (intact), ("damaged", why) or ("refused", why).
+    """This rank's verdict on one checkpoint: None (intact), ("damaged" | "layout" | "refused", why).
 
     Each rank checksums its share of `dist/`, its own RNG file when it will read it (same
     layout), and on rank 0 the trainer state: together every file is verified.
@@ -420,6 +469,8 @@ def _inspect(directory: Path, step: int, optimizer) -> tuple[str, str] | None:
                 f"{_layout_text(here)}. TP, EP, DP and the world size may change on resume, "
                 "the optimizer kind (parallel.distributed_optimizer) may not."
             )
+        if not is_reshardable(meta) and not _same_layout(meta, optimizer):
+            raise CheckpointLayoutError(_routine_refusal(directory, meta, here))
         verify = dist_share(meta)
         if _same_layout(meta, optimizer):
             verify.append(rank_file_name(rank))
@@ -429,9 +480,28 @@ def _inspect(directory: Path, step: int, optimizer) -> tuple[str, str] | None:
         verify_files(directory, meta, verify)
     except CheckpointCorruptError as exc:
         return "damaged", str(exc)
+    except CheckpointLayoutError as exc:
+        return "layout", str(exc)
     except CheckpointError as exc:
         return "refused", str(exc)
     return None
+
+
+def _routine_refusal(directory: Path, meta: dict[str, Any], here: dict[str, Any]) -> str:
+    saved = {key: {"pipeline_parallel": 1, **meta["layout"]}.get(key) for key in here}
+    other = newest_reshardable_step(directory.parent)
+    where = (
+        f"the newest under {directory.parent} is {step_dir_name(other)} "
+        "(write that name into `latest` to resume from it)"
+        if other is not None
+        else f"there is none under {directory.parent}"
+    )
+    return (
+        f"{directory} is a routine checkpoint (distributed optimizer state saved dp_reshardable, as "
+        f"laid out at {_layout_text(saved)}); it loads only at that layout and this run has "
+        f"{_layout_text(here)}. Resume at the saved layout, or from a reshardable checkpoint "
+        f"(trainer.reshardable_every / trainer.reshardable_at_end): {where}"
+    )
 
 
 def _damage_everywhere(directory: Path, step: int, optimizer) -> str | None:
@@ -442,6 +512,9 @@ def _damage_everywhere(directory: Path, step: int, optimizer) -> str | None:
             (another layout, an unknown format version).
     """
     verdicts = [v for v in _all_gather(_inspect(directory, step, optimizer)) if v is not None]
+    layout = [why for kind, why in verdicts if kind == "layout"]
+    if layout:
+        raise CheckpointLayoutError(layout[0])
     refused = [why for kind, why in verdicts if kind == "refused"]
     if refused:
         raise CheckpointError(refused[0])
@@ -521,6 +594,8 @@ def load_checkpoint(
     Raises:
         CheckpointCorruptError: the checkpoint is missing, incomplete or damaged (with
             `fallback`: every candidate is, each one's problem listed).
+        CheckpointLayoutError: a routine checkpoint (distributed optimizer, `reshardable=False`)
+            was written at another parallel layout.
         CheckpointError: the checkpoint was written with the other optimizer kind (distributed or
             not), in an unknown format version, or for another model.
     """
@@ -599,6 +674,7 @@ def _restore(directory: Path, model: torch.nn.Module, optimizer, scheduler) -> d
             optimizer,
             meta["optimizer_step"],
             with_optimizer=meta.get("optimizer_state", True),  # absent from older checkpoints
+            sharding=meta.get("optimizer_sharding", RESHARDABLE_SHARDING),
         )
     except Exception as exc:  # megatron names the tensor that does not fit
         raise CheckpointError(

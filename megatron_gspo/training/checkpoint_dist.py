@@ -15,12 +15,16 @@ What megatron's own wrappers tie to the layout is kept out of the file:
   one non-tensor value that must survive a resume, Adam's step count, is returned to the
   caller to store as a single number (the leaves step together), and each leaf's param groups
   are taken from the optimizer as built;
-- the distributed optimizer uses megatron's `fully_reshardable` format: moments and fp32 main
-  params in model space (one tensor per parameter, like a plain optimizer's), not in this
-  layout's flat DP buffers. Saving gathers each model-parallel shard's optimizer state on its
-  DP rank 0 (`fully_sharded_model_space`, which would not, is broken in megatron-core 0.16.1:
-  "ShardedTensor.flattened_range is not supported"). With torch's Adam (no apex /
-  TransformerEngine) loading it needs `patches/distributed_optimizer_reshardable_load.py`;
+- the distributed optimizer's state is written in one of two megatron formats. Routine saves
+  use `dp_reshardable`: each rank writes its own slice of the flat DP buffers as it holds
+  them, with no gather and no copy beyond the write itself, but the file is tied to the bucket
+  layout of this TP/EP/PP/DP layout (the loader refuses another layout, see `checkpoint`).
+  Reshardable saves (on request) use `fully_reshardable`: moments and fp32 main params in model
+  space (one tensor per parameter, like a plain optimizer's), loadable at any layout; saving
+  all-gathers each model-parallel shard's whole optimizer state (12 bytes per parameter) into
+  every DP rank's host memory (`fully_sharded_model_space`, which would not, is broken in
+  megatron-core 0.16.1: "ShardedTensor.flattened_range is not supported"). With torch's Adam
+  (no apex / TransformerEngine) loading it needs `patches/distributed_optimizer_reshardable_load.py`;
 - `_extra_state` entries (TransformerEngine's FP8 metadata, empty in the local spec) are
   sharded per TP rank with TP-dependent keys; they are not saved, so FP8 scaling history
   restarts after a resume.
@@ -41,7 +45,11 @@ import torch
 
 from megatron_gspo.model.distributed import unwrap_model
 
-_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+ROUTINE_SHARDING = "dp_reshardable"
+"""The distributed optimizer's routine format: each rank's own buffer slice, this layout only."""
+RESHARDABLE_SHARDING = "fully_reshardable"
+"""The distributed optimizer's reshardable format: model space, any layout (gathered on save)."""
+SHARDINGS = (ROUTINE_SHARDING, RESHARDABLE_SHARDING)
 
 
 def leaf_optimizers(optimizer) -> list:
@@ -90,8 +98,13 @@ def optimizer_has_state(optimizer) -> bool:
     return any(bool(leaf.optimizer.state) for leaf in leaf_optimizers(optimizer))
 
 
-def sharded_state(model: torch.nn.Module, optimizer, *, loading: bool) -> tuple[dict[str, Any], list]:
+def sharded_state(
+    model: torch.nn.Module, optimizer, *, loading: bool, sharding: str = RESHARDABLE_SHARDING
+) -> tuple[dict[str, Any], list]:
     """The dict `dist_checkpointing` saves or fills, and each leaf's non-tensor rest.
+
+    `sharding` (one of `SHARDINGS`) is the distributed optimizer's format; other optimizers
+    always describe their state in model space.
 
     Returns:
         ({"model": model sharded dict, "optimizer": per leaf its sharded items}, per leaf the
@@ -99,16 +112,22 @@ def sharded_state(model: torch.nn.Module, optimizer, *, loading: bool) -> tuple[
         Only the sharded items reach the files, stored by their global keys and offsets, so the
         number of leaves and their nesting may differ between saving and loading layouts.
     """
-    from megatron.core.dist_checkpointing.utils import extract_sharded_base
+    from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding, extract_sharded_base
 
+    if sharding not in SHARDINGS:
+        raise ValueError(f"optimizer sharding {sharding!r}; expected one of {SHARDINGS}")
     model_sd = _model_sharded(model)
     items, rests = [], []
     for leaf in leaf_optimizers(optimizer):
         if loading and is_distributed_optimizer(leaf) and not leaf.optimizer.state:
             _allocate_state(leaf)
-        sharded, rest = extract_sharded_base(
-            leaf.sharded_state_dict(model_sd, is_loading=loading, metadata=_SHARDING)
+        leaf_sd = leaf.sharded_state_dict(
+            model_sd, is_loading=loading, metadata={"distrib_optim_sharding_type": sharding}
         )
+        if is_distributed_optimizer(leaf) and sharding == ROUTINE_SHARDING:
+            # Buffer keys name the leaf's model-parallel rank only: dense and expert leaves collide.
+            add_prefix_for_sharding(leaf_sd, f"chained_{len(items)}.")
+        sharded, rest = extract_sharded_base(leaf_sd)
         items.append(sharded)
         rests.append(rest)
     return {"model": model_sd, "optimizer": items}, rests
@@ -131,7 +150,14 @@ def _parallel_group():
     return ps.get_data_parallel_group(with_context_parallel=True)
 
 
-def save_sharded(directory: Path, model: torch.nn.Module, optimizer, *, with_optimizer: bool = True) -> None:
+def save_sharded(
+    directory: Path,
+    model: torch.nn.Module,
+    optimizer,
+    *,
+    with_optimizer: bool = True,
+    sharding: str = RESHARDABLE_SHARDING,
+) -> None:
     """Write model and optimizer tensors into `directory` (collective; the directory must exist).
 
     Args:
@@ -140,13 +166,14 @@ def save_sharded(directory: Path, model: torch.nn.Module, optimizer, *, with_opt
         optimizer: megatron's optimizer.
         with_optimizer: False before the optimizer's first step (see `optimizer_has_state`):
             megatron cannot describe state that does not exist yet, so only the model is written.
+        sharding: the distributed optimizer's format (`ROUTINE_SHARDING` or `RESHARDABLE_SHARDING`).
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
     if with_optimizer:
-        state, _ = sharded_state(model, optimizer, loading=False)
+        state, _ = sharded_state(model, optimizer, loading=False, sharding=sharding)
     else:
         state = {"model": _model_sharded(model)}
     base = get_default_save_sharded_strategy("torch_dist")
@@ -155,7 +182,13 @@ def save_sharded(directory: Path, model: torch.nn.Module, optimizer, *, with_opt
 
 
 def load_sharded(
-    directory: Path, model: torch.nn.Module, optimizer, step: int | None, *, with_optimizer: bool = True
+    directory: Path,
+    model: torch.nn.Module,
+    optimizer,
+    step: int | None,
+    *,
+    with_optimizer: bool = True,
+    sharding: str = RESHARDABLE_SHARDING,
 ) -> None:
     """Fill model and optimizer from `directory`, whatever layout wrote it (collective).
 
@@ -166,6 +199,7 @@ def load_sharded(
         step: Adam's step count recorded at save time (None: the optimizer had not stepped).
         with_optimizer: whether the directory holds optimizer state; without it the optimizer
             stays as built (it had not stepped when saved), its main params taken from the weights.
+        sharding: the distributed optimizer's format the directory was written in.
     """
     if not with_optimizer:
         load_model_sharded(directory, model)
@@ -177,7 +211,7 @@ def load_sharded(
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 
-    state, rests = sharded_state(model, optimizer, loading=True)
+    state, rests = sharded_state(model, optimizer, loading=True, sharding=sharding)
     base = get_default_load_sharded_strategy(str(directory))
     strategy = FullyParallelLoadStrategyWrapper(base, _parallel_group())
     loaded = dist_checkpointing.load(state, str(directory), strategy)
@@ -189,6 +223,8 @@ def load_sharded(
         )
         filled = merge(rest, tensors)
         _set_step(filled, step, is_distributed_optimizer(leaf))
+        if is_distributed_optimizer(leaf) and sharding == ROUTINE_SHARDING and step is not None:
+            _set_bucket_steps(filled["param_state"], step)
         with torch.no_grad():  # distributed optimizer: main params are views of model parameters
             leaf.load_state_dict(filled)
 
@@ -224,3 +260,21 @@ def _set_step(leaf_state: dict[str, Any], step: int | None, distributed: bool) -
         return
     state = leaf_state["optimizer"]["state"] if "optimizer" in leaf_state else leaf_state["state"]
     state["common_step"] = torch.tensor(float(step))
+
+
+def _set_bucket_steps(param_state: Any, step: int) -> None:
+    """Put the saved step count into each bucket entry of a `dp_reshardable` state.
+
+    Megatron keeps torch Adam's per-parameter step out of the file (a local, non-persistent
+    value captured from the freshly allocated state) and copies it back over the loaded state.
+    """
+    if isinstance(param_state, dict):
+        if isinstance(param_state.get("step"), torch.Tensor):
+            param_state["step"] = torch.full_like(param_state["step"], float(step))
+        values = param_state.values()
+    elif isinstance(param_state, list):
+        values = param_state
+    else:
+        return
+    for value in values:
+        _set_bucket_steps(value, step)

@@ -52,7 +52,7 @@ class DataLayout:
         dp_size: data-parallel ranks.
         micro_batch_size: responses per forward/backward (0: the rank's whole mini-batch).
         pad_multiple: packed row length (mask) / sequence length (thd) multiple: the TP size
-            under sequence parallelism.
+            under sequence parallelism, x 2·CP with context parallelism (`ParallelConfig.pad_multiple`).
         packing: "mask" (local spec) or "thd" (TransformerEngine): `packing_layout(model)`.
         max_tokens_per_micro_batch: positions per micro-batch (0: cut by `micro_batch_size`);
             rows are then balanced over the ranks by tokens.
@@ -69,7 +69,7 @@ class DataLayout:
     def from_megatron(
         cls,
         micro_batch_size: int,
-        sequence_parallel_tp: int,
+        pad_multiple: int,
         packing: str = "mask",
         max_tokens_per_micro_batch: int = 0,
     ) -> DataLayout:
@@ -80,7 +80,7 @@ class DataLayout:
             dp_rank=ps.get_data_parallel_rank(),
             dp_size=ps.get_data_parallel_world_size(),
             micro_batch_size=micro_batch_size,
-            pad_multiple=sequence_parallel_tp,
+            pad_multiple=pad_multiple,
             packing=packing,
             max_tokens_per_micro_batch=max_tokens_per_micro_batch,
         )

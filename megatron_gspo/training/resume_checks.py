@@ -10,7 +10,9 @@ loader or the prompt stream:
   which an fp32 checkpoint does not hold (bf16 -> fp32 works: the main parameters become the
   weights);
 - `rollout.rollout_batch_size` and `task.name`: the prompt stream's position is counted in
-  batches of one task.
+  batches of one task;
+- the parallel layout of a routine checkpoint (distributed optimizer state saved as each rank
+  held it, `dp_reshardable`): only a reshardable checkpoint loads at another layout.
 """
 
 from __future__ import annotations
@@ -66,7 +68,26 @@ def resume_incompatibilities(meta: dict[str, Any], cfg: RunConfig) -> list[str]:
         if key == "engine.dtype" and (old, value) == ("bf16", "fp32"):
             continue  # the fp32 main parameters become the weights
         problems.append(f"{key}={_text(old)} (this run has {_text(value)})")
+    if not problems:
+        problems += _routine_layout(meta, cfg)
     return problems
+
+
+def _routine_layout(meta: dict[str, Any], cfg: RunConfig) -> list[str]:
+    """The layout a routine checkpoint needs, when this run's differs (call after `init_distributed`)."""
+    from megatron_gspo.training.checkpoint import current_layout, is_reshardable, layout_text
+
+    if "layout" not in meta or is_reshardable(meta):
+        return []
+    here = current_layout() | {"distributed_optimizer": cfg.parallel.distributed_optimizer}
+    saved = {key: {"pipeline_parallel": 1, **meta["layout"]}.get(key) for key in here}
+    if saved == here:
+        return []
+    return [
+        f"the parallel layout {layout_text(saved)} of this routine checkpoint (this run has "
+        f"{layout_text(here)}; only a reshardable checkpoint, trainer.reshardable_every / "
+        "trainer.reshardable_at_end, resumes at another layout)"
+    ]
 
 
 def _text(value: Any) -> str:

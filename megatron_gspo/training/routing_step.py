@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.algorithms.drift import DriftCounts, drift_counts
+from megatron_gspo.model.context_parallel import context_parallel_state
 from megatron_gspo.model.distributed import all_reduce, compute_device
 from megatron_gspo.model.pipeline import MicroBatchHooks
 from megatron_gspo.model.routing import (
@@ -102,9 +103,16 @@ class StepRouting:
                 "drift metrics under pipeline parallelism are not supported: each stage holds only its "
                 "own layers, and a token's 'changed in any layer' spans stages"
             )
+        cp_size, cp_rank, _ = context_parallel_state()
+        if drift and cp_size > 1:
+            raise ValueError(
+                f"drift metrics under context parallelism (parallel.context_parallel={cp_size}) are not "
+                "supported: each rank routes only its part of every sequence; set drift.enabled=false"
+            )
         self.num_experts, self.num_layers = routers[0].config.num_moe_experts, len(routers)
         self.layers = [r.layer_number - 1 for r in routers]  # global MoE layers of this stage
         self.tp = {"tp_rank": tp_rank, "tp_size": tp_size, "sequence_parallel": sequence_parallel}
+        self.tp |= {"cp_size": cp_size, "cp_rank": cp_rank}  # the router's rows: CP partition, then SP
         self._batch: RolloutBatch | RankRows | None = None
         self._old: dict[int, LayerRouting] = {}
         self._targets: dict[int, LayerRouting] = {}

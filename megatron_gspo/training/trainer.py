@@ -72,6 +72,7 @@ from megatron_gspo.training.rollouts_ahead import RolloutsAhead
 from megatron_gspo.training.routing_step import StepRouting
 from megatron_gspo.training.run_lock import RunLock, lock_path
 from megatron_gspo.training.run_setup import load_tokenizer, weight_sync_dir
+from megatron_gspo.training.save_schedule import checkpoint_due
 from megatron_gspo.training.server_checks import check_servers
 from megatron_gspo.training.sft import run_sft
 from megatron_gspo.training.shm_exports import claim_export_dir
@@ -159,7 +160,7 @@ class Trainer:
         )
         self.layout = DataLayout.from_megatron(
             cfg.trainer.micro_batch_size,
-            sp_tp,
+            cfg.parallel.pad_multiple,
             packing_layout(model),
             max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch or 0,
         )
@@ -504,15 +505,16 @@ class Trainer:
                         with self._rollouts_paused():
                             metrics.update(self._evaluate(engine))
                         evals.append({"step": self.step, **metrics})
-                    if (cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0) or last:
+                    save, reshardable = checkpoint_due(self.step, last=last, trainer=cfg.trainer)
+                    if save:
                         with self._rollouts_paused():  # the prompt stream's state is not moving
-                            self._save()
+                            self._save(reshardable=reshardable)
                     metrics["time/step_s"] = time.perf_counter() - t0
                     metrics.update(peak_memory_metrics())
                     log.log(self.step, metrics)
                     log.log_samples(self.step, self.sample_rows)
                 if cfg.trainer.steps == 0:  # the cold start (SFT) is the run's result: keep it
-                    self._save()
+                    self._save(reshardable=cfg.trainer.reshardable_at_end)
             self.weight_sync.close(client)
             gc.unfreeze()  # the run's objects are collectable again (a process may train again)
         log.close()
@@ -546,8 +548,8 @@ class Trainer:
         """No rollout request in flight inside (weight sync, eval, checkpoint); a no-op in lock-step."""
         return self.ahead.paused() if self.ahead is not None else contextlib.nullcontext()
 
-    def _save(self) -> None:
-        """Checkpoint the current step (collective)."""
+    def _save(self, *, reshardable: bool) -> None:
+        """Checkpoint the current step (collective); `reshardable`: loadable at any layout."""
         save_checkpoint(
             self.ckpt_root,
             self.step,
@@ -558,6 +560,7 @@ class Trainer:
             keep_last=self.cfg.trainer.keep_last,
             model_cfg=self.model_cfg,
             tokenizer=self.tokenizer,
+            reshardable=reshardable,
         )
 
     def _needs_routed_experts(self) -> bool:

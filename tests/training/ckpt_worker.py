@@ -1,7 +1,9 @@
 """Train the tiny run, checkpoint it, and either continue uninterrupted or resume in a new process.
 
     python ckpt_worker.py full   --root R --out O [--save-at 3 [4 ...]] [--steps 5] [--ep 2] [--distopt]
-                                 (--save-at 0: a checkpoint before the first optimizer step)
+                                 [--routine]
+                                 (--save-at 0: a checkpoint before the first optimizer step;
+                                 --routine: layout-bound saves, `reshardable=False`)
     python ckpt_worker.py resume --root R --out O [--steps 5] [--ep 2] [--distopt] [--fallback]
 
 Under torchrun every rank writes `O.rank<r>.pt`: the metrics of the steps after the checkpoint,
@@ -38,6 +40,7 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--distopt", action="store_true")
     parser.add_argument("--fallback", action="store_true")
+    parser.add_argument("--routine", action="store_true")
     args = parser.parse_args()
     run = build_run(ParallelConfig(expert_parallel=args.ep, distributed_optimizer=args.distopt))
     metrics, probes = [], None
@@ -51,6 +54,7 @@ def main() -> None:
                     optimizer=run.optimizer,
                     scheduler=run.scheduler,
                     trainer_state=run.trainer_state(),
+                    reshardable=not args.routine,
                 )
                 if run.step == min(args.save_at):
                     probes = draw_probes()

@@ -28,7 +28,7 @@ from megatron_gspo.training.batch_scatter import RankRows, scatter_rank_rows
 from megatron_gspo.training.micro_batching import DataLayout, dp_rows
 
 G, GROUPS, MINI, LAYERS, TOPK = 4, 4, 2, 3, 2
-LAYOUTS = {"tp2": (2, 1), "ep2": (1, 2), "tp2ep2": (2, 2)}
+LAYOUTS = {"tp2": (2, 1, 1), "ep2": (1, 2, 1), "tp2ep2": (2, 2, 1), "cp2": (1, 1, 2), "tp2cp2": (2, 1, 2)}
 
 
 def make_batch(seed: int = 0) -> tuple[RolloutBatch, torch.Tensor]:
@@ -100,8 +100,8 @@ def main() -> None:
     full, advantages = make_batch()
     out: dict = {}
     calls: list = []
-    for layout, (tp, ep) in LAYOUTS.items():
-        init_distributed(ParallelConfig(tensor_parallel=tp, expert_parallel=ep))
+    for layout, (tp, ep, cp) in LAYOUTS.items():
+        init_distributed(ParallelConfig(tensor_parallel=tp, expert_parallel=ep, context_parallel=cp))
         from megatron.core import parallel_state as ps
 
         rank, dp_rank, dp_size = (

@@ -70,10 +70,10 @@ def test_each_rank_receives_exactly_its_rows(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
-    for layout, (tp, _) in LAYOUTS.items():
+    for layout, (tp, _, cp) in LAYOUTS.items():
         for routes in (False, True):
             per_rank = [r[f"{layout}/routes={routes}"] for r in results]
-            assert {r["dp_size"] for r in per_rank} == {4 // tp}
+            assert {r["dp_size"] for r in per_rank} == {4 // (tp * cp)}
             for r in per_rank:
                 assert r["mismatch"] == [] and r["rows"] == r["expected_rows"] == 16 // r["dp_size"]
                 assert r["has_routes"] is routes
@@ -81,7 +81,7 @@ def test_each_rank_receives_exactly_its_rows(tmp_path):
                     r["object_calls"] >= 1 and r["object_calls_on_control"] and r["control_backend"] == "gloo"
                 )
                 assert not r["data_on_control"] and r["data_devices"] == [results[0]["device"]]
-            # Rank 0 scatters over its data-parallel group; TP peers get their leader's copy.
+            # Rank 0 scatters over its data-parallel group; TP (and CP) peers get their leader's copy.
             assert "scatter" in per_rank[0]["data_calls"]
-            assert all(("broadcast" in r["data_calls"]) == (tp > 1) for r in per_rank)
+            assert all(("broadcast" in r["data_calls"]) == (tp * cp > 1) for r in per_rank)
         assert all(r[f"{layout}/error"] == "IndexError" for r in results)

@@ -15,6 +15,7 @@ from megatron_gspo.training.checkpoint import (
     CheckpointError,
     latest_step,
     list_steps,
+    newest_reshardable_step,
     read_meta,
     save_checkpoint,
 )
@@ -41,17 +42,27 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "dtype,distributed_optimizer",
-    [("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)],
-    ids=["fp32", "fp32-distopt", "bf16", "bf16-distopt"],
+    "dtype,distributed_optimizer,reshardable",
+    [
+        ("fp32", False, True),
+        ("fp32", True, True),
+        ("fp32", True, False),
+        ("bf16", False, True),
+        ("bf16", True, True),
+        ("bf16", True, False),
+    ],
+    ids=["fp32", "fp32-distopt", "fp32-distopt-routine", "bf16", "bf16-distopt", "bf16-distopt-routine"],
 )
-def test_resumed_run_continues_bit_exactly(tmp_path, dtype, distributed_optimizer):
-    """bf16: the fp32 main params are restored too (bf16 weights alone would not continue exactly)."""
+def test_resumed_run_continues_bit_exactly(tmp_path, dtype, distributed_optimizer, reshardable):
+    """bf16: the fp32 main params are restored too (bf16 weights alone would not continue exactly).
+
+    Routine saves (`reshardable=False`) keep the distributed optimizer's own buffer slices.
+    """
     parallel = ParallelConfig(distributed_optimizer=distributed_optimizer)
     original = build_run(parallel, init=False, dtype=dtype)
     for _ in range(3):
         train_step(original)
-    save_run(original, tmp_path)
+    save_run(original, tmp_path, reshardable=reshardable)
     expected_probes = draw_probes()
     expected = [train_step(original) for _ in range(2)]
 
@@ -152,6 +163,19 @@ def test_keep_last_prunes_old_checkpoints_and_explicit_step_loads(tmp_path):
         save_checkpoint(
             tmp_path, 5, model=run.ddp, optimizer=run.optimizer, scheduler=run.scheduler, trainer_state=[]
         )
+
+
+def test_keep_last_keeps_the_newest_reshardable_checkpoint(tmp_path):
+    """Routine distributed-optimizer saves do not push the only reshardable one out."""
+    run = build_run(ParallelConfig(distributed_optimizer=True), init=False)
+    for reshardable in (True, False, True, False, False, False):
+        train_step(run)
+        save_run(run, tmp_path, keep_last=2, reshardable=reshardable)
+    assert list_steps(tmp_path) == [3, 5, 6] and newest_reshardable_step(tmp_path) == 3
+    assert [read_meta(tmp_path / f"step_0000000{s}")["optimizer_sharding"] for s in (3, 5)] == [
+        "fully_reshardable",
+        "dp_reshardable",
+    ]
 
 
 def test_stale_temporary_directories_are_removed_by_the_next_save(tmp_path):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_gspo.training.checkpoint import latest_step, read_meta
+from megatron_gspo.training.checkpoint import latest_step, newest_reshardable_step, read_meta
 
 WORKER = Path(__file__).with_name("ckpt_worker.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -60,12 +60,14 @@ def test_checkpoint_saved_before_the_first_optimizer_step_resumes_exactly(tmp_pa
 
 
 @pytest.mark.multiprocess
-def test_expert_parallel_distributed_optimizer_resume_is_exact(tmp_path):
-    args = ("--ep", "2", "--distopt")
+@pytest.mark.parametrize("routine", [False, True], ids=["fully_reshardable", "dp_reshardable"])
+def test_expert_parallel_distributed_optimizer_resume_is_exact(tmp_path, routine):
+    args = ("--ep", "2", "--distopt", *("--routine",) * routine)
     full = _launch("full", tmp_path / "ckpt", tmp_path / "full", world=2, extra=args)
     meta = read_meta(tmp_path / "ckpt" / "step_00000003")
     assert meta["layout"]["expert_parallel"] == 2 and meta["layout"]["data_parallel"] == 2
     assert meta["layout"]["distributed_optimizer"] is True
+    assert meta["optimizer_sharding"] == ("dp_reshardable" if routine else "fully_reshardable")
     ours = {name for name in meta["files"] if not name.startswith(("dist/", "model/"))}
     assert ours == {"rank_00000.pt", "rank_00001.pt", "trainer_state.pt"}
     # Both ranks wrote megatron data files (fully parallel save).
@@ -114,3 +116,22 @@ def test_damaged_shard_on_one_rank_makes_every_rank_resume_from_the_previous_che
     assert f"{shard} is corrupt: its sha256 is" in log[0]
     assert "resuming from step_00000002, the newest intact checkpoint" in log[0]
     assert latest_step(root) == 2
+
+
+@pytest.mark.multiprocess
+def test_routine_checkpoint_refuses_another_data_parallel_size(tmp_path):
+    """A dp_reshardable save (DP=2) is refused at DP=1, naming the reshardable save to use;
+    the newest reshardable checkpoint outlives `keep_last` and loads at DP=1."""
+    root = tmp_path / "ckpt"
+    args = ("--distopt", "--routine", "--save-at", "1", "2", "3", "--steps", "3")
+    _launch("full", root, tmp_path / "full", world=2, extra=args)
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002", "step_00000003"]
+    assert newest_reshardable_step(root) is None
+    cmd = [sys.executable, str(WORKER), "resume", "--root", str(root), "--out", str(tmp_path / "x")]
+    done = subprocess.run([*cmd, "--distopt"], env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "CheckpointLayoutError" in done.stderr
+    assert "is a routine checkpoint (distributed optimizer state saved dp_reshardable" in done.stderr
+    assert "world=2 TP=1 PP=1 EP=1 ETP=1 DP=2 distributed_optimizer=True" in done.stderr
+    assert "this run has world=1 TP=1 PP=1 EP=1 ETP=1 DP=1 distributed_optimizer=True" in done.stderr
+    assert "trainer.reshardable_every" in done.stderr and "there is none under" in done.stderr
