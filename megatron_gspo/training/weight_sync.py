@@ -37,6 +37,7 @@ import functools
 import logging
 import socket
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +124,9 @@ class WeightSync:
     """`rollout.quantization`: fp8 sends blockwise FP8 weights with their scales."""
     _group: _Group | None = field(default=None, repr=False)
     _generation: int = 0
+    _sender_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8], repr=False)
+    """Part of every group name: a restarted trainer never reuses one that servers still hold
+    from its predecessor (SGLang refuses a name it has; the join would wait out `timeout_s`)."""
 
     def sync(self, client: SGLangClient | None, weight_version: int) -> SyncStats:
         """Make every server serve the model's current weights as `weight_version`.
@@ -285,7 +289,7 @@ class WeightSync:
             address = self.cfg.master_address or _master_address(client.urls)
             port = self.cfg.master_port or _free_port()
             self._generation += 1
-            name = f"{GROUP_NAME}_{self._generation}"  # a retry never meets a half-dead group's keys
+            name = f"{GROUP_NAME}_{self._sender_id}_{self._generation}"  # never a half-dead group's keys
             with protocol_step():  # servers told to join always meet rank 0 there
                 answers = client.init_weights_update_group(
                     master_address=address,
