@@ -176,8 +176,12 @@ class WeightSync:
                 stats = send(client, _after_first(self._buckets(stream), opened), version)
                 opened()  # an empty stream never asked
             except BaseException:
-                with contextlib.suppress(Exception):  # the embedded server discards what it staged
+                with contextlib.suppress(Exception):
                     opening.result()  # a session ends only after its begin was answered
+                # Even after a refused begin: SGLang refuses one while a session is open, as a
+                # sender that died mid-sync leaves it, so the retry finds none. The embedded
+                # server discards what it staged.
+                with contextlib.suppress(Exception):
                     client.end_weight_update(abort=True)
                 raise
             _step("end_weight_update", client.end_weight_update)

@@ -126,6 +126,19 @@ def test_a_restarted_trainer_joins_servers_still_holding_its_old_group(setup):
     assert [i["weight_version"] for i in client.server_info()] == ["2"] * SERVERS
 
 
+def test_a_restarted_trainer_closes_the_session_its_predecessor_left_open(setup):
+    """SGLang refuses /begin_weight_update while a session is open ("already open"); a trainer
+    that died mid-sync leaves one. The failed attempt closes it, so the retry goes through (the
+    old code closed a session only once its own begin had succeeded: every retry was refused)."""
+    model, client, _, export_dir = setup
+    client.begin_weight_update()  # what the trainer that died mid-sync had opened
+    sync = make_sync(model, export_dir, retries=1)
+    stats = sync.sync(client, 6)
+    sync.close(client)
+    assert stats.attempts == 2
+    assert [i["weight_version"] for i in client.server_info()] == ["6"] * SERVERS
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp8", "bf16"])  # bf16 last: it casts the model
 def test_sglang_receives_the_trainer_weights_bit_for_bit(setup, precision):
     model, client, servers, export_dir = setup
