@@ -265,21 +265,23 @@ class Server:
 
     def __init__(self, tp_size: int, dump_dir: Path):
         self.tp_size = tp_size
-        ctx = mp.get_context("fork")  # before any thread: the workers share the imports
+        self.ns = sglang_namespace({})  # imports SGLang once: the forked TP ranks inherit it
+        ctx = mp.get_context("fork")  # before any thread is started
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             tp_port = s.getsockname()[1]
         self.conns, self.procs = [], []
         for rank in range(tp_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=tp_worker_main, args=(rank, tp_size, tp_port, str(dump_dir), child))
+            proc = ctx.Process(
+                target=tp_worker_main, args=(rank, tp_size, tp_port, str(dump_dir), child), daemon=True
+            )
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
         for conn in self.conns:
             conn.recv()
         self.lock = threading.Lock()  # one request at a time, as SGLang's scheduler loop takes them
-        self.ns = sglang_namespace({})
 
     def fan_out(self, path: str, body: dict) -> tuple[bool, str]:
         """Every TP rank's answer to one request, merged as SGLang merges them."""

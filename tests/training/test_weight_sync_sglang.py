@@ -8,6 +8,9 @@ their model's `load_weights`. Each of the four receiving ranks must get the trai
 weights bit for bit, in every dtype the sender sends: fp32, bf16 and blockwise FP8 with fp32 scales.
 """
 
+import contextlib
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -63,6 +66,7 @@ class ShimServer:
             stdin=subprocess.PIPE,
             stdout=self.log,
             stderr=subprocess.STDOUT,
+            start_new_session=True,  # its TP ranks in its process group: stopped together
         )
 
     def url(self) -> str:
@@ -79,10 +83,11 @@ class ShimServer:
 
     def stop(self) -> None:
         self.proc.stdin.close()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        with contextlib.suppress(ProcessLookupError):  # TP ranks stuck in a collective, if any
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
         self.log.close()
 
 
