@@ -13,9 +13,11 @@ What is SGLang's (0.5.23, as installed), run as it is:
   `rank_offset + tp_rank` through `init_custom_process_group`, receive of one broadcast per bucket
   into a `FlattenedTensorBucket` and its reconstruction, `load_weights_from_distributed`);
 - the answers' merge (`FanOutCommunicator.merge_results`) and status codes of `http_server.py`.
-Their modules import torchvision (a CUDA build of SGLang's torch 2.14.1), so the classes and
-functions are compiled from the installed source files into one namespace that holds the real
-`init_custom_process_group`, `NetworkAddress`, `FlattenedTensorBucket` and io_struct types.
+Their modules import torchvision (a CUDA build of SGLang's torch 2.14.1), so these classes and
+functions are compiled from the installed source files, unchanged, into one namespace beside what
+they call from modules that do import: `init_custom_process_group`, `NetworkAddress`,
+`FlattenedTensorBucket` and the msgspec/pydantic bridge of `sglang.srt.utils`. A name the shim
+looks for and SGLang no longer defines fails at start-up, naming it.
 
 What stands in, at the boundary of a GPU model: the model whose `load_weights` takes the received
 (name, tensor) pairs (here it keeps copies, written to `--dump-dir` at `/end_weight_update` as
