@@ -37,6 +37,7 @@ import functools
 import logging
 import socket
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +124,9 @@ class WeightSync:
     """`rollout.quantization`: fp8 sends blockwise FP8 weights with their scales."""
     _group: _Group | None = field(default=None, repr=False)
     _generation: int = 0
+    _sender_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8], repr=False)
+    """Part of every group name: a restarted trainer never reuses one that servers still hold
+    from its predecessor (SGLang refuses a name it has; the join would wait out `timeout_s`)."""
 
     def sync(self, client: SGLangClient | None, weight_version: int) -> SyncStats:
         """Make every server serve the model's current weights as `weight_version`.
@@ -172,8 +176,12 @@ class WeightSync:
                 stats = send(client, _after_first(self._buckets(stream), opened), version)
                 opened()  # an empty stream never asked
             except BaseException:
-                with contextlib.suppress(Exception):  # the embedded server discards what it staged
+                with contextlib.suppress(Exception):
                     opening.result()  # a session ends only after its begin was answered
+                # Even after a refused begin: SGLang refuses one while a session is open, as a
+                # sender that died mid-sync leaves it, so the retry finds none. The embedded
+                # server discards what it staged.
+                with contextlib.suppress(Exception):
                     client.end_weight_update(abort=True)
                 raise
             _step("end_weight_update", client.end_weight_update)
@@ -285,7 +293,7 @@ class WeightSync:
             address = self.cfg.master_address or _master_address(client.urls)
             port = self.cfg.master_port or _free_port()
             self._generation += 1
-            name = f"{GROUP_NAME}_{self._generation}"  # a retry never meets a half-dead group's keys
+            name = f"{GROUP_NAME}_{self._sender_id}_{self._generation}"  # never a half-dead group's keys
             with protocol_step():  # servers told to join always meet rank 0 there
                 answers = client.init_weights_update_group(
                     master_address=address,
