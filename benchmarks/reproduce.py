@@ -4,6 +4,7 @@
         [--variants gspo grpo ...] [--set optim.lr=5e-4 --set trainer.steps=30] [--target-gain 0.1]
     python benchmarks/reproduce.py --quick --out /tmp/q --work-dir /tmp/q/runs    # smoke test
     python benchmarks/reproduce.py --grid --jobs 1 [--updates 1 4 8 16] [--seeds 1 2 3 4 5]
+    python benchmarks/reproduce.py --staleness 0 2 4 [--variants gspo grpo grpo_r2 grpo_r3] [--set ...]
 
 The GSPO paper's claim (arXiv 2507.18071): on MoE models GRPO needs Routing Replay to stay stable
 when the experts a token is routed to change between pi_old and pi_theta, and GSPO does not.
@@ -33,6 +34,11 @@ for every run and cold start, each of its variants at N optimizer steps per roll
 (`--updates`), plus cells at rollout.max_staleness=2 (`--stale-variants`, `--stale-updates`);
 each cell is one "variant" to the harness above, and `--out` (default
 benchmarks/results/stability_grid) gets summary.md, summary.json and stability_grid.png.
+
+`--staleness K ...` runs the staleness sweep instead (staleness_sweep.py): each variant (default
+gspo, grpo, grpo_r2, grpo_r3) at rollout.max_staleness = each K (default 0 2 4), update mode
+drain, from the same cold starts; `--out` (default benchmarks/results/reproduce_staleness) gets
+summary.md, summary.json and staleness_sweep.png, with behaviour -> current routing drift per K.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))  # reproduce_report and run (machine description) sit next to this file
 
 import stability_grid  # noqa: E402
+import staleness_sweep  # noqa: E402
 from reproduce_report import ColdStart, Run, assemble, markdown, plot, read_metrics  # noqa: E402
 
 BASE_CONFIG = REPO / "configs" / "drift_moe_cpu.yaml"
@@ -354,8 +361,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--stale-updates", type=int, default=None,
         help=f"N of the stale cells (default {stability_grid.STALE_UPDATES})",
     )  # fmt: skip
+    sweep = parser.add_argument_group("staleness sweep (staleness_sweep.py)")
+    sweep.add_argument(
+        "--staleness", type=int, nargs="*", default=None, metavar="K",
+        help=f"run each variant at rollout.max_staleness = each K (no K: {staleness_sweep.STALENESS}); "
+        f"default variants {staleness_sweep.VARIANTS}",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    kind = "stability_grid" if args.grid else "reproduce"
+    if args.staleness is not None and args.grid:
+        parser.error("--staleness and --grid are two different sweeps: choose one")
+    if any(k < 0 for k in args.staleness or []):
+        parser.error(f"--staleness: K must be >= 0, got {args.staleness}")
+    kind = "stability_grid" if args.grid else "reproduce" if args.staleness is None else "reproduce_staleness"
     if args.out is None:
         args.out = REPO / "benchmarks" / ("quick" if args.quick else "results") / kind
     if args.jobs < 1:
@@ -386,12 +403,21 @@ def grid_plan(args: argparse.Namespace) -> tuple[list[stability_grid.Cell], dict
     return grid, {cell.name: cell.overrides() for cell in grid}
 
 
+def sweep_plan(args: argparse.Namespace) -> tuple[list[staleness_sweep.Cell], dict[str, dict[str, Any]]]:
+    """The staleness sweep's cells (from the arguments, or --quick's few) and their overrides by name."""
+    variants = args.variants or (staleness_sweep.QUICK_VARIANTS if args.quick else staleness_sweep.VARIANTS)
+    ks = args.staleness or (staleness_sweep.QUICK_STALENESS if args.quick else staleness_sweep.STALENESS)
+    sweep = staleness_sweep.cells(variants, list(dict.fromkeys(ks)))
+    return sweep, {cell.name: cell.overrides(VARIANTS) for cell in sweep}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    grid, specs = grid_plan(args) if args.grid else ([], VARIANTS)
+    stale = args.staleness is not None
+    grid, specs = grid_plan(args) if args.grid else sweep_plan(args) if stale else ([], VARIANTS)
     variants = (
         [c.name for c in grid]
-        if args.grid
+        if args.grid or stale
         else (args.variants or (QUICK_VARIANTS if args.quick else list(VARIANTS)))
     )
     seeds = args.seeds or (QUICK_SEEDS if args.quick else [1, 2, 3, 4, 5] if args.grid else [1, 2, 3])
@@ -399,7 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         given = parse_set(args.sets)
         if args.grid and (clash := sorted(set(given) & set(stability_grid.GRID_RESERVED))):
             raise ValueError(f"--set {clash[0]}: set per cell by --grid; choose cells with --updates")
-        grid_sets = stability_grid.GRID_SETS if args.grid else {}
+        if stale and (clash := sorted(set(given) & set(staleness_sweep.SWEEP_RESERVED))):
+            raise ValueError(f"--set {clash[0]}: set per cell by --staleness; choose K with --staleness")
+        grid_sets = stability_grid.GRID_SETS if args.grid else staleness_sweep.SWEEP_SETS if stale else {}
         sets = {**grid_sets, **(QUICK if args.quick else {}), **given}
         jobs = plan(variants, seeds, sets, args.work_dir.resolve(), specs)
     except ValueError as err:
@@ -429,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     report = assemble(runs, colds, variants, target=args.target, gain=args.target_gain, provenance=provenance)
     if args.grid:
         written = stability_grid.write(report, runs, grid, args.out)
+    elif stale:
+        written = staleness_sweep.write(report, runs, grid, args.out)
     else:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "summary.json").write_text(json.dumps(report, indent=1))
