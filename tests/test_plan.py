@@ -71,7 +71,7 @@ def test_pipeline_stages_split_layers_and_model_ends_by_hand():
         model = presets.tiny(vocab_size=vocab, num_layers=4, tie_word_embeddings=tied)
         expert_layer = 8 * 3 * h * 32
         dense_layer = (model.num_parameters - vocab * h * (1 if tied else 2) - h) // 4 - expert_layer
-        first, last = pipeline_stages(4, 2)
+        first, last = pipeline_stages(4, ParallelConfig(pipeline_parallel=2))
         assert (first.first_layer, first.layers, first.embedding, first.output) == (0, 2, True, False)
         assert (last.first_layer, last.layers, last.embedding, last.output) == (2, 2, False, True)
         plans = [shard_plan(model, parallel, engine, world_size=8, stage=s) for s in (first, last)]
@@ -85,8 +85,8 @@ def test_pipeline_stages_split_layers_and_model_ends_by_hand():
         assert plans[0].optimizer_bytes == int(plans[0].dense_params * 12 / 2 + plans[0].expert_params * 12)
         whole = shard_plan(model, ParallelConfig(tensor_parallel=2, expert_parallel=2), engine, world_size=4)
         assert whole.expert_params == 2 * plans[0].expert_params
-    with pytest.raises(ValueError, match="does not divide the 94 layers"):
-        pipeline_stages(94, 4)
+    with pytest.raises(ValueError, match="does not divide the 94 transformer layers"):
+        pipeline_stages(94, ParallelConfig(pipeline_parallel=4))
 
 
 def test_pipeline_activations_follow_the_1f1b_schedule():
@@ -97,7 +97,9 @@ def test_pipeline_activations_follow_the_1f1b_schedule():
     kwargs = dict(tokens=100, seq_len=50, flash_attention=True)
     for engine in (EngineConfig(dtype="bf16"), EngineConfig(dtype="bf16", recompute_activations=True)):
         whole = activation_plan(model, pp1, engine, **kwargs)
-        first, last = (activation_plan(model, pp2, engine, stage=s, **kwargs) for s in pipeline_stages(4, 2))
+        first, last = (
+            activation_plan(model, pp2, engine, stage=s, **kwargs) for s in pipeline_stages(4, pp2)
+        )
         assert (first.in_flight, last.in_flight) == (2, 1)
         assert first.logits_bytes == 0 and last.logits_bytes == whole.logits_bytes == 100 * 40 * 10
         rebuilt = whole.layer_bytes if engine.recompute_activations else 0  # one layer recomputed

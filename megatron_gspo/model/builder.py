@@ -98,6 +98,10 @@ def transformer_config(
         **flags,
         tensor_model_parallel_size=parallel.tensor_parallel,
         pipeline_model_parallel_size=parallel.pipeline_parallel,
+        num_layers_in_first_pipeline_stage=parallel.first_stage_layers,
+        num_layers_in_last_pipeline_stage=parallel.last_stage_layers,
+        account_for_embedding_in_pipeline_split=parallel.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=parallel.account_for_loss_in_pipeline_split,
         # Packed micro-batches differ in length: stages exchange shapes before activations.
         variable_seq_lengths=parallel.pipeline_parallel > 1,
         pipeline_dtype=engine.torch_dtype,
@@ -196,6 +200,12 @@ def build_model(
         rotary_percent=1.0,
         rotary_base=model.rope_theta,
     )
+    built = len(gpt.decoder.layers)
+    expected = parallel.stage_layers(model.num_layers)[parallel_state.get_pipeline_model_parallel_rank()]
+    if built != expected:  # a megatron release that splits differently would misname every layer
+        raise RuntimeError(
+            f"megatron built {built} layers on this pipeline stage, the layout says {expected}"
+        )
     # Rows past the vocabulary are megatron's TP padding: masked in every softmax
     # (`unpadded_vocab_size`), dropped on export and weight sync.
     gpt.unpadded_vocab_size = model.vocab_size

@@ -44,6 +44,18 @@ class ParallelConfig:
     """Expert-parallel size (experts of each MoE layer split across ranks)."""
     pipeline_parallel: int = 1
     """Pipeline-parallel size (consecutive transformer layers split into this many stages)."""
+    first_stage_layers: int | None = None
+    """Transformer layers on the first pipeline stage (megatron's `num_layers_in_first_pipeline_stage`);
+    None: the stage gets its even share. The layers left are split evenly over the other stages."""
+    last_stage_layers: int | None = None
+    """Transformer layers on the last pipeline stage (megatron's `num_layers_in_last_pipeline_stage`);
+    None: the stage gets its even share."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the embedding as one layer when splitting (the first stage builds one layer fewer);
+    megatron's flag of that name. Not combinable with first/last_stage_layers."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Count the output layer and loss as one layer when splitting (the last stage builds one layer
+    fewer); megatron's flag of that name. Not combinable with first/last_stage_layers."""
     expert_tensor_parallel: int | None = None
     """Tensor-parallel size inside each expert (default: tensor_parallel, megatron's default)."""
     sequence_parallel: bool | None = None
@@ -127,12 +139,82 @@ class ParallelConfig:
         return world_size // model_group
 
     def check_num_layers(self, num_layers: int) -> None:
-        """Refuse a pipeline that cannot split `num_layers` evenly (every stage holds as many layers)."""
-        if num_layers % self.pipeline_parallel:
+        """Refuse a pipeline split megatron-core would refuse (`stage_layers` says why)."""
+        self.stage_layers(num_layers)
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Transformer layers of each pipeline stage, first to last, as megatron-core splits them.
+
+        Mirrors `megatron.core.transformer.transformer_block.get_num_layers_to_build` (checked
+        against it in tests): with first/last_stage_layers those stages hold that many and the
+        stages between share the rest evenly; with the embedding / loss accounted, every stage
+        holds (layers + accounted) / PP and the first / last builds one fewer; else an even split.
+
+        Raises:
+            ValueError: naming the `parallel.*` key when megatron could not build the split.
+        """
+        pp = self.pipeline_parallel
+        uneven = {"first_stage_layers": self.first_stage_layers, "last_stage_layers": self.last_stage_layers}
+        accounted = {
+            "embedding": self.account_for_embedding_in_pipeline_split,
+            "loss": self.account_for_loss_in_pipeline_split,
+        }
+        set_uneven = {k: v for k, v in uneven.items() if v is not None}
+        if pp == 1:
+            if set_uneven or any(accounted.values()):
+                keys = [f"parallel.{k}" for k in set_uneven] + [
+                    f"parallel.account_for_{k}_in_pipeline_split" for k, on in accounted.items() if on
+                ]
+                raise ValueError(
+                    f"{', '.join(keys)} set with parallel.pipeline_parallel=1: there is one stage"
+                )
+            return [num_layers]
+        if set_uneven and any(accounted.values()):
             raise ValueError(
-                f"parallel.pipeline_parallel={self.pipeline_parallel} does not divide the "
-                f"{num_layers} transformer layers"
+                "parallel.first_stage_layers / last_stage_layers and "
+                "parallel.account_for_*_in_pipeline_split are exclusive in megatron-core: set one or the "
+                "other"
             )
+        for key, value in set_uneven.items():
+            if value < 1:
+                raise ValueError(f"parallel.{key} must be >= 1, got {value}")
+        if set_uneven:
+            middle_layers = num_layers - sum(set_uneven.values())
+            middle_stages = pp - len(set_uneven)
+            fixed = ", ".join(f"parallel.{k}={v}" for k, v in set_uneven.items())
+            if middle_layers < 0 or bool(middle_layers) != bool(middle_stages):
+                raise ValueError(
+                    f"{fixed} with parallel.pipeline_parallel={pp} leaves {middle_layers} of the "
+                    f"{num_layers} layers for {middle_stages} other stage(s)"
+                )
+            if middle_stages and middle_layers % middle_stages:
+                raise ValueError(
+                    f"{fixed} leaves {middle_layers} of the {num_layers} layers, not divisible by the "
+                    f"{middle_stages} other stage(s) of parallel.pipeline_parallel={pp}"
+                )
+            per = middle_layers // middle_stages if middle_stages else 0
+            layers = [per] * pp
+            if self.first_stage_layers is not None:
+                layers[0] = self.first_stage_layers
+            if self.last_stage_layers is not None:
+                layers[-1] = self.last_stage_layers
+            return layers
+        slots = num_layers + sum(accounted.values())
+        if slots % pp:
+            counted = "".join(f" + 1 ({k})" for k, on in accounted.items() if on)
+            raise ValueError(
+                f"parallel.pipeline_parallel={pp} does not divide the {num_layers}{counted} "
+                "transformer layers; set parallel.first_stage_layers / last_stage_layers for an uneven split"
+            )
+        layers = [slots // pp] * pp
+        layers[0] -= accounted["embedding"]
+        layers[-1] -= accounted["loss"]
+        if min(layers) < 1:
+            raise ValueError(
+                f"parallel.pipeline_parallel={pp} with the embedding / loss accounted leaves a stage "
+                f"without transformer layers ({layers})"
+            )
+        return layers
 
 
 def compute_device() -> torch.device:
