@@ -1,6 +1,7 @@
 """`megatron-gspo plan` and the H100 launch scripts, dry-run on CPU: the large configs validate and fit."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -177,24 +178,43 @@ def test_plan_refuses_a_layout_that_does_not_fit(math_data):
     assert result.returncode == 1 and "DOES NOT FIT" in result.stdout, result.stdout + result.stderr
 
 
-def test_235b_fits_64_gpus_with_two_pipeline_stages_and_not_without(math_data):
+def test_235b_uneven_stages_fit_128_gpus_with_headroom(math_data):
+    """slime's layout: TP4 PP4 EP16, stages of 24 + 24 + 24 + 22 layers, each planned on its own."""
+
     def plan_235b(world, *overrides):
         config = "configs/qwen3_235b_a22b_gspo.yaml"
         return plan("--config", config, "--world-size", world, f"task.options.path={math_data}", *overrides)
 
-    result = plan_235b("64")
+    result = plan_235b("128")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    assert "on 64 ranks: TP=4 PP=2 EP=32 ETP=1 DP=8" in out
-    assert "stage 0: layers 0-46 + embedding: " in out and "(2 micro-batch(es) in flight)" in out
-    assert "stage 1: layers 47-93 + output layer: " in out and "(1 micro-batch(es) in flight)" in out
-    # the first stage's 2 micro-batches in flight outweigh the last stage's chunked logits
-    assert "per rank: stage 0 (the largest)" in out
-    flat = plan_235b("64", "parallel.pipeline_parallel=1", "parallel.expert_parallel=64")
+    assert "on 128 ranks: TP=4 PP=4 EP=16 ETP=1 DP=8" in out
+    stages = re.findall(r"^stage (\d): layers (\d+)-(\d+)(.*?): model states ([\d.]+) GiB", out, re.M)
+    assert [(int(a), int(b)) for _, a, b, _, _ in stages] == [(0, 23), (24, 47), (48, 71), (72, 93)]
+    assert stages[0][3] == " + embedding" and stages[3][3] == " + output layer"
+    # 22 layers on the last stage: fewer expert states than a 24-layer stage beside it
+    assert float(stages[3][4]) < float(stages[2][4])
+    assert "(4 micro-batch(es) in flight)" in out and "per rank: stage 0 (the largest)" in out
+    spare = float(re.search(r"fits \(([\d.]+) GiB to spare\)", out).group(1))
+    assert spare > 20, out
+    flat = plan_235b(
+        "64", "parallel.pipeline_parallel=1", "parallel.expert_parallel=64", "parallel.last_stage_layers=null"
+    )
     assert flat.returncode == 1 and "DOES NOT FIT" in flat.stdout, flat.stdout + flat.stderr
-    uneven = plan_235b("64", "parallel.pipeline_parallel=4", "parallel.expert_parallel=16")
-    assert uneven.returncode == 2
-    assert "parallel.pipeline_parallel=4 does not divide the 94 transformer layers" in uneven.stderr
+    even = plan_235b("128", "parallel.last_stage_layers=null")
+    assert even.returncode == 2
+    assert "parallel.pipeline_parallel=4 does not divide the 94 transformer layers" in even.stderr
+    bridge = plan_235b(
+        "128",
+        "parallel.pipeline_parallel=16",
+        "parallel.expert_parallel=8",
+        "parallel.last_stage_layers=null",
+        "parallel.account_for_embedding_in_pipeline_split=true",
+        "parallel.account_for_loss_in_pipeline_split=true",
+    )
+    assert bridge.returncode == 0, bridge.stdout + bridge.stderr
+    assert "stage 0: layers 0-4 + embedding" in bridge.stdout
+    assert "stage 15: layers 89-93 + output layer" in bridge.stdout
     too_few = plan_235b("48")
     assert too_few.returncode == 2
     assert "impossible layout for 48 process(es)" in too_few.stderr and "pipeline_parallel" in too_few.stderr
