@@ -50,6 +50,10 @@ class ParallelConfig:
     last_stage_layers: int | None = None
     """Transformer layers on the last pipeline stage (megatron's `num_layers_in_last_pipeline_stage`);
     None: the stage gets its even share."""
+    virtual_pipeline: int | None = None
+    """Model chunks per pipeline stage (megatron's `virtual_pipeline_model_parallel_size`): stage s
+    holds chunks of layers taken in turn, and the interleaved 1F1B schedule runs them, which
+    shrinks the pipeline bubble by this factor. Every stage's layers must divide by it. None: one."""
     account_for_embedding_in_pipeline_split: bool = False
     """Count the embedding as one layer when splitting (the first stage builds one layer fewer);
     megatron's flag of that name. Not combinable with first/last_stage_layers."""
@@ -82,6 +86,11 @@ class ParallelConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.virtual_pipeline is not None and (self.virtual_pipeline < 2 or self.pipeline_parallel < 2):
+            raise ValueError(
+                f"parallel.virtual_pipeline={self.virtual_pipeline} needs parallel.pipeline_parallel >= 2 "
+                "and at least 2 chunks per stage (null: no virtual pipeline)"
+            )
         if self.token_dispatcher not in ("alltoall", "allgather"):
             raise ValueError(
                 f"parallel.token_dispatcher must be alltoall or allgather, got {self.token_dispatcher!r}"
@@ -139,8 +148,39 @@ class ParallelConfig:
         return world_size // model_group
 
     def check_num_layers(self, num_layers: int) -> None:
-        """Refuse a pipeline split megatron-core would refuse (`stage_layers` says why)."""
-        self.stage_layers(num_layers)
+        """Refuse a pipeline split megatron-core would refuse (`chunk_layers` says why)."""
+        self.chunk_layers(num_layers)
+
+    def chunk_layers(self, num_layers: int) -> list[list[tuple[int, int]]]:
+        """(first global layer, layers) of every model chunk of every stage: `[stage][chunk]`.
+
+        Without a virtual pipeline each stage is one chunk. With V chunks per stage, chunk c of
+        stage s holds 1/V of the stage's layers, and the chunks are taken in turn: all stages'
+        chunk 0 first, then chunk 1 (megatron's `get_transformer_layer_offset`; tested against it).
+
+        Raises:
+            ValueError: naming the `parallel.*` key when a stage's layers do not split into chunks.
+        """
+        stages = self.stage_layers(num_layers)
+        chunks = self.virtual_pipeline or 1
+        if chunks > 1 and (
+            self.account_for_embedding_in_pipeline_split or self.account_for_loss_in_pipeline_split
+        ):
+            raise ValueError(
+                "parallel.virtual_pipeline with parallel.account_for_*_in_pipeline_split is not supported; "
+                "set parallel.first_stage_layers / last_stage_layers instead"
+            )
+        for s, n in enumerate(stages):
+            if n % chunks:
+                raise ValueError(
+                    f"parallel.virtual_pipeline={chunks} does not divide the {n} layers of pipeline "
+                    f"stage {s} (stages: {stages})"
+                )
+        per_round = num_layers // chunks  # layers of one chunk on every stage together
+        return [
+            [(c * per_round + sum(stages[:s]) // chunks, n // chunks) for c in range(chunks)]
+            for s, n in enumerate(stages)
+        ]
 
     def stage_layers(self, num_layers: int) -> list[int]:
         """Transformer layers of each pipeline stage, first to last, as megatron-core splits them.
@@ -231,10 +271,16 @@ def compute_device() -> torch.device:
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The `GPTModel` under megatron's DDP / Float16Module wrappers (megatron-core's own unwrap).
 
+    A virtual pipeline's `ModelChunks` comes back as the `ModelChunks` of its unwrapped chunks.
+
     Imported on use: modules that call this also serve processes that never load megatron.
     """
     from megatron.core.utils import unwrap_model as megatron_unwrap
 
+    from megatron_gspo.model.chunks import ModelChunks
+
+    if isinstance(model, ModelChunks):  # a virtual pipeline's chunks, each unwrapped
+        return ModelChunks(megatron_unwrap(chunk) for chunk in model)
     return megatron_unwrap(model)
 
 
@@ -283,6 +329,7 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> int:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_parallel,
         pipeline_model_parallel_size=parallel.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.expert_tp,
         distributed_timeout_minutes=math.ceil(parallel.timeout_minutes),  # megatron's own groups too

@@ -59,6 +59,7 @@ def add_parity_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size to check")
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel size to check")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to check")
+    parser.add_argument("--vpp", type=int, help="model chunks per pipeline stage (virtual pipeline)")
     parser.add_argument("--first-stage-layers", type=int, help="layers of the first stage (uneven pipeline)")
     parser.add_argument("--last-stage-layers", type=int, help="layers of the last stage (uneven pipeline)")
     parser.add_argument(
@@ -115,6 +116,7 @@ def _layout(args: argparse.Namespace):
     return ParallelConfig(
         tensor_parallel=args.tp,
         pipeline_parallel=args.pp,
+        virtual_pipeline=args.vpp,
         first_stage_layers=args.first_stage_layers,
         last_stage_layers=args.last_stage_layers,
         expert_parallel=args.ep,
@@ -146,10 +148,10 @@ def _check_layout_fits(model_cfg, args: argparse.Namespace) -> None:
         if size < 1 or count % size:
             raise ConfigError(f"{flag} {size} does not divide the {count} {what} of --hf-path {args.hf_path}")
     try:
-        _layout(args).stage_layers(model_cfg.num_layers)
+        _layout(args).chunk_layers(model_cfg.num_layers)
     except ValueError as err:
         raise ConfigError(
-            f"--pp / --first-stage-layers / --last-stage-layers on --hf-path {args.hf_path}: {err}"
+            f"--pp / --vpp / --first-stage-layers / --last-stage-layers on --hf-path {args.hf_path}: {err}"
         ) from None
 
 
@@ -158,10 +160,11 @@ def _check_tiny_layout(args: argparse.Namespace) -> None:
     from megatron_gspo.config import ConfigError
 
     try:
-        _layout(args).stage_layers(args.num_layers)
+        _layout(args).chunk_layers(args.num_layers)
     except ValueError as err:
         raise ConfigError(
-            f"--pp / --first-stage-layers / --last-stage-layers with --num-layers {args.num_layers}: {err}"
+            f"--pp / --vpp / --first-stage-layers / --last-stage-layers with --num-layers "
+            f"{args.num_layers}: {err}"
         ) from None
 
 
@@ -301,9 +304,17 @@ def _fp32_logprobs(model_cfg, parallel, seqs, weights, args) -> torch.Tensor:
 
 
 def _stages_text(layout, num_layers: int) -> str:
-    """` stages=[1, 2, 3]` for an uneven pipeline, else nothing (the line stays as it was)."""
+    """What the line says about the pipeline's split beyond `pp=`.
+
+    ` stages=[1, 2, 3]` for an uneven pipeline, ` vpp=2 chunks=[[0, 2], [1, 3]]` (each chunk's
+    first layer, per stage) for a virtual one, else nothing (the line stays as it was).
+    """
     layers = layout.stage_layers(num_layers)
-    return f" stages={layers}" if len(set(layers)) > 1 else ""
+    text = f" stages={layers}" if len(set(layers)) > 1 else ""
+    if layout.virtual_pipeline:
+        firsts = [[first for first, _ in stage] for stage in layout.chunk_layers(num_layers)]
+        text += f" vpp={layout.virtual_pipeline} chunks={firsts}"
+    return text
 
 
 @dataclass

@@ -73,7 +73,8 @@ def run_micro_batches(
     are the caller's to keep from inside `loss_fn`.
 
     Args:
-        model: the (DDP-wrapped) policy stage of this rank.
+        model: the (DDP-wrapped) policy stage of this rank (a `ModelChunks` under a virtual
+            pipeline: the interleaved schedule then runs; hooks fire once per chunk).
         batches: packed micro-batches, identical on every stage of a pipeline.
         loss_fn: the loss of micro-batch i from its log-probs (and entropy).
         forward_only: no backward (pi_old recompute, recording, evaluation); call under no_grad.
@@ -82,6 +83,8 @@ def run_micro_batches(
         hooks: per-micro-batch callbacks (routing replay, aux-loss weights).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_gspo.model.chunks import model_chunks
 
     if not batches:
         return
@@ -107,10 +110,14 @@ def run_micro_batches(
 
     rows = max(b.tokens.shape[0] for b in batches)
     length = max(b.tokens.shape[1] for b in batches)
+    chunks = model_chunks(model)
+    # The interleaved schedule (virtual pipeline) runs every micro-batch through each chunk in
+    # turn and reads each chunk's data from its own iterator: the same indices, in order.
+    indices = [iter(range(num)) for _ in chunks] if len(chunks) > 1 else iter(range(num))
     get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(range(num)),
-        model=[model],
+        data_iterator=indices,
+        model=chunks,
         num_microbatches=num,
         seq_length=length,  # shapes travel with the activations (variable_seq_lengths)
         micro_batch_size=rows,

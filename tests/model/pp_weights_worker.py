@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=None, help="parallel.virtual_pipeline")
     parser.add_argument("--first", type=int, default=None, help="parallel.first_stage_layers")
     parser.add_argument("--last", type=int, default=None, help="parallel.last_stage_layers")
     parser.add_argument("--work", type=Path, required=True, help="holds <case>/ HF checkpoints")
@@ -101,6 +102,7 @@ def main() -> None:
         tensor_parallel=args.tp,
         pipeline_parallel=args.pp,
         expert_parallel=args.ep,
+        virtual_pipeline=args.vpp,
         first_stage_layers=args.first,
         last_stage_layers=args.last,
     )

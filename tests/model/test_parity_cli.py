@@ -87,6 +87,16 @@ def test_uneven_three_stage_pipeline_matches_world_one():
     assert abs(grad_norm - ref_norm) <= 1e-5 and grad_norm > 0
 
 
+def test_virtual_pipeline_matches_world_one():
+    """PP2 x 2 chunks of a 4-layer model (stage 0: layers 0 and 2, stage 1: 1 and 3), interleaved 1F1B."""
+    result = parity("--tp", "1", "--ep", "1", "--pp", "2", "--vpp", "2", "--num-layers", "4")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "pp=2 vpp=2 chunks=[[0, 2], [1, 3]] " in result.stdout
+    logprob_diff, weight_diff, grad_norm, ref_norm = map(float, LINE.search(result.stdout).groups())
+    assert logprob_diff <= 1e-5 and weight_diff <= 1e-5
+    assert abs(grad_norm - ref_norm) <= 1e-5 and grad_norm > 0
+
+
 def test_refuses_a_pipeline_split_megatron_refuses():
     result = parity("--tp", "1", "--ep", "1", "--pp", "3", "--num-layers", "6", "--first-stage-layers", "1")
     assert result.returncode == 2

@@ -26,8 +26,20 @@ def megatron_split(num_layers: int, parallel: ParallelConfig) -> list[tuple[int,
         num_layers_in_last_pipeline_stage=parallel.last_stage_layers,
         account_for_embedding_in_pipeline_split=parallel.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=parallel.account_for_loss_in_pipeline_split,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
         pipeline_dtype=None if parallel.pipeline_parallel == 1 else __import__("torch").float32,
     )
+    if parallel.virtual_pipeline:
+        return [
+            [
+                (
+                    get_transformer_layer_offset(config, vp_stage=c, pp_rank=r),
+                    get_num_layers_to_build(config, vp_stage=c, pp_rank=r),
+                )
+                for c in range(parallel.virtual_pipeline)
+            ]
+            for r in range(parallel.pipeline_parallel)
+        ]
     return [
         (get_transformer_layer_offset(config, pp_rank=r), get_num_layers_to_build(config, pp_rank=r))
         for r in range(parallel.pipeline_parallel)
@@ -78,6 +90,45 @@ def test_layouts_megatron_refuses_are_refused_with_the_key_named(num_layers, key
     assert named in str(ours.value) and "\n" not in str(ours.value)
     with pytest.raises((ValueError, AssertionError)):
         megatron_split(num_layers, parallel)
+
+
+@pytest.mark.parametrize(
+    "num_layers, keys, expected",
+    [
+        (4, dict(pipeline_parallel=2, virtual_pipeline=2), [[(0, 1), (2, 1)], [(1, 1), (3, 1)]]),
+        (8, dict(pipeline_parallel=2, virtual_pipeline=2), [[(0, 2), (4, 2)], [(2, 2), (6, 2)]]),
+        (12, dict(pipeline_parallel=3, virtual_pipeline=2, first_stage_layers=2, last_stage_layers=2),
+         [[(0, 1), (6, 1)], [(1, 4), (7, 4)], [(5, 1), (11, 1)]]),
+        (94, dict(pipeline_parallel=4, virtual_pipeline=2, last_stage_layers=22),
+         [[(0, 12), (47, 12)], [(12, 12), (59, 12)], [(24, 12), (71, 12)], [(36, 11), (83, 11)]]),
+    ],
+)  # fmt: skip
+def test_virtual_pipeline_chunks_match_megatron(num_layers, keys, expected):
+    parallel = ParallelConfig(**keys)
+    assert parallel.chunk_layers(num_layers) == expected
+    assert megatron_split(num_layers, parallel) == expected
+
+
+@pytest.mark.parametrize(
+    "num_layers, keys, named",
+    [
+        (6, dict(pipeline_parallel=2, virtual_pipeline=2), "virtual_pipeline=2 does not divide the 3 layers"),
+        (6, dict(pipeline_parallel=3, virtual_pipeline=2, first_stage_layers=1, last_stage_layers=1),
+         "does not divide the 1 layers of pipeline stage 0"),
+    ],
+)  # fmt: skip
+def test_chunks_megatron_refuses_are_refused(num_layers, keys, named):
+    parallel = ParallelConfig(**keys)
+    with pytest.raises(ValueError, match="parallel.virtual_pipeline") as ours:
+        parallel.chunk_layers(num_layers)
+    assert named in str(ours.value)
+    with pytest.raises((ValueError, AssertionError)):
+        megatron_split(num_layers, parallel)
+
+
+def test_virtual_pipeline_needs_a_pipeline():
+    with pytest.raises(ValueError, match="parallel.virtual_pipeline=2 needs parallel.pipeline_parallel >= 2"):
+        ParallelConfig(virtual_pipeline=2)
 
 
 def test_uneven_keys_need_a_pipeline():

@@ -1,10 +1,10 @@
 """Global weights, HF import and HF export under pipeline parallelism equal the whole model's.
 
 Each layout runs `pp_weights_worker.py` under torchrun (gloo): stages hold layers 0-1 and 2-3
-of a 4-layer tiny MoE (or 0, 1-2 and 3 in the uneven three-stage layout), the embedding on the
-first and the output layer (or, tied, its copy of the embedding) on the last. References are
-the HF checkpoint itself: imported weights must equal `hf_to_megatron` of it and the export
-must reproduce it bit for bit.
+of a 4-layer tiny MoE (0, 1-2 and 3 in the uneven three-stage layout; chunks 0 + 2 and 1 + 3
+under a virtual pipeline), the embedding on the first and the output layer (or, tied, its
+copy of the embedding) on the last. References are the HF checkpoint itself: imported weights
+must equal `hf_to_megatron` of it and the export must reproduce it bit for bit.
 """
 
 import json
@@ -23,8 +23,14 @@ WORKER = Path(__file__).with_name("pp_weights_worker.py")
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "layout",
-    [{"pp": 2}, {"pp": 2, "ep": 2}, {"tp": 2, "pp": 2}, {"pp": 3, "first": 1, "last": 1}],
-    ids=["pp2", "pp2xep2", "tp2xpp2", "pp3-uneven"],
+    [
+        {"pp": 2},
+        {"pp": 2, "ep": 2},
+        {"tp": 2, "pp": 2},
+        {"pp": 3, "first": 1, "last": 1},
+        {"pp": 2, "vpp": 2},
+    ],
+    ids=["pp2", "pp2xep2", "tp2xpp2", "pp3-uneven", "pp2-vpp2"],
 )
 def test_pipeline_stages_import_export_and_gather_the_global_weights(tmp_path, layout):
     for case, cfg in CASES.items():
