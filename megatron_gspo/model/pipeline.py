@@ -63,6 +63,7 @@ def run_micro_batches(
     temperature: float = 1.0,
     with_entropy: bool = False,
     hooks: Sequence[MicroBatchHooks] = (),
+    chunk_hooks: Sequence[Sequence[MicroBatchHooks]] = (),
 ) -> None:
     """Forward (and unless `forward_only`, backward) every micro-batch of `batches` on this stage.
 
@@ -81,6 +82,9 @@ def run_micro_batches(
         temperature: sampling temperature of the rollouts (logits are divided by it).
         with_entropy: also hand `loss_fn` the per-token entropy.
         hooks: per-micro-batch callbacks (routing replay, aux-loss weights).
+        chunk_hooks: under a virtual pipeline, `chunk_hooks[c]` fire around chunk c's forwards and
+            backwards only, so state is keyed by (chunk, micro-batch): e.g. a `KeyedRecording`
+            per chunk's `RoutingReplay`, whose layers are the only ones a chunk's forward runs.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -90,16 +94,20 @@ def run_micro_batches(
         return
     num = len(batches)
 
+    chunks = model_chunks(model)
+    chunk_index = {id(chunk): c for c, chunk in enumerate(chunks)}
+
     def forward_step(data_iterator, stage):
         i = next(data_iterator)
         packed = batches[i]
-        for hook in hooks:
+        active = [*hooks, *(chunk_hooks[chunk_index[id(stage)]] if chunk_hooks else ())]
+        for hook in active:
             hook.before_forward(i)
         output, entropy = stage_forward(stage, packed, temperature=temperature, with_entropy=with_entropy)
-        for hook in hooks:
+        for hook in active:
             hook.after_forward(i)
         if not forward_only and output.requires_grad:
-            output.register_hook(_backward_start(hooks, i))
+            output.register_hook(_backward_start(active, i))
 
         def loss_func(neg_logprobs: torch.Tensor):
             logprobs = unpack(-neg_logprobs, packed)
@@ -110,7 +118,6 @@ def run_micro_batches(
 
     rows = max(b.tokens.shape[0] for b in batches)
     length = max(b.tokens.shape[1] for b in batches)
-    chunks = model_chunks(model)
     # The interleaved schedule (virtual pipeline) runs every micro-batch through each chunk in
     # turn and reads each chunk's data from its own iterator: the same indices, in order.
     indices = [iter(range(num)) for _ in chunks] if len(chunks) > 1 else iter(range(num))
