@@ -76,6 +76,7 @@ def test_layout_matches_world_one(args):
     assert abs(grad_norm - ref_norm) <= 1e-5 and grad_norm > 0
 
 
+@pytest.mark.slow  # three processes, ~40-70 s on a shared 2-core box
 def test_uneven_three_stage_pipeline_matches_world_one():
     """6 layers as 1 + 2 + 3 over three stages (megatron's first/last stage layers) vs PP=1."""
     uneven = ("--pp", "3", "--num-layers", "6", "--first-stage-layers", "1", "--last-stage-layers", "3")
@@ -87,6 +88,7 @@ def test_uneven_three_stage_pipeline_matches_world_one():
     assert abs(grad_norm - ref_norm) <= 1e-5 and grad_norm > 0
 
 
+@pytest.mark.slow  # the interleaved schedule on two processes, ~60 s on a shared 2-core box
 def test_virtual_pipeline_matches_world_one():
     """PP2 x 2 chunks of a 4-layer model (stage 0: layers 0 and 2, stage 1: 1 and 3), interleaved 1F1B."""
     result = parity("--tp", "1", "--ep", "1", "--pp", "2", "--vpp", "2", "--num-layers", "4")
