@@ -27,8 +27,8 @@ WORKER = Path(__file__).with_name("pp_weights_worker.py")
         {"pp": 2},
         {"pp": 2, "ep": 2},
         {"tp": 2, "pp": 2},
-        {"pp": 3, "first": 1, "last": 1},
-        {"pp": 2, "vpp": 2},
+        pytest.param({"pp": 3, "first": 1, "last": 1}, marks=pytest.mark.slow),  # ~45 s
+        pytest.param({"pp": 2, "vpp": 2}, marks=pytest.mark.slow),  # ~35 s
     ],
     ids=["pp2", "pp2xep2", "tp2xpp2", "pp3-uneven", "pp2-vpp2"],
 )
