@@ -62,13 +62,11 @@ class Stage:
         return text + " + embedding" * self.embedding + " + output layer" * self.output
 
 
-def pipeline_stages(num_layers: int, pipeline_parallel: int) -> list[Stage]:
-    """The stages of an even split (megatron's default; `ParallelConfig.check_num_layers` refuses others)."""
-    if pipeline_parallel < 1 or num_layers % pipeline_parallel:
-        raise ValueError(f"pipeline_parallel={pipeline_parallel} does not divide the {num_layers} layers")
-    per = num_layers // pipeline_parallel
-    last = pipeline_parallel - 1
-    return [Stage(s, s * per, per, s == 0, s == last) for s in range(pipeline_parallel)]
+def pipeline_stages(num_layers: int, parallel) -> list[Stage]:
+    """The stages of `parallel`'s split of `num_layers` (even, or uneven: `ParallelConfig.stage_layers`)."""
+    layers = parallel.stage_layers(num_layers)
+    last = len(layers) - 1
+    return [Stage(s, sum(layers[:s]), n, s == 0, s == last) for s, n in enumerate(layers)]
 
 
 def _stage_params(model, stage: Stage, pipeline_parallel: int) -> tuple[int, int]:
@@ -95,7 +93,7 @@ def shard_plan(model, parallel, engine, world_size: int, stage: Stage | None = N
     of each parameter (world / (TP x PP) for dense, world / (EP x ETP x PP) for experts).
     """
     pp = parallel.pipeline_parallel
-    stage = stage or pipeline_stages(model.num_layers, pp)[0]
+    stage = stage or pipeline_stages(model.num_layers, parallel)[0]
     model = model.replace(vocab_size=parallel.padded_vocab_size(model.vocab_size))  # rows megatron builds
     dense, expert = _stage_params(model, stage, pp)
     tp, ep, etp = parallel.tensor_parallel, parallel.expert_parallel, parallel.expert_tp
@@ -183,7 +181,7 @@ def activation_plan(
     """
     tokens = -(-tokens // parallel.context_parallel)
     pp = parallel.pipeline_parallel
-    stage = stage or pipeline_stages(model.num_layers, pp)[0]
+    stage = stage or pipeline_stages(model.num_layers, parallel)[0]
     in_flight = pp - stage.index
     size = 2 if engine.dtype == "bf16" else 4
     tp = parallel.tensor_parallel
@@ -280,7 +278,7 @@ def stage_plans(cfg, model, world_size: int, *, tokens: int, seq_len: int) -> li
     flash = cfg.engine.use_te is not False  # the TE spec's fused attention on a GPU node
     no_recompute = dataclasses.replace(cfg.engine, recompute_activations=False)
     plans = []
-    for stage in pipeline_stages(model.num_layers, cfg.parallel.pipeline_parallel):
+    for stage in pipeline_stages(model.num_layers, cfg.parallel):
         kwargs = dict(tokens=tokens, seq_len=seq_len, flash_attention=flash, stage=stage)
         plans.append(
             StagePlan(

@@ -28,6 +28,7 @@ from . import (
     gloo_uneven_collectives,
     grouped_local_experts,
     native_clip_grads,
+    pipeline_shape_exchange,
     rng_tracker,
     schedule_token_counter,
     single_rank_all_reduce,
@@ -59,6 +60,7 @@ PATCHES: tuple[Patch, ...] = tuple(
         grouped_local_experts,
         single_rank_all_reduce,
         native_clip_grads,
+        pipeline_shape_exchange,
     )
 )
 

@@ -69,6 +69,26 @@ RECOMPUTE = ["algorithm.old_logprobs=recompute", "rc.method=tis", "rc.level=sequ
         (["parallel.pipeline_parallel=2"], 3, "tensor_parallel x pipeline_parallel = 1 x 2"),
         (["parallel.pipeline_parallel=2", "parallel.expert_parallel=2"], 2, "pipeline_parallel = 1 x 2 x 2"),
         (["parallel.pipeline_parallel=3"], 3, "does not divide the 2 transformer layers"),
+        (
+            ["parallel.pipeline_parallel=3", "model.overrides.num_layers=6", "parallel.first_stage_layers=1"],
+            3,
+            "parallel.first_stage_layers=1 leaves 5 of the 6 layers, not divisible by the 2 other stage(s)",
+        ),
+        (
+            ["parallel.pipeline_parallel=2", "model.overrides.num_layers=6", "parallel.virtual_pipeline=2"],
+            2,
+            "parallel.virtual_pipeline=2 does not divide the 3 layers of pipeline stage 0",
+        ),
+        (
+            [
+                "parallel.pipeline_parallel=2",
+                "parallel.virtual_pipeline=2",
+                "model.overrides.num_layers=4",
+                "sft.target_accuracy=null",
+            ],
+            2,
+            "parallel.virtual_pipeline=2: training does not run model chunks yet",
+        ),
         (["parallel.pipeline_parallel=2"], 2, "sft.target_accuracy with parallel.pipeline_parallel=2"),
         (
             ["parallel.pipeline_parallel=2", "sft.target_accuracy=null", "drift.enabled=true"],

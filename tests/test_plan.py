@@ -1,6 +1,7 @@
 """`megatron-gspo plan` and the H100 launch scripts, dry-run on CPU: the large configs validate and fit."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -96,7 +97,7 @@ def test_pipeline_stages_split_layers_and_model_ends_by_hand():
         model = presets.tiny(vocab_size=vocab, num_layers=4, tie_word_embeddings=tied)
         expert_layer = 8 * 3 * h * 32
         dense_layer = (model.num_parameters - vocab * h * (1 if tied else 2) - h) // 4 - expert_layer
-        first, last = pipeline_stages(4, 2)
+        first, last = pipeline_stages(4, ParallelConfig(pipeline_parallel=2))
         assert (first.first_layer, first.layers, first.embedding, first.output) == (0, 2, True, False)
         assert (last.first_layer, last.layers, last.embedding, last.output) == (2, 2, False, True)
         plans = [shard_plan(model, parallel, engine, world_size=8, stage=s) for s in (first, last)]
@@ -110,8 +111,8 @@ def test_pipeline_stages_split_layers_and_model_ends_by_hand():
         assert plans[0].optimizer_bytes == int(plans[0].dense_params * 12 / 2 + plans[0].expert_params * 12)
         whole = shard_plan(model, ParallelConfig(tensor_parallel=2, expert_parallel=2), engine, world_size=4)
         assert whole.expert_params == 2 * plans[0].expert_params
-    with pytest.raises(ValueError, match="does not divide the 94 layers"):
-        pipeline_stages(94, 4)
+    with pytest.raises(ValueError, match="does not divide the 94 transformer layers"):
+        pipeline_stages(94, ParallelConfig(pipeline_parallel=4))
 
 
 def test_pipeline_activations_follow_the_1f1b_schedule():
@@ -122,7 +123,9 @@ def test_pipeline_activations_follow_the_1f1b_schedule():
     kwargs = dict(tokens=100, seq_len=50, flash_attention=True)
     for engine in (EngineConfig(dtype="bf16"), EngineConfig(dtype="bf16", recompute_activations=True)):
         whole = activation_plan(model, pp1, engine, **kwargs)
-        first, last = (activation_plan(model, pp2, engine, stage=s, **kwargs) for s in pipeline_stages(4, 2))
+        first, last = (
+            activation_plan(model, pp2, engine, stage=s, **kwargs) for s in pipeline_stages(4, pp2)
+        )
         assert (first.in_flight, last.in_flight) == (2, 1)
         assert first.logits_bytes == 0 and last.logits_bytes == whole.logits_bytes == 100 * 40 * 10
         rebuilt = whole.layer_bytes if engine.recompute_activations else 0  # one layer recomputed
@@ -200,24 +203,43 @@ def test_plan_refuses_a_layout_that_does_not_fit(math_data):
     assert result.returncode == 1 and "DOES NOT FIT" in result.stdout, result.stdout + result.stderr
 
 
-def test_235b_fits_64_gpus_with_two_pipeline_stages_and_not_without(math_data):
+def test_235b_uneven_stages_fit_128_gpus_with_headroom(math_data):
+    """slime's layout: TP4 PP4 EP16, stages of 24 + 24 + 24 + 22 layers, each planned on its own."""
+
     def plan_235b(world, *overrides):
         config = "configs/qwen3_235b_a22b_gspo.yaml"
         return plan("--config", config, "--world-size", world, f"task.options.path={math_data}", *overrides)
 
-    result = plan_235b("64")
+    result = plan_235b("128")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    assert "on 64 ranks: TP=4 PP=2 EP=32 ETP=1 DP=8" in out
-    assert "stage 0: layers 0-46 + embedding: " in out and "(2 micro-batch(es) in flight)" in out
-    assert "stage 1: layers 47-93 + output layer: " in out and "(1 micro-batch(es) in flight)" in out
-    # the first stage's 2 micro-batches in flight outweigh the last stage's chunked logits
-    assert "per rank: stage 0 (the largest)" in out
-    flat = plan_235b("64", "parallel.pipeline_parallel=1", "parallel.expert_parallel=64")
+    assert "on 128 ranks: TP=4 PP=4 EP=16 ETP=1 DP=8" in out
+    stages = re.findall(r"^stage (\d): layers (\d+)-(\d+)(.*?): model states ([\d.]+) GiB", out, re.M)
+    assert [(int(a), int(b)) for _, a, b, _, _ in stages] == [(0, 23), (24, 47), (48, 71), (72, 93)]
+    assert stages[0][3] == " + embedding" and stages[3][3] == " + output layer"
+    # 22 layers on the last stage: fewer expert states than a 24-layer stage beside it
+    assert float(stages[3][4]) < float(stages[2][4])
+    assert "(4 micro-batch(es) in flight)" in out and "per rank: stage 0 (the largest)" in out
+    spare = float(re.search(r"fits \(([\d.]+) GiB to spare\)", out).group(1))
+    assert spare > 20, out
+    flat = plan_235b(
+        "64", "parallel.pipeline_parallel=1", "parallel.expert_parallel=64", "parallel.last_stage_layers=null"
+    )
     assert flat.returncode == 1 and "DOES NOT FIT" in flat.stdout, flat.stdout + flat.stderr
-    uneven = plan_235b("64", "parallel.pipeline_parallel=4", "parallel.expert_parallel=16")
-    assert uneven.returncode == 2
-    assert "parallel.pipeline_parallel=4 does not divide the 94 transformer layers" in uneven.stderr
+    even = plan_235b("128", "parallel.last_stage_layers=null")
+    assert even.returncode == 2
+    assert "parallel.pipeline_parallel=4 does not divide the 94 transformer layers" in even.stderr
+    bridge = plan_235b(
+        "128",
+        "parallel.pipeline_parallel=16",
+        "parallel.expert_parallel=8",
+        "parallel.last_stage_layers=null",
+        "parallel.account_for_embedding_in_pipeline_split=true",
+        "parallel.account_for_loss_in_pipeline_split=true",
+    )
+    assert bridge.returncode == 0, bridge.stdout + bridge.stderr
+    assert "stage 0: layers 0-4 + embedding" in bridge.stdout
+    assert "stage 15: layers 89-93 + output layer" in bridge.stdout
     too_few = plan_235b("48")
     assert too_few.returncode == 2
     assert "impossible layout for 48 process(es)" in too_few.stderr and "pipeline_parallel" in too_few.stderr

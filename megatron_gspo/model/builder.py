@@ -99,8 +99,16 @@ def transformer_config(
         tensor_model_parallel_size=parallel.tensor_parallel,
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         context_parallel_size=parallel.context_parallel,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+        num_layers_in_first_pipeline_stage=parallel.first_stage_layers,
+        num_layers_in_last_pipeline_stage=parallel.last_stage_layers,
+        account_for_embedding_in_pipeline_split=parallel.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=parallel.account_for_loss_in_pipeline_split,
         # Packed micro-batches differ in length: stages exchange shapes before activations.
         variable_seq_lengths=parallel.pipeline_parallel > 1,
+        # The interleaved schedule sends both ways in one call; batched, the two messages to the
+        # one neighbour of a 2-stage ring cross (megatron-LM turns batching off for it too).
+        batch_p2p_comm=parallel.virtual_pipeline is None,
         pipeline_dtype=engine.torch_dtype,
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.expert_tp,
@@ -160,14 +168,15 @@ def build_model(
     stage, the output layer only on the last, and megatron numbers the stage's layers globally.
 
     In bf16 the result is megatron's `Float16Module` around the `GPTModel` (as megatron's
-    `get_model` wraps it); code that needs the `GPTModel` unwraps `.module`.
+    `get_model` wraps it); code that needs the `GPTModel` unwraps `.module`. With
+    `parallel.virtual_pipeline` it is a `ModelChunks` of one such module per chunk
+    (`model/chunks.py`; `model_chunks` lists them).
 
     Megatron's RouterReplay keeps a class-level list of per-layer instances; it is cleared
     here so a second model built in one process never inherits the first one's layers.
     `aux_loss_coeff` as in `transformer_config`.
     """
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     engine = engine or EngineConfig()
@@ -191,18 +200,47 @@ def build_model(
         aux_loss_coeff=aux_loss_coeff,
         available=available,
     )
+    spec = layer_spec(model, engine, available)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    chunk_layers = parallel.chunk_layers(model.num_layers)[stage]
+    chunks = [
+        _build_chunk(model, parallel, config, spec, c if parallel.virtual_pipeline else None, first, layers)
+        for c, (first, layers) in enumerate(chunk_layers)
+    ]
+    if parallel.virtual_pipeline:
+        from megatron_gspo.model.chunks import ModelChunks
+
+        return ModelChunks(chunks)
+    return chunks[0]
+
+
+def _build_chunk(
+    model: MoEModelConfig, parallel: ParallelConfig, config, spec, vp_stage, first: int, layers: int
+):
+    """One `GPTModel`: a whole stage, or chunk `vp_stage` of it (`layers` from `first`); bf16-wrapped."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    ends = {"ignore_virtual": vp_stage is None, "vp_stage": vp_stage}
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model, engine, available),
+        transformer_layer_spec=spec,
         vocab_size=parallel.padded_vocab_size(model.vocab_size),
         max_sequence_length=model.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(**ends),
+        post_process=parallel_state.is_pipeline_last_stage(**ends),
         share_embeddings_and_output_weights=model.tie_word_embeddings,
         position_embedding_type="yarn" if model.rope_type == "yarn" else "rope",
         rotary_percent=1.0,
         rotary_base=model.rope_theta,
+        **({} if vp_stage is None else {"vp_stage": vp_stage}),
     )
+    built = [layer.layer_number - 1 for layer in gpt.decoder.layers]
+    if built != list(range(first, first + layers)):  # a megatron that splits otherwise: misnamed layers
+        raise RuntimeError(
+            f"megatron built layers {built} on this pipeline stage / chunk, the layout says "
+            f"{layers} from layer {first}"
+        )
     # Rows past the vocabulary are megatron's TP padding: masked in every softmax
     # (`unpadded_vocab_size`), dropped on export and weight sync.
     gpt.unpadded_vocab_size = model.vocab_size

@@ -44,6 +44,22 @@ class ParallelConfig:
     """Expert-parallel size (experts of each MoE layer split across ranks)."""
     pipeline_parallel: int = 1
     """Pipeline-parallel size (consecutive transformer layers split into this many stages)."""
+    first_stage_layers: int | None = None
+    """Transformer layers on the first pipeline stage (megatron's `num_layers_in_first_pipeline_stage`);
+    None: the stage gets its even share. The layers left are split evenly over the other stages."""
+    last_stage_layers: int | None = None
+    """Transformer layers on the last pipeline stage (megatron's `num_layers_in_last_pipeline_stage`);
+    None: the stage gets its even share."""
+    virtual_pipeline: int | None = None
+    """Model chunks per pipeline stage (megatron's `virtual_pipeline_model_parallel_size`): stage s
+    holds chunks of layers taken in turn, and the interleaved 1F1B schedule runs them, which
+    shrinks the pipeline bubble by this factor. Every stage's layers must divide by it. None: one."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the embedding as one layer when splitting (the first stage builds one layer fewer);
+    megatron's flag of that name. Not combinable with first/last_stage_layers."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Count the output layer and loss as one layer when splitting (the last stage builds one layer
+    fewer); megatron's flag of that name. Not combinable with first/last_stage_layers."""
     expert_tensor_parallel: int | None = None
     """Tensor-parallel size inside each expert (default: tensor_parallel, megatron's default)."""
     sequence_parallel: bool | None = None
@@ -75,6 +91,11 @@ class ParallelConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.virtual_pipeline is not None and (self.virtual_pipeline < 2 or self.pipeline_parallel < 2):
+            raise ValueError(
+                f"parallel.virtual_pipeline={self.virtual_pipeline} needs parallel.pipeline_parallel >= 2 "
+                "and at least 2 chunks per stage (null: no virtual pipeline)"
+            )
         if self.token_dispatcher not in ("alltoall", "allgather"):
             raise ValueError(
                 f"parallel.token_dispatcher must be alltoall or allgather, got {self.token_dispatcher!r}"
@@ -147,12 +168,113 @@ class ParallelConfig:
         return world_size // model_group
 
     def check_num_layers(self, num_layers: int) -> None:
-        """Refuse a pipeline that cannot split `num_layers` evenly (every stage holds as many layers)."""
-        if num_layers % self.pipeline_parallel:
+        """Refuse a pipeline split megatron-core would refuse (`chunk_layers` says why)."""
+        self.chunk_layers(num_layers)
+
+    def chunk_layers(self, num_layers: int) -> list[list[tuple[int, int]]]:
+        """(first global layer, layers) of every model chunk of every stage: `[stage][chunk]`.
+
+        Without a virtual pipeline each stage is one chunk. With V chunks per stage, chunk c of
+        stage s holds 1/V of the stage's layers, and the chunks are taken in turn: all stages'
+        chunk 0 first, then chunk 1 (megatron's `get_transformer_layer_offset`; tested against it).
+
+        Raises:
+            ValueError: naming the `parallel.*` key when a stage's layers do not split into chunks.
+        """
+        stages = self.stage_layers(num_layers)
+        chunks = self.virtual_pipeline or 1
+        if chunks > 1 and (
+            self.account_for_embedding_in_pipeline_split or self.account_for_loss_in_pipeline_split
+        ):
             raise ValueError(
-                f"parallel.pipeline_parallel={self.pipeline_parallel} does not divide the "
-                f"{num_layers} transformer layers"
+                "parallel.virtual_pipeline with parallel.account_for_*_in_pipeline_split is not supported; "
+                "set parallel.first_stage_layers / last_stage_layers instead"
             )
+        for s, n in enumerate(stages):
+            if n % chunks:
+                raise ValueError(
+                    f"parallel.virtual_pipeline={chunks} does not divide the {n} layers of pipeline "
+                    f"stage {s} (stages: {stages})"
+                )
+        per_round = num_layers // chunks  # layers of one chunk on every stage together
+        return [
+            [(c * per_round + sum(stages[:s]) // chunks, n // chunks) for c in range(chunks)]
+            for s, n in enumerate(stages)
+        ]
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Transformer layers of each pipeline stage, first to last, as megatron-core splits them.
+
+        Mirrors `megatron.core.transformer.transformer_block.get_num_layers_to_build` (checked
+        against it in tests): with first/last_stage_layers those stages hold that many and the
+        stages between share the rest evenly; with the embedding / loss accounted, every stage
+        holds (layers + accounted) / PP and the first / last builds one fewer; else an even split.
+
+        Raises:
+            ValueError: naming the `parallel.*` key when megatron could not build the split.
+        """
+        pp = self.pipeline_parallel
+        uneven = {"first_stage_layers": self.first_stage_layers, "last_stage_layers": self.last_stage_layers}
+        accounted = {
+            "embedding": self.account_for_embedding_in_pipeline_split,
+            "loss": self.account_for_loss_in_pipeline_split,
+        }
+        set_uneven = {k: v for k, v in uneven.items() if v is not None}
+        if pp == 1:
+            if set_uneven or any(accounted.values()):
+                keys = [f"parallel.{k}" for k in set_uneven] + [
+                    f"parallel.account_for_{k}_in_pipeline_split" for k, on in accounted.items() if on
+                ]
+                raise ValueError(
+                    f"{', '.join(keys)} set with parallel.pipeline_parallel=1: there is one stage"
+                )
+            return [num_layers]
+        if set_uneven and any(accounted.values()):
+            raise ValueError(
+                "parallel.first_stage_layers / last_stage_layers and "
+                "parallel.account_for_*_in_pipeline_split are exclusive in megatron-core: set one or the "
+                "other"
+            )
+        for key, value in set_uneven.items():
+            if value < 1:
+                raise ValueError(f"parallel.{key} must be >= 1, got {value}")
+        if set_uneven:
+            middle_layers = num_layers - sum(set_uneven.values())
+            middle_stages = pp - len(set_uneven)
+            fixed = ", ".join(f"parallel.{k}={v}" for k, v in set_uneven.items())
+            if middle_layers < 0 or bool(middle_layers) != bool(middle_stages):
+                raise ValueError(
+                    f"{fixed} with parallel.pipeline_parallel={pp} leaves {middle_layers} of the "
+                    f"{num_layers} layers for {middle_stages} other stage(s)"
+                )
+            if middle_stages and middle_layers % middle_stages:
+                raise ValueError(
+                    f"{fixed} leaves {middle_layers} of the {num_layers} layers, not divisible by the "
+                    f"{middle_stages} other stage(s) of parallel.pipeline_parallel={pp}"
+                )
+            per = middle_layers // middle_stages if middle_stages else 0
+            layers = [per] * pp
+            if self.first_stage_layers is not None:
+                layers[0] = self.first_stage_layers
+            if self.last_stage_layers is not None:
+                layers[-1] = self.last_stage_layers
+            return layers
+        slots = num_layers + sum(accounted.values())
+        if slots % pp:
+            counted = "".join(f" + 1 ({k})" for k, on in accounted.items() if on)
+            raise ValueError(
+                f"parallel.pipeline_parallel={pp} does not divide the {num_layers}{counted} "
+                "transformer layers; set parallel.first_stage_layers / last_stage_layers for an uneven split"
+            )
+        layers = [slots // pp] * pp
+        layers[0] -= accounted["embedding"]
+        layers[-1] -= accounted["loss"]
+        if min(layers) < 1:
+            raise ValueError(
+                f"parallel.pipeline_parallel={pp} with the embedding / loss accounted leaves a stage "
+                f"without transformer layers ({layers})"
+            )
+        return layers
 
 
 def compute_device() -> torch.device:
@@ -169,10 +291,16 @@ def compute_device() -> torch.device:
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The `GPTModel` under megatron's DDP / Float16Module wrappers (megatron-core's own unwrap).
 
+    A virtual pipeline's `ModelChunks` comes back as the `ModelChunks` of its unwrapped chunks.
+
     Imported on use: modules that call this also serve processes that never load megatron.
     """
     from megatron.core.utils import unwrap_model as megatron_unwrap
 
+    from megatron_gspo.model.chunks import ModelChunks
+
+    if isinstance(model, ModelChunks):  # a virtual pipeline's chunks, each unwrapped
+        return ModelChunks(megatron_unwrap(chunk) for chunk in model)
     return megatron_unwrap(model)
 
 
@@ -222,6 +350,7 @@ def init_distributed(parallel: ParallelConfig, *, seed: int = 1234) -> int:
         tensor_model_parallel_size=parallel.tensor_parallel,
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         context_parallel_size=parallel.context_parallel,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.expert_tp,
         distributed_timeout_minutes=math.ceil(parallel.timeout_minutes),  # megatron's own groups too

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.model.chunks import model_chunks
 from megatron_gspo.model.distributed import all_reduce, compute_device
 
 
@@ -56,8 +57,14 @@ class OptimConfig:
 
 
 def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool = False) -> torch.nn.Module:
-    """Wrap a megatron GPTModel in megatron's DistributedDataParallel (fp32 grad buffers)."""
+    """Wrap a megatron GPTModel in megatron's DistributedDataParallel (fp32 grad buffers).
+
+    Virtual-pipeline chunks are wrapped one by one (`ModelChunks` of DDPs), the later ones
+    unbucketed as megatron's `get_model` does.
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_gspo.model.chunks import ModelChunks
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -65,6 +72,11 @@ def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool = False) -> 
         use_distributed_optimizer=distributed_optimizer,
         check_for_nan_in_grad=False,  # non-finite steps are detected and skipped by the caller
     )
+    if isinstance(model, ModelChunks):
+        return ModelChunks(
+            DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=i > 0)
+            for i, chunk in enumerate(model)
+        )
     return DistributedDataParallel(model.config, ddp_config, model)
 
 
@@ -95,7 +107,7 @@ def build_optimizer(
             params_dtype=config.params_dtype,
             use_distributed_optimizer=distributed_optimizer,
         ),
-        [ddp_model],
+        model_chunks(ddp_model),
     )
     _use_foreach_kernels(optimizer)
     decay_steps = max(total_steps, cfg.lr_warmup_steps + 1)
@@ -149,7 +161,7 @@ def grads_are_finite(ddp_model: torch.nn.Module) -> bool:
     is not finite may also be the overflow of huge finite values, so then every rank (they
     all see the same reduced flag) looks at the values themselves.
     """
-    grads = _grad_tensors(ddp_model)
+    grads = [grad for chunk in model_chunks(ddp_model) for grad in _grad_tensors(chunk)]
     norms = torch._foreach_norm(grads) if grads else []
     if _any_on_any_rank([(~torch.isfinite(torch.stack(norms))).any()] if norms else []):
         return not _any_on_any_rank([(~torch.isfinite(grad)).any() for grad in grads])
@@ -188,7 +200,7 @@ def optimizer_step(ddp_model: torch.nn.Module, optimizer, scheduler) -> tuple[bo
     """
     from megatron.core.distributed import finalize_model_grads
 
-    finalize_model_grads([ddp_model])
+    finalize_model_grads(model_chunks(ddp_model))
     if not grads_are_finite(ddp_model):
         return False, math.nan
     stepped, grad_norm, _ = optimizer.step()

@@ -59,6 +59,12 @@ def add_parity_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size to check")
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel size to check")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to check")
+    parser.add_argument("--vpp", type=int, help="model chunks per pipeline stage (virtual pipeline)")
+    parser.add_argument("--first-stage-layers", type=int, help="layers of the first stage (uneven pipeline)")
+    parser.add_argument("--last-stage-layers", type=int, help="layers of the last stage (uneven pipeline)")
+    parser.add_argument(
+        "--num-layers", type=int, default=2, help="layers of the tiny random model (enough for the stages)"
+    )
     parser.add_argument("--recompute", action="store_true", help="full activation recompute in both runs")
     parser.add_argument("--dispatcher", choices=["alltoall", "allgather"], default="alltoall")
     parser.add_argument("--seed", type=int, default=1234)
@@ -92,6 +98,8 @@ def run_parity(args: argparse.Namespace) -> int:
         return 2
     if args.hf_path:
         _check_layout_fits(_checkpoint_model(args)[1], args)
+    else:
+        _check_tiny_layout(args)
     world = required_world_size(args.tp, args.ep, args.pp)
     if "RANK" not in os.environ and world > 1:
         if torch.cuda.is_available():
@@ -99,6 +107,22 @@ def run_parity(args: argparse.Namespace) -> int:
             return 2
         return _relaunch_on_cpu(world)
     return _check(args)
+
+
+def _layout(args: argparse.Namespace):
+    """The `ParallelConfig` under check."""
+    from megatron_gspo.model.distributed import ParallelConfig
+
+    return ParallelConfig(
+        tensor_parallel=args.tp,
+        pipeline_parallel=args.pp,
+        virtual_pipeline=args.vpp,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
+        expert_parallel=args.ep,
+        token_dispatcher=args.dispatcher,
+        distributed_optimizer=args.distributed_optimizer,
+    )
 
 
 def _checkpoint_model(args: argparse.Namespace):
@@ -119,11 +143,29 @@ def _check_layout_fits(model_cfg, args: argparse.Namespace) -> None:
         ("--tp", args.tp, "attention heads", model_cfg.num_attention_heads),
         ("--tp", args.tp, "key/value heads", model_cfg.num_query_groups),
         ("--ep", args.ep, "experts", model_cfg.num_experts),
-        ("--pp", args.pp, "layers", model_cfg.num_layers),
     ]
     for flag, size, what, count in splits:
         if size < 1 or count % size:
             raise ConfigError(f"{flag} {size} does not divide the {count} {what} of --hf-path {args.hf_path}")
+    try:
+        _layout(args).chunk_layers(model_cfg.num_layers)
+    except ValueError as err:
+        raise ConfigError(
+            f"--pp / --vpp / --first-stage-layers / --last-stage-layers on --hf-path {args.hf_path}: {err}"
+        ) from None
+
+
+def _check_tiny_layout(args: argparse.Namespace) -> None:
+    """The pipeline splits the tiny model's `--num-layers`; else a `ConfigError` naming the flags."""
+    from megatron_gspo.config import ConfigError
+
+    try:
+        _layout(args).chunk_layers(args.num_layers)
+    except ValueError as err:
+        raise ConfigError(
+            f"--pp / --vpp / --first-stage-layers / --last-stage-layers with --num-layers "
+            f"{args.num_layers}: {err}"
+        ) from None
 
 
 def _load_checkpoint(model, source, model_cfg) -> None:
@@ -261,6 +303,20 @@ def _fp32_logprobs(model_cfg, parallel, seqs, weights, args) -> torch.Tensor:
         return sequence_logprobs(model, seqs)[0]
 
 
+def _stages_text(layout, num_layers: int) -> str:
+    """What the line says about the pipeline's split beyond `pp=`.
+
+    ` stages=[1, 2, 3]` for an uneven pipeline, ` vpp=2 chunks=[[0, 2], [1, 3]]` (each chunk's
+    first layer, per stage) for a virtual one, else nothing (the line stays as it was).
+    """
+    layers = layout.stage_layers(num_layers)
+    text = f" stages={layers}" if len(set(layers)) > 1 else ""
+    if layout.virtual_pipeline:
+        firsts = [[first for first, _ in stage] for stage in layout.chunk_layers(num_layers)]
+        text += f" vpp={layout.virtual_pipeline} chunks={firsts}"
+    return text
+
+
 @dataclass
 class _Diffs:
     """|layout - TP=1| of the log-probs (over predicted tokens) and of the stepped weights."""
@@ -296,7 +352,8 @@ def _check(args: argparse.Namespace) -> int:
     if args.hf_path:
         source, model_cfg = _checkpoint_model(args)
     else:
-        model_cfg = model_configs.tiny(vocab_size=96, **({"init_std": BF16_INIT_STD} if bf16 else {}))
+        init = {"init_std": BF16_INIT_STD} if bf16 else {}
+        model_cfg = model_configs.tiny(vocab_size=96, num_layers=args.num_layers, **init)
     seqs, masks = _batch(model_cfg.vocab_size, args.seed)
     reference = ParallelConfig(token_dispatcher=args.dispatcher)
     weights, ref_logprobs, ref_updated, ref_norm = _one_step(
@@ -304,13 +361,7 @@ def _check(args: argparse.Namespace) -> int:
     )
     if bf16:
         rounding = _Diffs.of(_fp32_logprobs(model_cfg, reference, seqs, weights, args), ref_logprobs, seqs)
-    layout = ParallelConfig(
-        tensor_parallel=args.tp,
-        pipeline_parallel=args.pp,
-        expert_parallel=args.ep,
-        token_dispatcher=args.dispatcher,
-        distributed_optimizer=args.distributed_optimizer,
-    )
+    layout = _layout(args)
     _, logprobs, updated, grad_norm = _one_step(model_cfg, layout, seqs, masks, weights, args)
     diffs = _Diffs.of(logprobs, ref_logprobs, seqs, updated, ref_updated)
     model = "tiny random model" if source is None else f"{source.path}"
@@ -319,7 +370,8 @@ def _check(args: argparse.Namespace) -> int:
         f"vocab {model_cfg.vocab_size})"
     )
     head = (
-        f"parity tp={args.tp} ep={args.ep} pp={args.pp} dispatcher={args.dispatcher} dtype={args.dtype} "
+        f"parity tp={args.tp} ep={args.ep} pp={args.pp}{_stages_text(layout, model_cfg.num_layers)} "
+        f"dispatcher={args.dispatcher} dtype={args.dtype} "
         f"world={dist.get_world_size()} on {model} vs tp=1 ep=1: max|dlogprob|={diffs.logprob_max:.3e} "
         f"max|dweight| after one Adam step={diffs.weight_max:.3e} grad_norm {grad_norm:.6f} vs {ref_norm:.6f}"
     )

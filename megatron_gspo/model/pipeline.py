@@ -63,6 +63,7 @@ def run_micro_batches(
     temperature: float = 1.0,
     with_entropy: bool = False,
     hooks: Sequence[MicroBatchHooks] = (),
+    chunk_hooks: Sequence[Sequence[MicroBatchHooks]] = (),
 ) -> None:
     """Forward (and unless `forward_only`, backward) every micro-batch of `batches` on this stage.
 
@@ -73,30 +74,40 @@ def run_micro_batches(
     are the caller's to keep from inside `loss_fn`.
 
     Args:
-        model: the (DDP-wrapped) policy stage of this rank.
+        model: the (DDP-wrapped) policy stage of this rank (a `ModelChunks` under a virtual
+            pipeline: the interleaved schedule then runs; hooks fire once per chunk).
         batches: packed micro-batches, identical on every stage of a pipeline.
         loss_fn: the loss of micro-batch i from its log-probs (and entropy).
         forward_only: no backward (pi_old recompute, recording, evaluation); call under no_grad.
         temperature: sampling temperature of the rollouts (logits are divided by it).
         with_entropy: also hand `loss_fn` the per-token entropy.
         hooks: per-micro-batch callbacks (routing replay, aux-loss weights).
+        chunk_hooks: under a virtual pipeline, `chunk_hooks[c]` fire around chunk c's forwards and
+            backwards only, so state is keyed by (chunk, micro-batch): e.g. a `KeyedRecording`
+            per chunk's `RoutingReplay`, whose layers are the only ones a chunk's forward runs.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_gspo.model.chunks import model_chunks
 
     if not batches:
         return
     num = len(batches)
 
+    chunks = model_chunks(model)
+    chunk_index = {id(chunk): c for c, chunk in enumerate(chunks)}
+
     def forward_step(data_iterator, stage):
         i = next(data_iterator)
         packed = batches[i]
-        for hook in hooks:
+        active = [*hooks, *(chunk_hooks[chunk_index[id(stage)]] if chunk_hooks else ())]
+        for hook in active:
             hook.before_forward(i)
         output, entropy = stage_forward(stage, packed, temperature=temperature, with_entropy=with_entropy)
-        for hook in hooks:
+        for hook in active:
             hook.after_forward(i)
         if not forward_only and output.requires_grad:
-            output.register_hook(_backward_start(hooks, i))
+            output.register_hook(_backward_start(active, i))
 
         def loss_func(neg_logprobs: torch.Tensor):
             logprobs = unpack(-neg_logprobs, packed)
@@ -107,10 +118,13 @@ def run_micro_batches(
 
     rows = max(b.tokens.shape[0] for b in batches)
     length = max(b.tokens.shape[1] for b in batches)
+    # The interleaved schedule (virtual pipeline) runs every micro-batch through each chunk in
+    # turn and reads each chunk's data from its own iterator: the same indices, in order.
+    indices = [iter(range(num)) for _ in chunks] if len(chunks) > 1 else iter(range(num))
     get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(range(num)),
-        model=[model],
+        data_iterator=indices,
+        model=chunks,
         num_microbatches=num,
         seq_length=length,  # shapes travel with the activations (variable_seq_lengths)
         micro_batch_size=rows,

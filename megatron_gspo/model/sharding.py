@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.model.chunks import model_chunks
 from megatron_gspo.model.distributed import unwrap_model
 
 _LOCAL_EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..*)")
@@ -76,16 +77,24 @@ def canonical_name(name: str) -> str:
     return name
 
 
+def _stage_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """This stage's unwrapped `GPTModel`s: its virtual-pipeline chunks in order, or the one model."""
+    return model_chunks(unwrap_model(model))
+
+
 def _layer_numbers(model: torch.nn.Module) -> dict[int, int]:
-    """This stage's module index of each transformer layer -> its global (0-based) layer index."""
+    """A chunk's module index of each transformer layer -> its global (0-based) layer index."""
     layers = getattr(getattr(model, "decoder", None), "layers", None) or []
     return {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
 
 
 def _is_tied_replica(model: torch.nn.Module) -> bool:
     """Whether this stage's output layer is a copy of the first stage's embedding (tied, PP > 1)."""
-    return bool(getattr(model, "share_embeddings_and_output_weights", False)) and not getattr(
-        model, "pre_process", True
+    return any(
+        getattr(m, "share_embeddings_and_output_weights", False)
+        and getattr(m, "post_process", True)
+        and not getattr(m, "pre_process", True)
+        for m in _stage_modules(model)
     )
 
 
@@ -100,11 +109,20 @@ def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers by canonical name with global layer numbers.
 
     `_extra_state` entries are left out. A tied last stage's `output_layer.weight` is listed
-    under the embedding's name (it holds the same global tensor).
+    under the embedding's name (it holds the same global tensor). Virtual-pipeline chunks are
+    listed in order, each under its own layers' global numbers.
     """
-    model = unwrap_model(model)
+    named = {}
+    for chunk in _stage_modules(model):
+        named.update(_chunk_named_tensors(chunk))
+    return named
+
+
+def _chunk_named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     layer_numbers = _layer_numbers(model)
-    tied_replica = _is_tied_replica(model)
+    tied_replica = bool(getattr(model, "share_embeddings_and_output_weights", False)) and not getattr(
+        model, "pre_process", True
+    )
 
     def rename(name: str) -> str:
         name = _global_layer_name(canonical_name(name), layer_numbers)
@@ -174,7 +192,7 @@ def load_global_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor
         if global_name not in state:
             raise ShardingError(f"global state dict has no tensor {global_name!r} (for local {local_name!r})")
         wanted[global_name] = target
-    elsewhere = _held_elsewhere(unwrap_model(model), named, n_local * _expert_layout()[1])
+    elsewhere = _held_elsewhere(_stage_modules(model), named, n_local * _expert_layout()[1])
     extra = [n for n in state if n not in wanted and not elsewhere(n)]
     if extra:
         raise ShardingError(f"global state dict has tensors the model lacks: {sorted(extra)[:5]}")
@@ -193,7 +211,7 @@ def load_global_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor
             target.copy_(source)
 
 
-def _held_elsewhere(model: torch.nn.Module, named: dict[str, torch.Tensor], total_experts: int):
+def _held_elsewhere(modules: list[torch.nn.Module], named: dict[str, torch.Tensor], total_experts: int):
     """A predicate: does a global name belong to another EP rank's experts or another PP stage?
 
     Another stage's layers are recognised by their layer-relative name (every layer holds the
@@ -205,9 +223,9 @@ def _held_elsewhere(model: torch.nn.Module, named: dict[str, torch.Tensor], tota
             own_layers.add(int(match.group(2)))
             own_kinds.add(_expert_kind(match.group(3)))
     other_stage_prefixes = ()
-    if not getattr(model, "pre_process", True):
+    if not any(getattr(m, "pre_process", True) for m in modules):
         other_stage_prefixes += _FIRST_STAGE_PREFIXES
-    if not getattr(model, "post_process", True):
+    if not any(getattr(m, "post_process", True) for m in modules):
         other_stage_prefixes += _LAST_STAGE_PREFIXES
 
     def elsewhere(name: str) -> bool:
@@ -254,7 +272,7 @@ def _iter_stage_tensors(model: torch.nn.Module, to_rank0: bool = False) -> Itera
     named = _named_tensors(model)
     ep_rank, ep_world = _expert_layout()
     n_local = _num_local_experts(named)
-    skip_replica = _is_tied_replica(unwrap_model(model))
+    skip_replica = _is_tied_replica(model)
     dense_path, expert_path = _on_rank0_path() if to_rank0 else (True, True)
     for local_name, param in named.items():
         if skip_replica and local_name == _EMBEDDING:
@@ -290,7 +308,7 @@ def _stage_manifest(model: torch.nn.Module) -> list[_GlobalTensorInfo]:
     named = _named_tensors(model)
     ep_rank, ep_world = _expert_layout()
     n_local = _num_local_experts(named)
-    skip_replica = _is_tied_replica(unwrap_model(model))
+    skip_replica = _is_tied_replica(model)
     manifest = []
     for local_name, param in named.items():
         if skip_replica and local_name == _EMBEDDING:

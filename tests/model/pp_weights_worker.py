@@ -87,6 +87,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=None, help="parallel.virtual_pipeline")
+    parser.add_argument("--first", type=int, default=None, help="parallel.first_stage_layers")
+    parser.add_argument("--last", type=int, default=None, help="parallel.last_stage_layers")
     parser.add_argument("--work", type=Path, required=True, help="holds <case>/ HF checkpoints")
     parser.add_argument("--result", type=Path, required=True)
     args = parser.parse_args()
@@ -95,7 +98,14 @@ def main() -> None:
 
     from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
 
-    parallel = ParallelConfig(tensor_parallel=args.tp, pipeline_parallel=args.pp, expert_parallel=args.ep)
+    parallel = ParallelConfig(
+        tensor_parallel=args.tp,
+        pipeline_parallel=args.pp,
+        expert_parallel=args.ep,
+        virtual_pipeline=args.vpp,
+        first_stage_layers=args.first,
+        last_stage_layers=args.last,
+    )
     init_distributed(parallel, seed=7)
     results = {case: check_case(case, parallel, args.work) for case in CASES}
     if dist.get_rank() == 0:

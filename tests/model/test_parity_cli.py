@@ -76,6 +76,35 @@ def test_layout_matches_world_one(args):
     assert abs(grad_norm - ref_norm) <= 1e-5 and grad_norm > 0
 
 
+@pytest.mark.slow  # three processes, ~40-70 s on a shared 2-core box
+def test_uneven_three_stage_pipeline_matches_world_one():
+    """6 layers as 1 + 2 + 3 over three stages (megatron's first/last stage layers) vs PP=1."""
+    uneven = ("--pp", "3", "--num-layers", "6", "--first-stage-layers", "1", "--last-stage-layers", "3")
+    result = parity("--tp", "1", "--ep", "1", *uneven)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "pp=3 stages=[1, 2, 3] " in result.stdout and "(6 layers," in result.stdout
+    logprob_diff, weight_diff, grad_norm, ref_norm = map(float, LINE.search(result.stdout).groups())
+    assert logprob_diff <= 1e-5 and weight_diff <= 1e-5
+    assert abs(grad_norm - ref_norm) <= 1e-5 and grad_norm > 0
+
+
+@pytest.mark.slow  # the interleaved schedule on two processes, ~60 s on a shared 2-core box
+def test_virtual_pipeline_matches_world_one():
+    """PP2 x 2 chunks of a 4-layer model (stage 0: layers 0 and 2, stage 1: 1 and 3), interleaved 1F1B."""
+    result = parity("--tp", "1", "--ep", "1", "--pp", "2", "--vpp", "2", "--num-layers", "4")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "pp=2 vpp=2 chunks=[[0, 2], [1, 3]] " in result.stdout
+    logprob_diff, weight_diff, grad_norm, ref_norm = map(float, LINE.search(result.stdout).groups())
+    assert logprob_diff <= 1e-5 and weight_diff <= 1e-5
+    assert abs(grad_norm - ref_norm) <= 1e-5 and grad_norm > 0
+
+
+def test_refuses_a_pipeline_split_megatron_refuses():
+    result = parity("--tp", "1", "--ep", "1", "--pp", "3", "--num-layers", "6", "--first-stage-layers", "1")
+    assert result.returncode == 2
+    assert "parallel.first_stage_layers=1 leaves 5 of the 6 layers, not divisible by the 2" in result.stderr
+
+
 def test_exits_non_zero_above_the_tolerance():
     # TP=2 splits reductions differently: diffs are ~1e-6, never exactly 0 (checked in the line).
     result = parity("--tp", "2", "--ep", "1", "--tolerance", "0")

@@ -1,6 +1,7 @@
 """Run one megatron scenario with one runtime patch left out; prints the failure it hits.
 
     python tests/patches/reproduce.py <patch-name | -> [--tp T --ep E]   (or under torchrun)
+    torchrun --nproc_per_node 2 tests/patches/reproduce.py <patch-name | -> --vpp 2   (PP2 x 2 chunks)
 
 Exit status 0 means the scenario ran fine (the patch would no longer be needed); 3 means
 it failed, and the exception is printed as `FAILED: <type>: <message>`.
@@ -54,14 +55,36 @@ def scenario(skip: str, tp: int, ep: int) -> None:
         raise AssertionError("a checkpoint save left a Manager process running (orphaned by SIGKILL)")
 
 
+def virtual_pipeline_scenario(skip: str, vpp: int) -> None:
+    """Four micro-batches of different lengths, forward and backward, through the interleaved schedule."""
+    from megatron_gspo.model.builder import build_model
+    from megatron_gspo.model.config import tiny
+    from megatron_gspo.model.distributed import ParallelConfig, init_distributed
+    from megatron_gspo.model.optim import wrap_ddp
+    from megatron_gspo.model.packing import pack_sequences
+    from megatron_gspo.model.pipeline import run_micro_batches
+    from megatron_gspo.patches import apply_patches
+
+    apply_patches(skip=() if skip == "-" else (skip,))
+    parallel = ParallelConfig(pipeline_parallel=2, virtual_pipeline=vpp)
+    init_distributed(parallel)
+    ddp = wrap_ddp(build_model(tiny(vocab_size=64, num_layers=2 * vpp), parallel))
+    batches = [pack_sequences([torch.arange(3, 3 + n), torch.arange(5, 5 + n + 2)]) for n in (5, 9, 12, 7)]
+    run_micro_batches(ddp, batches, lambda i, logprobs, _: (-logprobs.sum(), {}), forward_only=False)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("skip")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=None, help="run the virtual-pipeline scenario (PP2)")
     args = parser.parse_args()
     try:
-        scenario(args.skip, args.tp, args.ep)
+        if args.vpp:
+            virtual_pipeline_scenario(args.skip, args.vpp)
+        else:
+            scenario(args.skip, args.tp, args.ep)
     except Exception as error:  # the point is to report whatever breaks
         traceback.print_exc()
         print(f"FAILED: {type(error).__name__}: {error}", flush=True)

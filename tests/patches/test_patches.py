@@ -36,9 +36,9 @@ def fixed_upstream(name: str) -> bool:
     return fixed_in is not None and INSTALLED >= fixed_in
 
 
-def start_without(patch: str, nproc: int = 1, tp: int = 1, ep: int = 1) -> subprocess.Popen:
+def start_without(patch: str, nproc: int = 1, tp: int = 1, ep: int = 1, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = [str(REPRODUCE), patch, "--tp", str(tp), "--ep", str(ep)]
+    args = [str(REPRODUCE), patch, "--tp", str(tp), "--ep", str(ep), *extra]
     if nproc > 1:
         cmd = [
             sys.executable,
@@ -221,10 +221,25 @@ def test_patch_is_still_needed(name, nproc, tp, ep, failure, site, single_proces
     assert re.search(site, output), (site, output[-3000:])
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow  # two processes through the interleaved schedule: ~40 s on a shared 2-core box
+def test_pipeline_shape_exchange_is_still_needed():
+    """At PP2 the interleaved schedule's shape messages cross without the patch; with it, it runs."""
+    returncode, output = finish(start_without("pipeline_shape_exchange", 2, 1, 1, "--vpp", "2"))
+    assert returncode != 0, "pipeline_shape_exchange: scenario ran fine without the patch: upstream fixed it?"
+    assert re.search(r"must match the size of tensor b|Received data size doesn't match", output), output[
+        -3000:
+    ]
+    assert re.search(r"pipeline_parallel/p2p_communication\.py\", line \d+, in _communicate", output), output[
+        -3000:
+    ]
+    returncode, output = finish(start_without("-", 2, 1, 1, "--vpp", "2"))
+    assert returncode == 0 and "RAN FINE" in output, output[-3000:]
+
+
 def test_every_patch_has_a_still_needed_test():
-    assert {row[0] for row in STILL_NEEDED} == {
-        name for name, patch in BY_NAME.items() if not patch.speed_only
-    }
+    still_needed = {row[0] for row in STILL_NEEDED} | {"pipeline_shape_exchange"}
+    assert still_needed == {name for name, patch in BY_NAME.items() if not patch.speed_only}
 
 
 def test_foreach_multi_tensor_ops_equal_megatrons_fallbacks():
