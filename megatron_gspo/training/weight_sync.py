@@ -26,7 +26,10 @@ as `WeightSyncFailed`, naming the server and the bucket.
 Behind SGLang's router the servers are the workers it lists, read again before a group is
 joined (a group is rebuilt when they changed). A failed attempt first removes the workers
 that no longer answer /health (from the router and the group), so the retry syncs the rest;
-below `rollout.min_workers` the run stops with `FleetTooSmallError` on every rank.
+below `rollout.min_workers` the run stops with `FleetTooSmallError` on every rank. A worker lost
+mid-broadcast can hold others in the collective (SGLang cannot abort a receive): every wait on
+them after a failure is bounded by `release_timeout_s`, and those still held are set aside until
+they answer again (`fleet.FleetMixin.set_aside_held_workers`).
 """
 
 from __future__ import annotations
@@ -174,7 +177,7 @@ class WeightSync:
             except BaseException:
                 with contextlib.suppress(Exception):  # the embedded server discards what it staged
                     opening.result()  # a session ends only after its begin was answered
-                    client.end_weight_update(abort=True)
+                    client.end_weight_update(abort=True, timeout_s=self.cfg.release_timeout_s)
                 raise
             _step("end_weight_update", client.end_weight_update)
             stats.cache_flushed = _flush_cache(client)
@@ -326,10 +329,11 @@ class WeightSync:
         group, self._group = self._group, None
         if group is None:
             return
-        with contextlib.suppress(Exception):  # a dead server cannot leave; its group dies with it
-            client.destroy_weights_update_group(group.name)
-        with contextlib.suppress(Exception):
-            destroy_update_group(group.group)
+        try:  # a dead server cannot leave (its group dies with it); a held one is set aside
+            client.set_aside_held_workers(group.name, self.cfg.release_timeout_s)
+        finally:
+            with contextlib.suppress(Exception):
+                destroy_update_group(group.group)
 
 
 def _readmit(client: SGLangClient) -> dict[str, float]:
