@@ -333,55 +333,6 @@ class SGLangClient(FleetMixin):
             )
         return parsed
 
-    # ---- health ----------------------------------------------------------------------------
-
-    def health(self) -> dict[str, bool]:
-        """``{url: healthy}`` from one ``GET /health`` per server."""
-        return {url: self._health_problem(url) is None for url in self.urls}
-
-    def wait_until_healthy(self, timeout_s: float = 300.0, poll_s: float = 0.5) -> None:
-        """Block until every server answers ``/health`` with 200.
-
-        Raises:
-            RolloutServerError: some server is still unhealthy after ``timeout_s``.
-        """
-        deadline = time.monotonic() + timeout_s
-        while self.router is not None:  # first the router, until it lists a worker
-            try:
-                if self.refresh_workers():
-                    break
-                problem = "the router lists no worker"
-            except RolloutServerError as err:
-                problem = err.last_error
-            if time.monotonic() + poll_s > deadline:
-                raise RolloutServerError(
-                    url=self.router.url,
-                    path="/workers",
-                    attempts=1,
-                    last_error=f"{problem} (waited {timeout_s:.1f}s)",
-                )
-            time.sleep(poll_s)
-        pending = list(self.urls)
-        problems: dict[str, str] = {}
-        polls = 0
-        while True:
-            polls += 1
-            problems = {url: p for url in pending if (p := self._health_problem(url)) is not None}
-            pending = list(problems)
-            if not pending:
-                return
-            if time.monotonic() + poll_s > deadline:
-                break
-            time.sleep(poll_s)
-        url = pending[0]
-        raise RolloutServerError(
-            url=url,
-            path="/health",
-            attempts=polls,
-            last_error=f"{problems[url]} (waited {timeout_s:.1f}s)",
-            urls=pending,
-        )
-
     # ---- weight sync and control -------------------------------------------------------------
 
     def update_weights_from_disk(
