@@ -58,6 +58,7 @@ from megatron_gspo.model.hf_export import export_hf_checkpoint
 from megatron_gspo.model.hf_stream import Bucket, iter_buckets, refuse_non_finite, run_on_hf_stream
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.errors import RolloutFault, WeightUpdateError
+from megatron_gspo.rollout.fleet import FleetTooSmallError
 from megatron_gspo.rollout.server_protocol import TENSOR_LOAD_FORMAT, serialize_named_tensors
 from megatron_gspo.rollout.update_group import destroy_update_group, init_update_group
 from megatron_gspo.rollout.weight_receiver import FLATTENED_BUCKET
@@ -156,8 +157,9 @@ class WeightSync:
         raise AssertionError("unreachable")
 
     def close(self, client: SGLangClient | None) -> None:
-        """Leave the weight-update group (servers first)."""
-        self._drop_group(client)
+        """Leave the weight-update group (servers first; a held one is set aside, the run is over)."""
+        with contextlib.suppress(FleetTooSmallError):
+            self._drop_group(client)
 
     # ------------------------------------------------------------------ one attempt
     def _attempt(self, client: SGLangClient | None, version: int) -> SyncStats:
@@ -314,8 +316,8 @@ class WeightSync:
 
         try:
             control_plane.on_rank0(join)
-        except ConfigError:
-            raise  # a deployment no retry can fix
+        except (ConfigError, FleetTooSmallError):
+            raise  # a deployment no retry can fix; a fleet left too small by the old group's release
         except Exception as err:
             raise WeightSyncFailed(
                 f"joining the weight-update group failed: {type(err).__name__}: {err}"
