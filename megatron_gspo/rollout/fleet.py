@@ -12,10 +12,10 @@ A worker lost in the middle of a distributed sync's broadcast can leave others w
 collective: SGLang gives no way to abort a receive (no timeout field in
 ``/init_weights_update_group``; its group uses torch's 30 min default; ``/destroy_weights_update_group``
 is served only after the receive ends), and nothing the sender does to its own side frees them.
-So a worker that does not answer ``/destroy_weights_update_group`` within the sync's timeout is
-*held*: it is set aside like a lost one (its weights may be half-updated: SGLang loads each
-bucket as it arrives) and comes back once it answers the session's end and the group's
-destruction, i.e. once its own collective timed out.
+So a worker that does not answer ``/destroy_weights_update_group`` within a bounded wait (the
+sync's `release_timeout_s`) is *held*: it is set aside like a lost one (its weights may be
+half-updated: SGLang loads each bucket as it arrives) and comes back once it answers the
+session's end and the group's destruction, i.e. once its own collective timed out.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ from megatron_gspo.rollout.errors import RolloutFault, RolloutServerError
 
 REMOVAL_WAIT_S = 10.0
 """How long a removal may take to show in the router's list (it is queued there)."""
+HELD_PROBE_S = 5.0
+"""Longest wait for a held worker's answer before each sync: one out of its collective answers a
+control call between two forward batches."""
 
 
 class FleetTooSmallError(RolloutFault):
@@ -273,8 +276,9 @@ class FleetMixin:
         if (problem := self._health_problem(url)) is not None or group is None:
             return problem
         leave = ("/destroy_weights_update_group", {"group_name": group})
+        wait_s = min(HELD_PROBE_S, self.health_timeout_s)
         for path, body in (("/end_weight_update", {"abort": True}), leave):
-            if (error := self._post_error(url, path, body, self.health_timeout_s)) is not None:
+            if (error := self._post_error(url, path, body, wait_s)) is not None:
                 return f"still held in {group} ({type(error).__name__})"
         return None
 
