@@ -365,6 +365,10 @@ class WeightSyncConfig:
     """Rendezvous port of the weight-update group (0: a free port)."""
     timeout_s: float = 600.0
     """Longest wait for one protocol step (group join, one bucket)."""
+    release_timeout_s: float = 30.0
+    """After a failed attempt, longest wait for the servers to close their sessions, and again to
+    leave the group; one still held in a broadcast (a peer died in it; SGLang cannot abort a
+    receive) is then set aside until it answers again, and the retry syncs the rest (behind a router)."""
     retries: int = 2
     """Whole-sync retries after a failure (a fresh group each time)."""
 

@@ -120,6 +120,10 @@ def check_weight_sync(sync: Any, rollout: Any) -> None:
         raise ValueCheckError(f"weight_sync.bucket_mb must be > 0, got {sync.bucket_mb}")
     if sync.timeout_s <= 0:
         raise ValueCheckError(f"weight_sync.timeout_s must be > 0 seconds, got {sync.timeout_s}")
+    if sync.release_timeout_s <= 0:
+        raise ValueCheckError(
+            f"weight_sync.release_timeout_s must be > 0 seconds, got {sync.release_timeout_s}"
+        )
     if sync.retries < 0:
         raise ValueCheckError(f"weight_sync.retries must be >= 0, got {sync.retries}")
     if not 0 <= sync.master_port <= 65535:

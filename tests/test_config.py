@@ -185,6 +185,7 @@ RECOMPUTE = ["algorithm.old_logprobs=recompute", "rc.method=tis", "rc.level=sequ
         ([*RECOMPUTE, "rc.method=reject", "rc.cap=2"], 1, "algorithm.rollout_correction.cap does not apply"),
         ([*RECOMPUTE, "rc.method=icepop", "rc.level=token"], 1, "icepop is token-level only"),
         (["rollout.quantization=fp8", "weight_sync.method=disk"], 1, "rollout.quantization=fp8 quantises"),
+        (["weight_sync.release_timeout_s=0"], 1, "weight_sync.release_timeout_s must be > 0 seconds, got 0"),
         (["rollout.quantization=int4"], 1, "key 'quantization' in section 'rollout': Invalid value 'int4'"),
         ([*RECOMPUTE, "rc.high=.inf"], 1, "every number in the config must be finite"),
         ([*RECOMPUTE, "rc.method=trunc"], 1, "config key 'method' in section 'algorithm.rollout_correction'"),

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import functools
 import itertools
 import threading
 import time
@@ -47,7 +48,7 @@ from megatron_gspo.rollout.errors import (
     RolloutServerError,
     WeightUpdateError,
 )
-from megatron_gspo.rollout.fleet import FleetStats, FleetTooSmallError, RouterWorkers
+from megatron_gspo.rollout.fleet import FleetMixin
 
 _RETRYABLE_4XX = (408, 429)  # timeouts and back-pressure are transient, unlike other 4xx
 
@@ -112,8 +113,8 @@ class _Batch:
         return out
 
 
-class SGLangClient:
-    """Talks to one or many SGLang servers over HTTP.
+class SGLangClient(FleetMixin):
+    """Talks to one or many SGLang servers over HTTP (the fleet methods: `fleet.FleetMixin`).
 
     Args:
         urls: server base URLs, e.g. ``["http://10.0.0.1:30000"]``.
@@ -162,9 +163,6 @@ class SGLangClient:
         self.urls = [u.rstrip("/") for u in urls]
         if len(set(self.urls)) != len(self.urls):
             raise ValueError(f"duplicate server URLs: {self.urls}")
-        self.min_workers = min_workers
-        self._removed: set[str] = set()  # workers taken out of the router, probed before each sync
-        self.fleet = FleetStats(workers=len(self.urls))
         self.max_concurrency = max_concurrency
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -182,59 +180,11 @@ class SGLangClient:
         self._lock = threading.Lock()
         self._in_flight = dict.fromkeys(self.urls, 0)
         self._turn = itertools.count()
-        self.router = None if router_url is None else RouterWorkers(router_url, self._http, health_timeout_s)
+        self._init_fleet(router_url, min_workers)
         if self.router is not None:
             self._in_flight = {self.router.url: 0}
             with contextlib.suppress(RolloutServerError):  # a router still starting: `wait_until_healthy`
                 self.refresh_workers()
-
-    # ---- the fleet behind a router -----------------------------------------------------------
-
-    def refresh_workers(self) -> list[str]:
-        """Re-read the router's worker list into `urls` (unchanged without a router)."""
-        if self.router is not None:
-            self.urls = sorted(self.router.list())
-            self.fleet.workers = len(self.urls)
-        return self.urls
-
-    def remove_unhealthy_workers(self) -> list[str]:
-        """Remove every worker that fails ``/health`` from the router and from `urls`; those removed.
-
-        Workers removed earlier that answer ``/health`` again are put back in `urls` (not in the
-        router: `readmit_workers` does that after they were synced). Without a router nothing
-        is removed (the configured servers are the fleet).
-
-        Raises:
-            FleetTooSmallError: fewer than `min_workers` remain (the removals are done).
-        """
-        if self.router is None:
-            return []
-        self.refresh_workers()
-        dead = {url: p for url in self.urls if (p := self._health_problem(url)) is not None}
-        for url in dead:
-            self.router.remove(url)
-        back = {url for url in self._removed if self._health_problem(url) is None}
-        self._removed = (self._removed - back) | set(dead)
-        self.urls = sorted((set(self.urls) - set(dead)) | back)
-        self.fleet.workers = len(self.urls)
-        self.fleet.removed += len(dead)
-        if len(self.urls) < self.min_workers:
-            lost = "; ".join(f"{u}: {p}" for u, p in dead.items()) or "none this time"
-            raise FleetTooSmallError(
-                f"{len(self.urls)} healthy rollout worker(s) left behind {self.router.url}, "
-                f"rollout.min_workers={self.min_workers} (lost: {lost})"
-            )
-        return list(dead)
-
-    def readmit_workers(self) -> list[str]:
-        """Add the workers in `urls` that the router does not list (synced ones coming back) to it."""
-        if self.router is None:
-            return []
-        missing = [url for url in self.urls if url not in self.router.list()]
-        for url in missing:
-            self.router.add(url)
-        self.fleet.rejoined += len(missing)
-        return missing
 
     on_batch_failed: Callable[[], None] | None = None
     """Called once when a `generate` / `generate_batched` call fails (a request failed for good or
@@ -383,62 +333,6 @@ class SGLangClient:
             )
         return parsed
 
-    # ---- health ----------------------------------------------------------------------------
-
-    def health(self) -> dict[str, bool]:
-        """``{url: healthy}`` from one ``GET /health`` per server."""
-        return {url: self._health_problem(url) is None for url in self.urls}
-
-    def wait_until_healthy(self, timeout_s: float = 300.0, poll_s: float = 0.5) -> None:
-        """Block until every server answers ``/health`` with 200.
-
-        Raises:
-            RolloutServerError: some server is still unhealthy after ``timeout_s``.
-        """
-        deadline = time.monotonic() + timeout_s
-        while self.router is not None:  # first the router, until it lists a worker
-            try:
-                if self.refresh_workers():
-                    break
-                problem = "the router lists no worker"
-            except RolloutServerError as err:
-                problem = err.last_error
-            if time.monotonic() + poll_s > deadline:
-                raise RolloutServerError(
-                    url=self.router.url,
-                    path="/workers",
-                    attempts=1,
-                    last_error=f"{problem} (waited {timeout_s:.1f}s)",
-                )
-            time.sleep(poll_s)
-        pending = list(self.urls)
-        problems: dict[str, str] = {}
-        polls = 0
-        while True:
-            polls += 1
-            problems = {url: p for url in pending if (p := self._health_problem(url)) is not None}
-            pending = list(problems)
-            if not pending:
-                return
-            if time.monotonic() + poll_s > deadline:
-                break
-            time.sleep(poll_s)
-        url = pending[0]
-        raise RolloutServerError(
-            url=url,
-            path="/health",
-            attempts=polls,
-            last_error=f"{problems[url]} (waited {timeout_s:.1f}s)",
-            urls=pending,
-        )
-
-    def _health_problem(self, url: str) -> str | None:
-        try:
-            response = self._http.get(f"{url}/health", timeout=self.health_timeout_s)
-        except httpx.HTTPError as err:
-            return f"{type(err).__name__}: {err}"
-        return None if response.status_code == 200 else f"HTTP {response.status_code}"
-
     # ---- weight sync and control -------------------------------------------------------------
 
     def update_weights_from_disk(
@@ -575,13 +469,17 @@ class SGLangClient:
         """
         return self._maybe_background(blocking, "/begin_weight_update", [{}] * len(self.urls))
 
-    def end_weight_update(self, *, abort: bool = False) -> list[dict[str, Any]]:
+    def end_weight_update(
+        self, *, abort: bool = False, timeout_s: float | None = None
+    ) -> list[dict[str, Any]]:
         """Close every server's session (the embedded server applies its staged tensors here).
 
         ``abort=True`` after a failed sync: the embedded server discards what it staged (real
-        SGLang ignores the field and keeps the buckets it already loaded).
+        SGLang ignores the field and keeps the buckets it already loaded). `timeout_s` bounds the
+        wait for each answer (a server still held in a broadcast answers only when it ends).
         """
-        return self._broadcast("/end_weight_update", {"abort": True} if abort else {}, retry=False)
+        body = {"abort": True} if abort else {}
+        return self._broadcast("/end_weight_update", body, retry=False, timeout_s=timeout_s)
 
     def server_info(self) -> list[dict[str, Any]]:
         """Every server's `/get_server_info` (e.g. `tp_size`: its ranks in a weight-update group)."""
@@ -641,16 +539,17 @@ class SGLangClient:
         *,
         retry: bool = True,
         expect_success: bool = True,
+        timeout_s: float | None = None,
     ) -> list[dict[str, Any]]:
         """POST to every server at once (one body for all, or one per server); all answers or an error."""
         bodies = [body] * len(self.urls) if isinstance(body, Mapping) else list(body)
+        call = functools.partial(
+            self._control_call, retry=retry, expect_success=expect_success, timeout_s=timeout_s
+        )
         if len(self.urls) == 1:  # no thread to start for one server
-            return [self._control_call(self.urls[0], path, bodies[0], retry, expect_success)]
+            return [call(self.urls[0], path, bodies[0])]
         with cf.ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="sglang-broadcast") as pool:
-            futures = [
-                pool.submit(self._control_call, url, path, b, retry, expect_success)
-                for url, b in zip(self.urls, bodies)
-            ]
+            futures = [pool.submit(call, url, path, b) for url, b in zip(self.urls, bodies)]
             cf.wait(futures)
         failures = [(url, f.exception()) for url, f in zip(self.urls, futures) if f.exception() is not None]
         if not failures:
@@ -666,10 +565,17 @@ class SGLangClient:
         raise first
 
     def _control_call(
-        self, url: str, path: str, body: Mapping[str, Any], retry: bool, expect_success: bool
+        self,
+        url: str,
+        path: str,
+        body: Mapping[str, Any],
+        *,
+        retry: bool,
+        expect_success: bool,
+        timeout_s: float | None = None,
     ) -> dict[str, Any]:
         try:
-            _, response = self._post(path, body, url=url, retry=retry)
+            _, response = self._post(path, body, url=url, retry=retry, timeout_s=timeout_s)
         except RolloutRequestError as err:  # SGLang answers a failed update with 400 + success=false
             raise WeightUpdateError(url=url, path=path, server_message=err.server_message) from None
         try:
@@ -697,12 +603,14 @@ class SGLangClient:
         retry: bool = True,
         batch: _Batch | None = None,
         job: int = 0,
+        timeout_s: float | None = None,
     ) -> tuple[str, httpx.Response]:
         """POST with bounded retries; the server used and its 2xx response.
 
         With `batch`, the attempt's server is recorded as job `job`'s and the batch's failure
-        stops further retries.
+        stops further retries. `timeout_s` replaces the client's read timeout for this call.
         """
+        timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
         cancelled = batch.failed if batch is not None else None
         attempts = 0
         tried: list[str] = []
@@ -720,7 +628,7 @@ class SGLangClient:
             if batch is not None:
                 batch.servers[job] = target
             try:
-                response = self._http.post(f"{target}{path}", json=dict(body))
+                response = self._http.post(f"{target}{path}", json=dict(body), timeout=timeout)
             except httpx.HTTPError as err:
                 raise _TransientError(target, f"{type(err).__name__}: {err or 'no detail'}") from err
             finally:

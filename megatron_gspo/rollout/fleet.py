@@ -7,10 +7,20 @@ router (``DELETE /workers/{id}``) so no generation is routed to it, and from the
 so the next weight-update group is built without it; below `min_workers` the run stops with
 `FleetTooSmallError`. A removed worker that answers again is synced with the others and only
 then added back to the router (``POST /workers``), so it never serves an older version.
+
+A worker lost in the middle of a distributed sync's broadcast can leave others waiting in that
+collective: SGLang gives no way to abort a receive (no timeout field in
+``/init_weights_update_group``; its group uses torch's 30 min default; ``/destroy_weights_update_group``
+is served only after the receive ends), and nothing the sender does to its own side frees them.
+So a worker that does not answer ``/destroy_weights_update_group`` within a bounded wait (the
+sync's `release_timeout_s`) is *held*: it is set aside like a lost one (its weights may be
+half-updated: SGLang loads each bucket as it arrives) and comes back once it answers the
+session's end and the group's destruction, i.e. once its own collective timed out.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import time
 from dataclasses import dataclass
 
@@ -20,6 +30,9 @@ from megatron_gspo.rollout.errors import RolloutFault, RolloutServerError
 
 REMOVAL_WAIT_S = 10.0
 """How long a removal may take to show in the router's list (it is queued there)."""
+HELD_PROBE_S = 5.0
+"""Longest wait for a held worker's answer before each sync: one out of its collective answers a
+control call between two forward batches."""
 
 
 class FleetTooSmallError(RolloutFault):
@@ -95,3 +108,191 @@ class RouterWorkers:
         deadline = time.monotonic() + REMOVAL_WAIT_S
         while worker_url.rstrip("/") in self.list() and time.monotonic() < deadline:
             time.sleep(0.1)
+
+
+class FleetMixin:
+    """The fleet methods of `SGLangClient`: its workers' health and, behind a router, who they are.
+
+    Behind a router the workers are found at the router, removed when lost or held, and rejoin
+    once synced; without one the configured servers are the fleet and none is ever removed.
+    """
+
+    urls: list[str]
+    router: RouterWorkers | None
+    min_workers: int
+    fleet: FleetStats
+    health_timeout_s: float
+    _http: httpx.Client
+
+    def _init_fleet(self, router_url: str | None, min_workers: int) -> None:
+        self.min_workers = min_workers
+        self._removed: dict[str, str | None] = {}
+        """Workers out of the router -> the group they are held in (None: lost); probed before a sync."""
+        self.fleet = FleetStats(workers=len(self.urls))
+        self.router = None
+        if router_url is not None:
+            self.router = RouterWorkers(router_url, self._http, self.health_timeout_s)
+
+    def health(self) -> dict[str, bool]:
+        """``{url: healthy}`` from one ``GET /health`` per server."""
+        return {url: self._health_problem(url) is None for url in self.urls}
+
+    def wait_until_healthy(self, timeout_s: float = 300.0, poll_s: float = 0.5) -> None:
+        """Block until every server answers ``/health`` with 200.
+
+        Raises:
+            RolloutServerError: some server is still unhealthy after ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.router is not None:  # first the router, until it lists a worker
+            try:
+                if self.refresh_workers():
+                    break
+                problem = "the router lists no worker"
+            except RolloutServerError as err:
+                problem = err.last_error
+            if time.monotonic() + poll_s > deadline:
+                raise RolloutServerError(
+                    url=self.router.url,
+                    path="/workers",
+                    attempts=1,
+                    last_error=f"{problem} (waited {timeout_s:.1f}s)",
+                )
+            time.sleep(poll_s)
+        pending = list(self.urls)
+        problems: dict[str, str] = {}
+        polls = 0
+        while True:
+            polls += 1
+            problems = {url: p for url in pending if (p := self._health_problem(url)) is not None}
+            pending = list(problems)
+            if not pending:
+                return
+            if time.monotonic() + poll_s > deadline:
+                break
+            time.sleep(poll_s)
+        url = pending[0]
+        raise RolloutServerError(
+            url=url,
+            path="/health",
+            attempts=polls,
+            last_error=f"{problems[url]} (waited {timeout_s:.1f}s)",
+            urls=pending,
+        )
+
+    def refresh_workers(self) -> list[str]:
+        """Re-read the router's worker list into `urls` (unchanged without a router)."""
+        if self.router is not None:
+            self.urls = sorted(self.router.list())
+            self.fleet.workers = len(self.urls)
+        return self.urls
+
+    def remove_unhealthy_workers(self) -> list[str]:
+        """Remove every worker that fails ``/health`` from the router and from `urls`; those removed.
+
+        Workers removed earlier that are back (answering ``/health``, and out of the collective
+        they were held in) are put back in `urls` (not in the router: `readmit_workers` does that
+        after they were synced).
+
+        Raises:
+            FleetTooSmallError: fewer than `min_workers` remain (the removals are done).
+        """
+        if self.router is None:
+            return []
+        self.refresh_workers()
+        dead = {url: p for url in self.urls if (p := self._health_problem(url)) is not None}
+        for url in dead:
+            self.router.remove(url)
+        back = [url for url, group in self._removed.items() if self._back_problem(url, group) is None]
+        self._removed = {u: g for u, g in self._removed.items() if u not in back} | dict.fromkeys(dead)
+        self.urls = sorted((set(self.urls) - set(dead)) | set(back))
+        self.fleet.workers = len(self.urls)
+        self.fleet.removed += len(dead)
+        self._check_size(dead)
+        return list(dead)
+
+    def set_aside_held_workers(self, group_name: str, timeout_s: float) -> list[str]:
+        """After a failed sync: workers that do not leave `group_name` within `timeout_s` are set aside.
+
+        Each worker is asked to leave the group (``/destroy_weights_update_group``); one still
+        held in the group's broadcast answers only when that ends, so past `timeout_s` it is
+        removed from the router and from `urls`, and probed before each sync like a lost worker.
+
+        Returns:
+            The workers set aside.
+
+        Raises:
+            FleetTooSmallError: fewer than `min_workers` remain (the removals are done).
+        """
+
+        def leave(url: str) -> httpx.HTTPError | None:
+            body = {"group_name": group_name}
+            return self._post_error(url, "/destroy_weights_update_group", body, timeout_s)
+
+        with cf.ThreadPoolExecutor(max(1, len(self.urls)), thread_name_prefix="fleet-release") as pool:
+            errors = list(pool.map(leave, self.urls))
+        held = {
+            url: f"held in {group_name} past {timeout_s:g} s"
+            for url, error in zip(self.urls, errors)
+            if isinstance(error, httpx.TimeoutException)  # an unreachable one is lost: /health tells
+        }
+        if self.router is None:
+            return []
+        for url in held:
+            self.router.remove(url)
+        self._removed |= dict.fromkeys(held, group_name)
+        self.urls = [url for url in self.urls if url not in held]
+        self.fleet.workers = len(self.urls)
+        self.fleet.removed += len(held)
+        self._check_size(held)
+        return list(held)
+
+    def readmit_workers(self) -> list[str]:
+        """Add the workers in `urls` that the router does not list (synced ones coming back) to it."""
+        if self.router is None:
+            return []
+        missing = [url for url in self.urls if url not in self.router.list()]
+        for url in missing:
+            self.router.add(url)
+        self.fleet.rejoined += len(missing)
+        return missing
+
+    def _check_size(self, lost: dict[str, str]) -> None:
+        if len(self.urls) < self.min_workers:
+            names = "; ".join(f"{u}: {p}" for u, p in lost.items()) or "none this time"
+            held = sorted(url for url, group in self._removed.items() if group is not None)
+            raise FleetTooSmallError(
+                f"{len(self.urls)} healthy rollout worker(s) left behind {self.router.url}, "
+                f"rollout.min_workers={self.min_workers} (lost: {names}"
+                + (f"; held in a broadcast: {', '.join(held)})" if held else ")")
+            )
+
+    def _back_problem(self, url: str, group: str | None) -> str | None:
+        """Why a removed worker cannot rejoin yet (None: it can).
+
+        A held one must also close its session and leave its group: both are answered only once
+        its collective is over (whether it accepts them does not matter).
+        """
+        if (problem := self._health_problem(url)) is not None or group is None:
+            return problem
+        leave = ("/destroy_weights_update_group", {"group_name": group})
+        wait_s = min(HELD_PROBE_S, self.health_timeout_s)
+        for path, body in (("/end_weight_update", {"abort": True}), leave):
+            if (error := self._post_error(url, path, body, wait_s)) is not None:
+                return f"still held in {group} ({type(error).__name__})"
+        return None
+
+    def _post_error(self, url: str, path: str, body: dict, timeout_s: float) -> httpx.HTTPError | None:
+        """POST `path` to `url`; None once it answers (any HTTP status) within `timeout_s`, else the error."""
+        try:
+            self._http.post(f"{url}{path}", json=body, timeout=timeout_s)
+        except httpx.HTTPError as err:
+            return err
+        return None
+
+    def _health_problem(self, url: str) -> str | None:
+        try:
+            response = self._http.get(f"{url}/health", timeout=self.health_timeout_s)
+        except httpx.HTTPError as err:
+            return f"{type(err).__name__}: {err}"
+        return None if response.status_code == 200 else f"HTTP {response.status_code}"

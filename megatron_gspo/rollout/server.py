@@ -104,12 +104,13 @@ class RolloutService:
         *,
         check_responses: bool = False,
         dp_size: int = 1,
+        weight_update_timeout_s: float = 1800.0,
     ):
         self.engine = engine
         self.scheduler = scheduler
         self.check_responses = check_responses
         self.dp_size = dp_size  # reported as SGLang's; > 1 refuses what SGLang refuses (see `_dp_refusal`)
-        self.receiver = WeightReceiver(engine)
+        self.receiver = WeightReceiver(engine, timeout_s=weight_update_timeout_s)
         self.host = ""
         self.port = 0
 
@@ -495,6 +496,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "dp_size > 1 (/init_weights_update_group, /update_weights_from_tensor); generation is "
         "one replica either way, as one SGLang URL is to its client (tests of DP deployments)",
     )
+    parser.add_argument(
+        "--weight-update-timeout-s",
+        type=float,
+        default=1800.0,
+        help="timeout of the weight-update groups this server joins, so of a broadcast it waits in "
+        "(SGLang's: torch's default process-group timeout, 30 min, not settable over HTTP)",
+    )
     parser.add_argument("--log-level", default="warning", help="python logging level")
     return parser
 
@@ -511,7 +519,13 @@ def build_service(args: argparse.Namespace) -> RolloutService:
     scheduler = BatchScheduler(
         engine, batch_window_s=args.batch_window_ms / 1000, max_batch_size=args.max_batch_size
     )
-    return RolloutService(engine, scheduler, check_responses=args.check_responses, dp_size=args.dp_size)
+    return RolloutService(
+        engine,
+        scheduler,
+        check_responses=args.check_responses,
+        dp_size=args.dp_size,
+        weight_update_timeout_s=args.weight_update_timeout_s,
+    )
 
 
 def build_app(service: RolloutService, max_batch_size: int, max_body_bytes: int):

@@ -26,7 +26,10 @@ as `WeightSyncFailed`, naming the server and the bucket.
 Behind SGLang's router the servers are the workers it lists, read again before a group is
 joined (a group is rebuilt when they changed). A failed attempt first removes the workers
 that no longer answer /health (from the router and the group), so the retry syncs the rest;
-below `rollout.min_workers` the run stops with `FleetTooSmallError` on every rank.
+below `rollout.min_workers` the run stops with `FleetTooSmallError` on every rank. A worker lost
+mid-broadcast can hold others in the collective (SGLang cannot abort a receive): every wait on
+them after a failure is bounded by `release_timeout_s`, and those still held are set aside until
+they answer again (`fleet.FleetMixin.set_aside_held_workers`).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from megatron_gspo.model.hf_export import export_hf_checkpoint
 from megatron_gspo.model.hf_stream import Bucket, iter_buckets, refuse_non_finite, run_on_hf_stream
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.errors import RolloutFault, WeightUpdateError
+from megatron_gspo.rollout.fleet import FleetTooSmallError
 from megatron_gspo.rollout.server_protocol import TENSOR_LOAD_FORMAT, serialize_named_tensors
 from megatron_gspo.rollout.update_group import destroy_update_group, init_update_group
 from megatron_gspo.rollout.weight_receiver import FLATTENED_BUCKET
@@ -157,8 +161,9 @@ class WeightSync:
         raise AssertionError("unreachable")
 
     def close(self, client: SGLangClient | None) -> None:
-        """Leave the weight-update group (servers first)."""
-        self._drop_group(client)
+        """Leave the weight-update group (servers first; a held one is set aside, the run is over)."""
+        with contextlib.suppress(FleetTooSmallError):
+            self._drop_group(client)
 
     # ------------------------------------------------------------------ one attempt
     def _attempt(self, client: SGLangClient | None, version: int) -> SyncStats:
@@ -182,7 +187,7 @@ class WeightSync:
                 # sender that died mid-sync leaves it, so the retry finds none. The embedded
                 # server discards what it staged.
                 with contextlib.suppress(Exception):
-                    client.end_weight_update(abort=True)
+                    client.end_weight_update(abort=True, timeout_s=self.cfg.release_timeout_s)
                 raise
             _step("end_weight_update", client.end_weight_update)
             stats.cache_flushed = _flush_cache(client)
@@ -319,8 +324,8 @@ class WeightSync:
 
         try:
             control_plane.on_rank0(join)
-        except ConfigError:
-            raise  # a deployment no retry can fix
+        except (ConfigError, FleetTooSmallError):
+            raise  # a deployment no retry can fix; a fleet left too small by the old group's release
         except Exception as err:
             raise WeightSyncFailed(
                 f"joining the weight-update group failed: {type(err).__name__}: {err}"
@@ -334,10 +339,11 @@ class WeightSync:
         group, self._group = self._group, None
         if group is None:
             return
-        with contextlib.suppress(Exception):  # a dead server cannot leave; its group dies with it
-            client.destroy_weights_update_group(group.name)
-        with contextlib.suppress(Exception):
-            destroy_update_group(group.group)
+        try:  # a dead server cannot leave (its group dies with it); a held one is set aside
+            client.set_aside_held_workers(group.name, self.cfg.release_timeout_s)
+        finally:
+            with contextlib.suppress(Exception):
+                destroy_update_group(group.group)
 
 
 def _readmit(client: SGLangClient) -> dict[str, float]:

@@ -5,7 +5,16 @@ removes it from the router and from the client, and the retry syncs the rest whi
 rollout.min_workers remain; below, the sync stops with FleetTooSmallError and the survivors keep
 their old weights. A worker lost between syncs is removed before the next one, whose
 weight-update group is built from the workers that remain.
+
+A worker lost in the middle of a distributed sync's broadcast can hold the other in that collective
+(SGLang has no way to abort a receive) until the survivor's own group timeout: a survivor that
+comes out within weight_sync.release_timeout_s is synced by the retry; one still held then is set
+aside, and synced and re-added once it answers again. Every wait is seconds, not the group's
+timeout.
 """
+
+import contextlib
+import time
 
 import httpx
 import pytest
@@ -59,6 +68,46 @@ def kill_at_second_bucket(client: SGLangClient, server) -> None:
         return send(*args, **kwargs)
 
     client.update_weights_from_tensor = send_and_kill
+
+
+def kill_as_second_broadcast_starts(client: SGLangClient, server) -> None:
+    """Kill `server` once every worker waits in the second bucket's broadcast, before rank 0 sends it."""
+    announce = client.update_weights_from_distributed
+    calls = []
+
+    def announce_and_kill(*args, **kwargs):
+        answers = announce(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            time.sleep(0.5)  # the announcements reach the workers: both enter the collective
+            server.process.kill()
+            server.process.wait()
+        return answers
+
+    client.update_weights_from_distributed = announce_and_kill
+
+
+def weight_version(server) -> str:
+    """What `server` serves (answered even while it waits in a broadcast)."""
+    return httpx.get(f"{server.url}/get_weight_version", timeout=10).json()["weight_version"]
+
+
+@contextlib.contextmanager
+def fleet_held_on_loss(checkpoint, group_timeout_s: float):
+    """(survivor, lost, router): two workers at version 0; their update groups time out in `group_timeout_s`.
+
+    The lost one has group rank 1 (the first URL) and the survivor rank 2: gloo's root sends a
+    broadcast to its ranks in order, so once rank 1 is gone the root fails before sending to
+    rank 2, which stays in the collective until its group times out.
+    """
+    args = ["--weight-version", "0", "--weight-update-timeout-s", str(group_timeout_s)]
+    with (
+        launch_embedded_server(checkpoint, extra_args=args) as one,
+        launch_embedded_server(checkpoint, extra_args=args) as two,
+        launch_router([one.url, two.url]) as router,
+    ):
+        lost, survivor = sorted([one, two], key=lambda server: server.url)
+        yield survivor, lost, router
 
 
 def listed(router) -> list[str]:
@@ -124,3 +173,63 @@ def test_worker_lost_between_syncs_leaves_the_next_group_and_rejoins_synced(
             assert stats.metrics()["fleet/rejoined"] == 1 and stats.metrics()["fleet/workers"] == 2
             assert sorted(listed(router)) == sorted([a.url, b.url])
             assert [v for _, v, _ in served_weights(client.urls, client.server_info())] == ["3", "3"]
+
+
+@pytest.mark.parametrize("min_workers", [1, 2])
+def test_worker_lost_mid_broadcast_the_survivor_is_released_and_synced(
+    model_and_checkpoint, tmp_path, min_workers
+):
+    model, checkpoint = model_and_checkpoint
+    with (
+        fleet_held_on_loss(checkpoint, group_timeout_s=4) as (a, b, router),
+        SGLangClient([], router_url=router.url, max_retries=0, min_workers=min_workers) as client,
+    ):
+        sync = WeightSync(
+            WeightSyncConfig(bucket_mb=0.05, timeout_s=60, release_timeout_s=30, retries=1),
+            model,
+            CFG,
+            tmp_path,
+        )
+        kill_as_second_broadcast_starts(client, b)
+        start = time.monotonic()
+        if min_workers == 1:
+            stats = sync.sync(client, 5)
+            assert stats.attempts == 2 and stats.buckets > 2
+            assert stats.metrics()["fleet/workers"] == 1 and stats.metrics()["fleet/removed"] == 1
+            assert weight_version(a) == "5"  # the survivor has the new weights
+            assert sync.sync(client, 6).attempts == 1 and weight_version(a) == "6"  # and the run goes on
+            sync.close(client)
+        else:
+            with pytest.raises(FleetTooSmallError, match=rf"1 healthy .*min_workers=2 \(lost: {b.url}"):
+                sync.sync(client, 5)
+            assert weight_version(a) == "0"  # nothing half-applied
+        assert 3.5 < time.monotonic() - start < 50  # the survivor's 4 s in the collective, not 30 min
+        assert client.urls == [a.url] and listed(router) == [a.url]
+
+
+def test_worker_held_in_a_broadcast_is_set_aside_then_synced_and_readmitted(model_and_checkpoint, tmp_path):
+    model, checkpoint = model_and_checkpoint
+    with (
+        fleet_held_on_loss(checkpoint, group_timeout_s=15) as (a, b, router),
+        SGLangClient([], router_url=router.url, max_retries=0, health_timeout_s=2) as client,
+    ):
+        sync = WeightSync(
+            WeightSyncConfig(bucket_mb=0.05, timeout_s=60, release_timeout_s=2, retries=1),
+            model,
+            CFG,
+            tmp_path,
+        )
+        kill_as_second_broadcast_starts(client, b)
+        start = time.monotonic()
+        with pytest.raises(
+            FleetTooSmallError, match=rf"0 healthy .*\(lost: {b.url}: .*; held in a broadcast: {a.url}\)"
+        ):
+            sync.sync(client, 5)
+        assert time.monotonic() - start < 14  # given up on a before its collective ended
+        assert weight_version(a) == "0" and client.urls == [] and listed(router) == []
+        # Once its collective timed out, a answers again: the next sync takes it back, then the router.
+        time.sleep(max(0.0, start + 16 - time.monotonic()))
+        stats = sync.sync(client, 6)
+        sync.close(client)
+        assert stats.attempts == 1 and stats.metrics()["fleet/rejoined"] == 1
+        assert weight_version(a) == "6" and listed(router) == [a.url]
