@@ -28,12 +28,12 @@ report `reproduce_report.assemble` builds (one "variant" there per cell).
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cell_report import accuracy_text, cell_accuracies, every_cell_table, mean_or_none, write_report
 from reproduce_report import Run, markdown, series
 
 # Every run of the grid (and its cold starts): FP8 rollouts, bf16 trainer, the lr at which the
@@ -94,15 +94,11 @@ def cells(
     return grid + [Cell(v, stale_updates, STALENESS) for v in stale_variants]
 
 
-def _mean(values: list[float]) -> float | None:
-    return statistics.mean(values) if values else None
-
-
 def last_update_drift(run: Run, updates: int) -> float | None:
     """Old->new drift on the batch's last mini-batch (after N-1 updates), mean over the RL steps."""
     if updates < 2:
         return None
-    return _mean([v for _, v in series(run.records, f"drift/old_new_mb{updates - 1}/mean")])
+    return mean_or_none([v for _, v in series(run.records, f"drift/old_new_mb{updates - 1}/mean")])
 
 
 def grid_section(report: dict[str, Any], runs: list[Run], grid: list[Cell]) -> dict[str, Any]:
@@ -111,52 +107,29 @@ def grid_section(report: dict[str, Any], runs: list[Run], grid: list[Cell]) -> d
     for cell in grid:
         v = report["variants"][cell.name]
         mine = [r for r in runs if r.variant == cell.name and r.status != "failed"]
-        rows = [r for r in report["runs"] if r["variant"] == cell.name and r["status"] != "failed"]
         means = v.get("means", {})
         drift_last = [d for r in mine if (d := last_update_drift(r, cell.updates)) is not None]
         out.append(
             {
-                "cell": cell.name,
+                **cell_accuracies(report, cell.name),
                 "variant": cell.variant,
                 "updates": cell.updates,
                 "staleness": cell.staleness,
-                "runs": v["runs"],
-                "of": v["of"],
-                "cold_start": v.get("cold_start"),
-                "final_mean": v.get("final_mean"),
-                "final_std": v.get("final_std"),
-                "best_mean": v.get("best_mean"),
-                "finals": {r["seed"]: r["final"] for r in rows},
-                "bests": {r["seed"]: r["best"] for r in rows},
-                "collapsed": v.get("collapsed"),
-                "judged": v.get("judged"),
                 "k3_kl": means.get("rollout/k3_kl"),
                 "infer_train": means.get("drift/infer_train/mean"),
                 "drift_1_update": means.get("drift/old_new_mb1/mean"),
-                "drift_last_update": _mean(drift_last),
+                "drift_last_update": mean_or_none(drift_last),
                 "drift_mean_1_to_last": means.get("drift/old_new/mean"),
                 "clip_label": v.get("clip_label"),
                 "clip": v.get("clip_mean"),
                 "clipped_tokens": means.get("actor/clipfrac_tokens"),
                 "clipped_sequences": means.get("actor/clipfrac_seq"),
-                "staleness_mean": _mean([v for r in mine for _, v in series(r.records, STALE_KEY)]),
+                "staleness_mean": mean_or_none([v for r in mine for _, v in series(r.records, STALE_KEY)]),
                 "s_per_step": means.get("time/step_s"),
             }
         )
     return {"cells": out, "updates": sorted({c.updates for c in grid}), "variants": list(dict.fromkeys(
         c.variant for c in grid))}  # fmt: skip
-
-
-def _fmt(value: float | None, digits: int = 3) -> str:
-    return "-" if value is None else f"{value:.{digits}g}"
-
-
-def _acc(cell: dict[str, Any], key: str = "final") -> str:
-    if not cell["runs"]:
-        return f"0/{cell['of']} runs"
-    std = cell["final_std"] if key == "final" else None
-    text = f"{cell[f'{key}_mean']:.3f}" + ("" if std is None else f" ± {std:.3f}")
-    return text + ("" if cell["runs"] == cell["of"] else f" ({cell['runs']}/{cell['of']})")
 
 
 def grid_markdown(report: dict[str, Any]) -> str:
@@ -180,7 +153,7 @@ def grid_markdown(report: dict[str, Any]) -> str:
         rule,
     ]
     for variant in grid["variants"]:
-        row = [_acc(by[variant, n, 0]) if (variant, n, 0) in by else "" for n in grid["updates"]]
+        row = [accuracy_text(by[variant, n, 0]) if (variant, n, 0) in by else "" for n in grid["updates"]]
         lines.append(f"| {variant} | " + " | ".join(row) + " |")
     lines += ["", "Best held-out accuracy after step 0 (mean over seeds) / collapsed runs:", "", header, rule]
     for variant in grid["variants"]:
@@ -188,7 +161,9 @@ def grid_markdown(report: dict[str, Any]) -> str:
         for n in grid["updates"]:
             c = by.get((variant, n, 0))
             row.append(
-                "" if c is None or not c["runs"] else f"{_acc(c, 'best')} / {c['collapsed']}/{c['judged']}"
+                ""
+                if c is None or not c["runs"]
+                else f"{accuracy_text(c, 'best')} / {c['collapsed']}/{c['judged']}"
             )
         lines.append(f"| {variant} | " + " | ".join(row) + " |")
     columns = [
@@ -204,17 +179,8 @@ def grid_markdown(report: dict[str, Any]) -> str:
         "Every cell (means over RL steps, then seeds; drift = fraction of top-k expert choices that differ "
         "from pi_old's; GRPO's clip acts on tokens, GSPO's on sequences):",
         "",
-        "| cell | runs | " + " | ".join(c for c, _ in columns) + " |",
-        "|---|---|" + "---|" * len(columns),
+        *every_cell_table(grid["cells"], columns),
     ]
-    for c in grid["cells"]:
-        values = []
-        for _, key in columns:
-            if key is None:
-                values.append(_acc(c) if _ == "final" else f"{c['collapsed']}/{c['judged']}")
-            else:
-                values.append(_fmt(c[key]))
-        lines.append(f"| {c['cell']} | {c['runs']}/{c['of']} | " + " | ".join(values) + " |")
     details = markdown(report).split("\n", 1)[1]  # the per-cell, per-run and cold-start tables, provenance
     return "\n".join(lines) + "\n\n## Details (one 'variant' per cell)\n" + details
 
@@ -260,8 +226,4 @@ def plot_grid(report: dict[str, Any], path: Path) -> None:
 def write(report: dict[str, Any], runs: list[Run], grid: list[Cell], out: Path) -> list[str]:
     """summary.json, summary.md and stability_grid.png in `out`; returns the file names."""
     report = {**report, "grid": grid_section(report, runs, grid)}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(report, indent=1))
-    (out / "summary.md").write_text(grid_markdown(report))
-    plot_grid(report, out / "stability_grid.png")
-    return ["summary.md", "summary.json", "stability_grid.png"]
+    return write_report(report, out, grid_markdown, plot_grid, "stability_grid.png")

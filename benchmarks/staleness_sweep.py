@@ -19,12 +19,19 @@ report `reproduce_report.assemble` builds (one "variant" there per cell).
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cell_report import (
+    accuracy_text,
+    cell_accuracies,
+    every_cell_table,
+    fmt,
+    mean_or_none,
+    write_report,
+)
 from reproduce_report import Run, markdown, series
 
 STALENESS = [0, 2, 4]
@@ -69,43 +76,30 @@ def cells(variants: list[str], staleness: list[int]) -> list[Cell]:
     return [Cell(v, k) for v in variants for k in staleness]
 
 
-def _mean(values: list[float]) -> float | None:
-    return statistics.mean(values) if values else None
-
-
 def run_mean(run: Run, key: str) -> float | None:
     """Mean of `key` over a run's RL steps (None when it never logged it)."""
-    return _mean([v for step, v in series(run.records, key) if step > 0])
+    return mean_or_none([v for step, v in series(run.records, key) if step > 0])
 
 
 def sweep_section(report: dict[str, Any], runs: list[Run], grid: list[Cell]) -> dict[str, Any]:
     """Per cell: variant, k, the seeds' final / best accuracies and drifts, and the sweep's columns."""
     out = []
     for cell in grid:
-        v = report["variants"][cell.name]
         mine = [r for r in runs if r.variant == cell.name and r.status != "failed"]
-        rows = [r for r in report["runs"] if r["variant"] == cell.name and r["status"] != "failed"]
         per_seed = {r.seed: {col: run_mean(r, key) for col, key in KEYS.items()} for r in mine}
         dropped = {  # total per run; k = 0 (lock-step) logs no staleness metrics
             r.seed: sum(v for _, v in logged) for r in mine if (logged := series(r.records, DROPPED))
         }
         out.append(
             {
-                "cell": cell.name,
+                **cell_accuracies(report, cell.name),
                 "variant": cell.variant,
                 "staleness": cell.staleness,
-                "runs": v["runs"],
-                "of": v["of"],
-                "cold_start": v.get("cold_start"),
-                "final_mean": v.get("final_mean"),
-                "final_std": v.get("final_std"),
-                "best_mean": v.get("best_mean"),
-                "finals": {r["seed"]: r["final"] for r in rows},
-                "bests": {r["seed"]: r["best"] for r in rows},
-                "collapsed": v.get("collapsed"),
-                "judged": v.get("judged"),
-                **{col: _mean([s[col] for s in per_seed.values() if s[col] is not None]) for col in KEYS},
-                "stale_groups_dropped": _mean(list(dropped.values())),
+                **{
+                    col: mean_or_none([s[col] for s in per_seed.values() if s[col] is not None])
+                    for col in KEYS
+                },
+                "stale_groups_dropped": mean_or_none(list(dropped.values())),
                 "behaviour_current_per_seed": {s: d["behaviour_current"] for s, d in per_seed.items()},
             }
         )
@@ -114,18 +108,6 @@ def sweep_section(report: dict[str, Any], runs: list[Run], grid: list[Cell]) -> 
         "staleness": sorted({c.staleness for c in grid}),
         "variants": list(dict.fromkeys(c.variant for c in grid)),
     }
-
-
-def _fmt(value: float | None, digits: int = 3) -> str:
-    return "-" if value is None else f"{value:.{digits}g}"
-
-
-def _acc(cell: dict[str, Any], key: str = "final") -> str:
-    if not cell["runs"]:
-        return f"0/{cell['of']} runs"
-    std = cell["final_std"] if key == "final" else None
-    text = f"{cell[f'{key}_mean']:.3f}" + ("" if std is None else f" ± {std:.3f}")
-    return text + ("" if cell["runs"] == cell["of"] else f" ({cell['runs']}/{cell['of']})")
 
 
 def _table(sweep: dict[str, Any], fill) -> list[str]:
@@ -162,31 +144,22 @@ def sweep_markdown(report: dict[str, Any]) -> str:
         "",
         "Behaviour->current routing drift (mean over RL steps, then seeds):",
         "",
-        *_table(sweep, lambda c: _fmt(c["behaviour_current"])),
+        *_table(sweep, lambda c: fmt(c["behaviour_current"])),
         "",
         "Final held-out accuracy (mean ± sample std over seeds):",
         "",
-        *_table(sweep, _acc),
+        *_table(sweep, accuracy_text),
         "",
         "Mean token staleness (`rollout/staleness_mean`, versions; not logged at k = 0):",
         "",
-        *_table(sweep, lambda c: _fmt(c["staleness_mean"])),
+        *_table(sweep, lambda c: fmt(c["staleness_mean"])),
         "",
         "Every cell (means over RL steps, then seeds; stale groups dropped: total per run, mean over "
         "seeds; k = 0 is lock-step and logs no staleness metrics, shown as -; GRPO's clip acts on "
         "tokens, GSPO's on sequences):",
         "",
-        "| cell | runs | " + " | ".join(c for c, _ in columns) + " |",
-        "|---|---|" + "---|" * len(columns),
+        *every_cell_table(sweep["cells"], columns),
     ]
-    for c in sweep["cells"]:
-        values = []
-        for label, key in columns:
-            if key is None:
-                values.append(_acc(c) if label == "final" else f"{c['collapsed']}/{c['judged']}")
-            else:
-                values.append(_fmt(c[key]))
-        lines.append(f"| {c['cell']} | {c['runs']}/{c['of']} | " + " | ".join(values) + " |")
     details = markdown(report).split("\n", 1)[1]  # the per-cell, per-run and cold-start tables, provenance
     return "\n".join(lines) + "\n\n## Details (one 'variant' per cell)\n" + details
 
@@ -230,8 +203,4 @@ def plot_sweep(report: dict[str, Any], path: Path) -> None:
 def write(report: dict[str, Any], runs: list[Run], grid: list[Cell], out: Path) -> list[str]:
     """summary.json, summary.md and staleness_sweep.png in `out`; returns the file names."""
     report = {**report, "sweep": sweep_section(report, runs, grid)}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(report, indent=1))
-    (out / "summary.md").write_text(sweep_markdown(report))
-    plot_sweep(report, out / "staleness_sweep.png")
-    return ["summary.md", "summary.json", "staleness_sweep.png"]
+    return write_report(report, out, sweep_markdown, plot_sweep, "staleness_sweep.png")
