@@ -19,7 +19,7 @@ abort the in-flight ones by `rid` (their threads end when the servers answer, at
 after the per-request bound).
 
 Weight-sync and control calls (``/update_weights_from_disk``, ``/pause_generation``, ...) go to
-every server and check SGLang's ``{"success", "message"}`` answer.
+every server and check SGLang's ``{"success", "message"}`` answer (`control.ControlMixin`).
 
 Behind SGLang's router (`router_url`), the servers are the workers the router lists
 (`fleet.RouterWorkers`): generation goes through the router, one request per row (it routes
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import functools
 import itertools
 import threading
 import time
@@ -41,12 +40,12 @@ from typing import Any
 import httpx
 import tenacity
 
+from megatron_gspo.rollout.control import ControlMixin
 from megatron_gspo.rollout.errors import (
     MalformedResponseError,
     RolloutBatchTimeoutError,
     RolloutRequestError,
     RolloutServerError,
-    WeightUpdateError,
 )
 from megatron_gspo.rollout.fleet import FleetMixin
 
@@ -113,8 +112,11 @@ class _Batch:
         return out
 
 
-class SGLangClient(FleetMixin):
-    """Talks to one or many SGLang servers over HTTP (the fleet methods: `fleet.FleetMixin`).
+class SGLangClient(ControlMixin, FleetMixin):
+    """Talks to one or many SGLang servers over HTTP.
+
+    The weight-sync and control methods are `control.ControlMixin`'s, the fleet methods
+    `fleet.FleetMixin`'s.
 
     Args:
         urls: server base URLs, e.g. ``["http://10.0.0.1:30000"]``.
@@ -332,265 +334,6 @@ class SGLangClient(FleetMixin):
                 "response", f"{url}/generate answered a JSON {type(parsed).__name__}, expected an object"
             )
         return parsed
-
-    # ---- weight sync and control -------------------------------------------------------------
-
-    def update_weights_from_disk(
-        self,
-        model_path: str,
-        weight_version: str | int | None = None,
-        *,
-        flush_cache: bool = True,
-        load_format: str | None = None,
-        abort_all_requests: bool = False,
-    ) -> list[dict[str, Any]]:
-        """Make every server load the checkpoint at ``model_path`` (a path the servers can read).
-
-        Returns:
-            Each server's ``{"success": true, "message": ...}`` answer, in URL order.
-
-        Raises:
-            WeightUpdateError: a server reported ``success: false`` (its message is kept).
-        """
-        body = {
-            "model_path": str(model_path),
-            "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests,
-        }
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
-        if load_format is not None:
-            body["load_format"] = load_format
-        return self._broadcast("/update_weights_from_disk", body)
-
-    def update_weights_from_tensor(
-        self,
-        serialized_named_tensors: Sequence[str],
-        *,
-        load_format: str | None = None,
-        flush_cache: bool = True,
-        weight_version: str | int | None = None,
-    ) -> list[dict[str, Any]]:
-        """Send serialized tensor handles (one string per TP rank, base64) to every server."""
-        body: dict[str, Any] = {
-            "serialized_named_tensors": list(serialized_named_tensors),
-            "flush_cache": flush_cache,
-        }
-        if load_format is not None:
-            body["load_format"] = load_format
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
-        return self._broadcast("/update_weights_from_tensor", body)
-
-    def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        world_size: int,
-        rank_offsets: Sequence[int] | None = None,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-        blocking: bool = True,
-    ) -> list[dict[str, Any]] | cf.Future:
-        """Make every server join a process group with the trainer (trainer rank 0).
-
-        The servers block in the collective until the trainer joins too, so call with
-        ``blocking=False`` and ``.result()`` the returned future after the trainer's own
-        ``init_process_group``. Never retried (a half-joined collective cannot be re-entered).
-
-        Args:
-            master_address: the trainer's rendezvous address.
-            master_port: the trainer's rendezvous port.
-            world_size: 1 + the number of GPUs over all servers.
-            rank_offsets: the first rank of each server's GPUs, one per URL (default: ``[1]``
-                for a single server).
-            group_name: the group's name, reused by the update/destroy calls.
-            backend: ``"nccl"`` on GPUs.
-            blocking: wait for the answers, or return a future of them.
-        """
-        if rank_offsets is None:
-            if len(self.urls) != 1:
-                raise ValueError("rank_offsets (one per server) is required with several servers")
-            rank_offsets = [1]
-        if len(rank_offsets) != len(self.urls):
-            raise ValueError(f"{len(rank_offsets)} rank_offsets for {len(self.urls)} servers")
-        bodies = [
-            {
-                "master_address": master_address,
-                "master_port": int(master_port),
-                "rank_offset": int(offset),
-                "world_size": int(world_size),
-                "group_name": group_name,
-                "backend": backend,
-            }
-            for offset in rank_offsets
-        ]
-        return self._maybe_background(blocking, "/init_weights_update_group", bodies)
-
-    def update_weights_from_distributed(
-        self,
-        names: Sequence[str],
-        dtypes: Sequence[str],
-        shapes: Sequence[Sequence[int]],
-        *,
-        group_name: str = "weight_update_group",
-        flush_cache: bool = True,
-        weight_version: str | int | None = None,
-        load_format: str | None = None,
-        blocking: bool = True,
-    ) -> list[dict[str, Any]] | cf.Future:
-        """Announce a broadcast of named tensors over the update group (the trainer sends them).
-
-        Like `init_weights_update_group`, the servers wait in the collective: use
-        ``blocking=False``, broadcast, then ``.result()``. Never retried. ``load_format=
-        "flattened_bucket"``: one broadcast of all tensors' bytes concatenated (`hf_stream.Bucket`).
-        SGLang >= 0.5.23 takes it only between `begin_weight_update` and `end_weight_update`.
-        """
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
-        body: dict[str, Any] = {
-            "names": list(names),
-            "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
-            "shapes": [[int(n) for n in s] for s in shapes],
-            "group_name": group_name,
-            "flush_cache": flush_cache,
-        }
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
-        if load_format is not None:
-            body["load_format"] = load_format
-        return self._maybe_background(blocking, "/update_weights_from_distributed", [body] * len(self.urls))
-
-    def begin_weight_update(self, *, blocking: bool = True) -> list[dict[str, Any]] | cf.Future:
-        """Open a weight-update session on every server (updates are loaded within it).
-
-        ``blocking=False`` returns a future: the sender packs its first bucket meanwhile.
-        """
-        return self._maybe_background(blocking, "/begin_weight_update", [{}] * len(self.urls))
-
-    def end_weight_update(
-        self, *, abort: bool = False, timeout_s: float | None = None
-    ) -> list[dict[str, Any]]:
-        """Close every server's session (the embedded server applies its staged tensors here).
-
-        ``abort=True`` after a failed sync: the embedded server discards what it staged (real
-        SGLang ignores the field and keeps the buckets it already loaded). `timeout_s` bounds the
-        wait for each answer (a server still held in a broadcast answers only when it ends).
-        """
-        body = {"abort": True} if abort else {}
-        return self._broadcast("/end_weight_update", body, retry=False, timeout_s=timeout_s)
-
-    def server_info(self) -> list[dict[str, Any]]:
-        """Every server's `/get_server_info` (e.g. `tp_size`: its ranks in a weight-update group)."""
-        return self._get_all("/get_server_info")
-
-    def _get_all(self, path: str) -> list[dict[str, Any]]:
-        """Every server's JSON answer to GET `path`, in `urls` order."""
-        answers = []
-        for url in self.urls:
-            try:
-                response = self._http.get(f"{url}{path}", timeout=self.health_timeout_s)
-                response.raise_for_status()
-                answers.append(response.json())
-            except (httpx.HTTPError, ValueError) as err:
-                raise RolloutServerError(
-                    url=url, path=path, attempts=1, last_error=f"{type(err).__name__}: {err}"
-                ) from None
-        return answers
-
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> list[dict[str, Any]]:
-        """Make every server leave the update group."""
-        return self._broadcast("/destroy_weights_update_group", {"group_name": group_name}, retry=False)
-
-    def pause_generation(self, mode: str | None = None) -> list[dict[str, Any]]:
-        """Pause scheduling on every server (``mode``: SGLang's ``abort``/``retract``/``in_place``)."""
-        return self._broadcast(
-            "/pause_generation", {} if mode is None else {"mode": mode}, expect_success=False
-        )
-
-    def continue_generation(self) -> list[dict[str, Any]]:
-        """Resume scheduling on every server."""
-        return self._broadcast("/continue_generation", {}, expect_success=False)
-
-    def flush_cache(self) -> list[dict[str, Any]]:
-        """Flush every server's prefix cache (SGLang answers 400 while requests are running)."""
-        return self._broadcast("/flush_cache", {}, expect_success=False)
-
-    def release_memory_occupation(self, tags: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        """Free GPU memory (``tags``: ``weights``, ``kv_cache``); needs ``--enable-memory-saver``."""
-        body = {} if tags is None else {"tags": list(tags)}
-        return self._broadcast("/release_memory_occupation", body, expect_success=False)
-
-    def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        """Re-allocate what `release_memory_occupation` freed."""
-        body = {} if tags is None else {"tags": list(tags)}
-        return self._broadcast("/resume_memory_occupation", body, expect_success=False)
-
-    def _maybe_background(self, blocking: bool, path: str, bodies: list[dict[str, Any]]):
-        if blocking:
-            return self._broadcast(path, bodies, retry=False)
-        return self._background.submit(self._broadcast, path, bodies, retry=False)
-
-    def _broadcast(
-        self,
-        path: str,
-        body: Mapping[str, Any] | Sequence[Mapping[str, Any]],
-        *,
-        retry: bool = True,
-        expect_success: bool = True,
-        timeout_s: float | None = None,
-    ) -> list[dict[str, Any]]:
-        """POST to every server at once (one body for all, or one per server); all answers or an error."""
-        bodies = [body] * len(self.urls) if isinstance(body, Mapping) else list(body)
-        call = functools.partial(
-            self._control_call, retry=retry, expect_success=expect_success, timeout_s=timeout_s
-        )
-        if len(self.urls) == 1:  # no thread to start for one server
-            return [call(self.urls[0], path, bodies[0])]
-        with cf.ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="sglang-broadcast") as pool:
-            futures = [pool.submit(call, url, path, b) for url, b in zip(self.urls, bodies)]
-            cf.wait(futures)
-        failures = [(url, f.exception()) for url, f in zip(self.urls, futures) if f.exception() is not None]
-        if not failures:
-            return [f.result() for f in futures]
-        url, first = failures[0]
-        if len(self.urls) > 1 and isinstance(first, WeightUpdateError):
-            failed = f"{len(failures)} of {len(self.urls)} failed: " + ", ".join(u for u, _ in failures)
-            raise WeightUpdateError(
-                url=url,
-                path=path,
-                server_message=f"{first.server_message} ({failed})",
-            ) from first
-        raise first
-
-    def _control_call(
-        self,
-        url: str,
-        path: str,
-        body: Mapping[str, Any],
-        *,
-        retry: bool,
-        expect_success: bool,
-        timeout_s: float | None = None,
-    ) -> dict[str, Any]:
-        try:
-            _, response = self._post(path, body, url=url, retry=retry, timeout_s=timeout_s)
-        except RolloutRequestError as err:  # SGLang answers a failed update with 400 + success=false
-            raise WeightUpdateError(url=url, path=path, server_message=err.server_message) from None
-        try:
-            answer = response.json()
-        except ValueError:
-            answer = {"message": response.text}  # /flush_cache answers plain text
-        if not isinstance(answer, dict):
-            answer = {"message": answer}
-        if expect_success and answer.get("success") is not True:
-            raise WeightUpdateError(
-                url=url,
-                path=path,
-                server_message=str(answer.get("message", f"no success field in {answer!r}")),
-            )
-        return answer
 
     # ---- one HTTP call with retries -----------------------------------------------------------
 
