@@ -85,9 +85,10 @@ RECOMPUTE = ["algorithm.old_logprobs=recompute", "rc.method=tis", "rc.level=sequ
                 "parallel.virtual_pipeline=2",
                 "model.overrides.num_layers=4",
                 "sft.target_accuracy=null",
+                "algorithm.routing_replay=r2",
             ],
             2,
-            "parallel.virtual_pipeline=2: training does not run model chunks yet",
+            "algorithm.routing_replay=r2 with parallel.virtual_pipeline=2: the trainer does not replay",
         ),
         (["parallel.pipeline_parallel=2"], 2, "sft.target_accuracy with parallel.pipeline_parallel=2"),
         (

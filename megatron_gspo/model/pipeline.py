@@ -19,6 +19,16 @@ assumes a per-micro-batch mean); the callers here normalise globally themselves,
 is handed over multiplied by that number and reaches backward unchanged. Megatron also sets
 the MoE aux-loss gradient scale to 1 / num_microbatches after every forward; callers that
 weight it per micro-batch set it in `before_backward`, which runs last.
+
+The interleaved schedule (virtual pipeline) takes micro-batches in groups of the pipeline size
+and refuses a count that is not a multiple of it (megatron-core 0.16 and 0.19 alike: the group
+size defaults to PP, and a last group smaller than PP is an error). RL's micro-batch count
+follows the data, so a run under a virtual pipeline is padded with filler micro-batches: copies
+of the last real one whose loss and aux-loss gradient are zero. A filler runs the caller's hooks
+as the micro-batch it copies (routing replay then replays that micro-batch's routes on the same
+tokens, and a recording files the same routes again); `loss_fn` never sees it. The aux-loss scale
+megatron sets from the padded count is set back to what it sets for the real count (its loss
+scale is 1: fp16 is never on) before the caller's own `before_backward` hooks.
 """
 
 from __future__ import annotations
@@ -92,15 +102,19 @@ def run_micro_batches(
 
     if not batches:
         return
-    num = len(batches)
-
     chunks = model_chunks(model)
     chunk_index = {id(chunk): c for c, chunk in enumerate(chunks)}
+    real = len(batches)
+    num = _interleaved_count(real, len(chunks)) if len(chunks) > 1 else real
+    padding = _FillerAuxScale(real, chunks[0].config) if num > real else None
 
     def forward_step(data_iterator, stage):
-        i = next(data_iterator)
+        index = next(data_iterator)
+        i = min(index, real - 1)  # a filler runs as the last real micro-batch
         packed = batches[i]
         active = [*hooks, *(chunk_hooks[chunk_index[id(stage)]] if chunk_hooks else ())]
+        if padding is not None:
+            active = [*active, padding.filler()] if index >= real else [padding.real(), *active]
         for hook in active:
             hook.before_forward(i)
         output, entropy = stage_forward(stage, packed, temperature=temperature, with_entropy=with_entropy)
@@ -110,6 +124,8 @@ def run_micro_batches(
             output.register_hook(_backward_start(active, i))
 
         def loss_func(neg_logprobs: torch.Tensor):
+            if index >= real:
+                return neg_logprobs.sum() * 0.0, {}  # a filler: no loss, no gradient
             logprobs = unpack(-neg_logprobs, packed)
             loss, metrics = loss_fn(i, logprobs, None if entropy is None else unpack(entropy, packed))
             return loss * num, metrics  # the schedule divides by `num`
@@ -130,6 +146,52 @@ def run_micro_batches(
         micro_batch_size=rows,
         forward_only=forward_only,
     )
+
+
+def _interleaved_count(num: int, chunks: int) -> int:
+    """The micro-batches the interleaved schedule runs for `num` real ones.
+
+    A multiple of the pipeline size (megatron refuses others), and more than the first stage's
+    warm-up forwards, 2 (PP - 1) + (V - 1) PP: when those cover every forward, stage 0 sends no
+    gradient shapes while the last stage, in its steady state, exchanges both directions, and
+    the shape exchange of variable-length micro-batches hangs (seen on gloo at PP = V = M = 2).
+    """
+    from megatron.core import parallel_state as ps
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    count = -(-num // pp) * pp
+    while count * chunks <= 2 * (pp - 1) + (chunks - 1) * pp:
+        count += pp
+    return count
+
+
+class _FillerAuxScale:
+    """The aux-loss scale of a padded run: megatron's for the real count, zero for fillers."""
+
+    def __init__(self, real: int, config) -> None:
+        from megatron_gspo.model.context_parallel import context_parallel_state
+
+        self.scale = context_parallel_state()[0] / real  # megatron's: loss scale (1) x CP / count
+        self.per_token = config.calculate_per_token_loss
+
+    def real(self) -> MicroBatchHooks:
+        """The hook of a real micro-batch (runs before the caller's)."""
+        return _SetAuxScale(1.0 if self.per_token else self.scale)
+
+    def filler(self) -> MicroBatchHooks:
+        """The hook of a filler (runs after the caller's)."""
+        return _SetAuxScale(0.0)
+
+
+class _SetAuxScale(MicroBatchHooks):
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def before_backward(self, i: int) -> None:
+        from megatron_gspo.model.aux_loss import set_aux_loss_scale
+        from megatron_gspo.model.distributed import compute_device
+
+        set_aux_loss_scale(torch.tensor(self.scale, device=compute_device()))
 
 
 def _backward_start(hooks: Sequence[MicroBatchHooks], i: int):
