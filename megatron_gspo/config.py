@@ -836,13 +836,6 @@ def _check_pipeline(cfg: RunConfig) -> None:
     """What pipeline parallelism does not run: passes that need the whole model on one rank."""
     if cfg.parallel.pipeline_parallel == 1:
         return
-    if cfg.parallel.virtual_pipeline and cfg.algorithm.routing_replay != "none":
-        # The model side keys replay by (chunk, micro-batch); the trainer's step walks one module.
-        raise ConfigError(
-            f"algorithm.routing_replay={cfg.algorithm.routing_replay} with parallel.virtual_pipeline="
-            f"{cfg.parallel.virtual_pipeline}: the trainer does not replay routing per model chunk yet; "
-            "set parallel.virtual_pipeline=null or algorithm.routing_replay=none"
-        )
     pp = f"parallel.pipeline_parallel={cfg.parallel.pipeline_parallel}"
     if cfg.sft.steps > 0 and cfg.sft.target_accuracy is not None:
         raise ConfigError(

@@ -60,6 +60,27 @@ class MicroBatchHooks:
         """Right before this stage's backward (and activation recompute) of micro-batch i."""
 
 
+class PerChunkHooks(MicroBatchHooks):
+    """Hooks given in `hooks` that differ per model chunk (a virtual pipeline).
+
+    Chunk c's forwards and backwards fire `per_chunk[c]` only: state keyed by (chunk, micro-batch).
+
+    Args:
+        per_chunk: per chunk of the model, its hooks.
+    """
+
+    def __init__(self, per_chunk: Sequence[Sequence[MicroBatchHooks]]) -> None:
+        self.per_chunk = per_chunk
+
+
+def _chunk_view(hooks: Sequence[MicroBatchHooks], chunk: int) -> list[MicroBatchHooks]:
+    """`hooks` as chunk `chunk` runs them (`PerChunkHooks` replaced by that chunk's)."""
+    out: list[MicroBatchHooks] = []
+    for hook in hooks:
+        out.extend(hook.per_chunk[chunk] if isinstance(hook, PerChunkHooks) else [hook])
+    return out
+
+
 LossFn = Callable[[int, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict]]
 """(i, logprobs [B, T], entropy [B, T] or None) -> (loss of micro-batch i, metrics); last stage only."""
 
@@ -91,7 +112,8 @@ def run_micro_batches(
         forward_only: no backward (pi_old recompute, recording, evaluation); call under no_grad.
         temperature: sampling temperature of the rollouts (logits are divided by it).
         with_entropy: also hand `loss_fn` the per-token entropy.
-        hooks: per-micro-batch callbacks (routing replay, aux-loss weights).
+        hooks: per-micro-batch callbacks (routing replay, aux-loss weights); a `PerChunkHooks`
+            among them fires per chunk, as `chunk_hooks` do.
         chunk_hooks: under a virtual pipeline, `chunk_hooks[c]` fire around chunk c's forwards and
             backwards only, so state is keyed by (chunk, micro-batch): e.g. a `KeyedRecording`
             per chunk's `RoutingReplay`, whose layers are the only ones a chunk's forward runs.
@@ -112,7 +134,8 @@ def run_micro_batches(
         index = next(data_iterator)
         i = min(index, real - 1)  # a filler runs as the last real micro-batch
         packed = batches[i]
-        active = [*hooks, *(chunk_hooks[chunk_index[id(stage)]] if chunk_hooks else ())]
+        c = chunk_index[id(stage)]
+        active = [*_chunk_view(hooks, c), *(chunk_hooks[c] if chunk_hooks else ())]
         if padding is not None:
             active = [*active, padding.filler()] if index >= real else [padding.real(), *active]
         for hook in active:

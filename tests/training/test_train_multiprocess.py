@@ -129,3 +129,32 @@ def test_pp2_vpp2_run_matches_world_of_one_and_resumes_exactly(tmp_path):
         "actor/entropy",
     ):
         assert resumed[-1][key] == chunked[-1][key], key
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["r2", "r3"])
+def test_pp2_vpp2_routing_replay_matches_world_of_one(tmp_path, mode):
+    """Routing replay keyed by (model chunk, micro-batch): each chunk replays its own layers'
+    routes (R2: recorded by that chunk; R3: the rollout's, picked by the chunk's global layers)."""
+    hf = make_tiny_hf_checkpoint(tmp_path / "init", tiny(vocab_size=80, num_layers=4), seed=5)
+    config = tmp_path / "run.yaml"
+    config.write_text(CONFIG.format(hf=hf))
+    short = ["eval.num_problems=8", "trainer.micro_batch_size=2", f"algorithm.routing_replay={mode}"]
+    single = run(config, tmp_path / "world1", *short)
+    chunked = run(
+        config,
+        tmp_path / "vpp",
+        *short,
+        "parallel.pipeline_parallel=2",
+        "parallel.virtual_pipeline=2",
+        "--nproc",
+        "2",
+    )
+    for a, b in zip(single[1:], chunked[1:]):
+        assert a["train/all_zero_adv_batch"] == 0.0 and b["rollout/reward_mean"] == a["rollout/reward_mean"]
+        assert (
+            b["routing/replay_bytes_per_token"] == a["routing/replay_bytes_per_token"] / 2
+        )  # half the layers
+        for key in ("actor/pg_loss", "train/grad_norm", "actor/ratio_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
