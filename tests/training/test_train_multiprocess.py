@@ -98,11 +98,15 @@ def test_pp2_run_matches_world_of_one(tmp_path):
 def test_pp2_vpp2_run_matches_world_of_one_and_resumes_exactly(tmp_path):
     """Two stages of two model chunks each (interleaved 1F1B; SFT's one micro-batch and RL's
     counts padded for it) follow the world of one, and a run resumed from its step-2 checkpoint
-    (per-chunk sharded state) takes step 3 exactly as the uninterrupted run does."""
-    hf = make_tiny_hf_checkpoint(tmp_path / "init", tiny(vocab_size=80, num_layers=4), seed=5)
+    (per-chunk sharded state) takes step 3 exactly as the uninterrupted run does.
+
+    Micro-batches of 6 of a rank's 16 rows: 3 per mini-batch, run as 4 (one zero-loss filler),
+    with the MoE aux loss on, which fillers must not add to."""
+    model = tiny(vocab_size=80, num_layers=4, aux_loss_coeff=0.01)
+    hf = make_tiny_hf_checkpoint(tmp_path / "init", model, seed=5)
     config = tmp_path / "run.yaml"
     config.write_text(CONFIG.format(hf=hf))
-    short = ["eval.num_problems=8", "trainer.micro_batch_size=2", "trainer.steps=3"]
+    short = ["eval.num_problems=8", "trainer.micro_batch_size=6", "trainer.steps=3"]
     vpp = ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2", "--nproc", "2"]
     single = run(config, tmp_path / "world1", *short)
     chunked = run(config, tmp_path / "vpp", *short, *vpp)
@@ -133,14 +137,16 @@ def test_pp2_vpp2_run_matches_world_of_one_and_resumes_exactly(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode", ["r2", "r3"])
-def test_pp2_vpp2_routing_replay_matches_world_of_one(tmp_path, mode):
+@pytest.mark.parametrize("mode, micro_batch_size", [("r2", 6), ("r3", 2)])
+def test_pp2_vpp2_routing_replay_matches_world_of_one(tmp_path, mode, micro_batch_size):
     """Routing replay keyed by (model chunk, micro-batch): each chunk replays its own layers'
-    routes (R2: recorded by that chunk; R3: the rollout's, picked by the chunk's global layers)."""
+    routes (R2: recorded by that chunk; R3: the rollout's, picked by the chunk's global layers);
+    a filler micro-batch (3 real ones run as 4) replays the routes of the one it copies."""
     hf = make_tiny_hf_checkpoint(tmp_path / "init", tiny(vocab_size=80, num_layers=4), seed=5)
     config = tmp_path / "run.yaml"
     config.write_text(CONFIG.format(hf=hf))
-    short = ["eval.num_problems=8", "trainer.micro_batch_size=2", f"algorithm.routing_replay={mode}"]
+    short = ["eval.num_problems=8", f"trainer.micro_batch_size={micro_batch_size}"]
+    short += [f"algorithm.routing_replay={mode}"]
     single = run(config, tmp_path / "world1", *short)
     chunked = run(
         config,
