@@ -137,16 +137,17 @@ def test_pp2_vpp2_run_matches_world_of_one_and_resumes_exactly(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode, micro_batch_size", [("r2", 6), ("r3", 2)])
-def test_pp2_vpp2_routing_replay_matches_world_of_one(tmp_path, mode, micro_batch_size):
+@pytest.mark.parametrize("mode, micro_batch_size, kl", [("r2", 6, False), ("r3", 2, True)])
+def test_pp2_vpp2_routing_replay_matches_world_of_one(tmp_path, mode, micro_batch_size, kl):
     """Routing replay keyed by (model chunk, micro-batch): each chunk replays its own layers'
     routes (R2: recorded by that chunk; R3: the rollout's, picked by the chunk's global layers);
-    a filler micro-batch (3 real ones run as 4) replays the routes of the one it copies."""
+    a filler micro-batch (3 real ones run as 4) replays the routes of the one it copies. With the
+    KL loss, the reference model is built and copied chunk by chunk."""
     hf = make_tiny_hf_checkpoint(tmp_path / "init", tiny(vocab_size=80, num_layers=4), seed=5)
     config = tmp_path / "run.yaml"
     config.write_text(CONFIG.format(hf=hf))
     short = ["eval.num_problems=8", f"trainer.micro_batch_size={micro_batch_size}"]
-    short += [f"algorithm.routing_replay={mode}"]
+    short += [f"algorithm.routing_replay={mode}", f"algorithm.use_kl_loss={kl}", "algorithm.kl_loss_coef=0.1"]
     single = run(config, tmp_path / "world1", *short)
     chunked = run(
         config,
@@ -159,8 +160,7 @@ def test_pp2_vpp2_routing_replay_matches_world_of_one(tmp_path, mode, micro_batc
     )
     for a, b in zip(single[1:], chunked[1:]):
         assert a["train/all_zero_adv_batch"] == 0.0 and b["rollout/reward_mean"] == a["rollout/reward_mean"]
-        assert (
-            b["routing/replay_bytes_per_token"] == a["routing/replay_bytes_per_token"] / 2
-        )  # half the layers
-        for key in ("actor/pg_loss", "train/grad_norm", "actor/ratio_mean"):
+        half = a["routing/replay_bytes_per_token"] / 2  # each rank replays half the layers
+        assert b["routing/replay_bytes_per_token"] == half
+        for key in ("actor/pg_loss", "train/grad_norm", "actor/ratio_mean", *("actor/kl_ref",) * kl):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
