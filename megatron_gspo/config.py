@@ -836,13 +836,6 @@ def _check_pipeline(cfg: RunConfig) -> None:
     """What pipeline parallelism does not run: passes that need the whole model on one rank."""
     if cfg.parallel.pipeline_parallel == 1:
         return
-    if cfg.parallel.virtual_pipeline:
-        # The model, its weights and the schedule take chunks (`megatron-gspo parity --vpp`, export);
-        # the trainer's routing replay, checkpoints and reference model still walk one module.
-        raise ConfigError(
-            f"parallel.virtual_pipeline={cfg.parallel.virtual_pipeline}: training does not run model "
-            "chunks yet; set parallel.virtual_pipeline=null (check a layout with megatron-gspo parity --vpp)"
-        )
     pp = f"parallel.pipeline_parallel={cfg.parallel.pipeline_parallel}"
     if cfg.sft.steps > 0 and cfg.sft.target_accuracy is not None:
         raise ConfigError(

@@ -79,16 +79,6 @@ RECOMPUTE = ["algorithm.old_logprobs=recompute", "rc.method=tis", "rc.level=sequ
             2,
             "parallel.virtual_pipeline=2 does not divide the 3 layers of pipeline stage 0",
         ),
-        (
-            [
-                "parallel.pipeline_parallel=2",
-                "parallel.virtual_pipeline=2",
-                "model.overrides.num_layers=4",
-                "sft.target_accuracy=null",
-            ],
-            2,
-            "parallel.virtual_pipeline=2: training does not run model chunks yet",
-        ),
         (["parallel.pipeline_parallel=2"], 2, "sft.target_accuracy with parallel.pipeline_parallel=2"),
         (
             ["parallel.pipeline_parallel=2", "sft.target_accuracy=null", "drift.enabled=true"],
@@ -242,6 +232,8 @@ def test_valid_parallel_layout_for_two_ranks():
     fixed_sft = "sft.target_accuracy=null"  # the held-out check generates with the whole model
     check(["parallel.pipeline_parallel=2", fixed_sft], world_size=2)
     check(["parallel.pipeline_parallel=2", "parallel.expert_parallel=2", fixed_sft], world_size=4)
+    vpp = ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2", "model.overrides.num_layers=4"]
+    check([*vpp, fixed_sft, "algorithm.routing_replay=r3"], world_size=2)
     gpu = ["parallel.tensor_parallel=2", "engine.use_te=true", "engine.fused_kernels=true"]
     check([*gpu, "parallel.expert_tensor_parallel=1"], world_size=2)  # grouped GEMM with expert TP 1
     check([*gpu[:2], "engine.fused_kernels=false"], world_size=2)  # expert TP 2 without grouped GEMM

@@ -95,8 +95,13 @@ def attention_inputs(model: torch.nn.Module, packed: PackedBatch, device: torch.
 
 
 def is_last_stage(model: torch.nn.Module) -> bool:
-    """Whether `model` is the pipeline stage that holds the output layer (always, without PP)."""
-    return bool(unwrap_model(model).post_process)
+    """Whether `model` is the pipeline stage that holds the output layer (always, without PP).
+
+    Under a virtual pipeline the output layer is in the stage's last chunk.
+    """
+    from megatron_gspo.model.chunks import model_chunks
+
+    return bool(model_chunks(unwrap_model(model))[-1].post_process)
 
 
 def stage_forward(
@@ -173,7 +178,9 @@ def packed_forward(
     Arguments as `stage_forward`; the model must hold every layer (no pipeline parallelism:
     `model/pipeline.py` runs the stages of a pipeline).
     """
-    if not (unwrap_model(model).pre_process and is_last_stage(model)):
+    from megatron_gspo.model.chunks import model_chunks
+
+    if not (model_chunks(unwrap_model(model))[0].pre_process and is_last_stage(model)):
         raise ValueError(
             "packed_forward needs the whole model on this rank; under pipeline parallelism run the "
             "stages through model.pipeline.run_micro_batches"

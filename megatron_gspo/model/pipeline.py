@@ -19,6 +19,16 @@ assumes a per-micro-batch mean); the callers here normalise globally themselves,
 is handed over multiplied by that number and reaches backward unchanged. Megatron also sets
 the MoE aux-loss gradient scale to 1 / num_microbatches after every forward; callers that
 weight it per micro-batch set it in `before_backward`, which runs last.
+
+The interleaved schedule (virtual pipeline) takes micro-batches in groups of the pipeline size
+and refuses a count that is not a multiple of it (megatron-core 0.16 and 0.19 alike: the group
+size defaults to PP, and a last group smaller than PP is an error). RL's micro-batch count
+follows the data, so a run under a virtual pipeline is padded with filler micro-batches: copies
+of the last real one whose loss and aux-loss gradient are zero. A filler runs the caller's hooks
+as the micro-batch it copies (routing replay then replays that micro-batch's routes on the same
+tokens, and a recording files the same routes again); `loss_fn` never sees it. The aux-loss scale
+megatron sets from the padded count is set back to what it sets for the real count (its loss
+scale is 1: fp16 is never on) before the caller's own `before_backward` hooks.
 """
 
 from __future__ import annotations
@@ -48,6 +58,27 @@ class MicroBatchHooks:
 
     def before_backward(self, i: int) -> None:
         """Right before this stage's backward (and activation recompute) of micro-batch i."""
+
+
+class PerChunkHooks(MicroBatchHooks):
+    """Hooks given in `hooks` that differ per model chunk (a virtual pipeline).
+
+    Chunk c's forwards and backwards fire `per_chunk[c]` only: state keyed by (chunk, micro-batch).
+
+    Args:
+        per_chunk: per chunk of the model, its hooks.
+    """
+
+    def __init__(self, per_chunk: Sequence[Sequence[MicroBatchHooks]]) -> None:
+        self.per_chunk = per_chunk
+
+
+def _chunk_view(hooks: Sequence[MicroBatchHooks], chunk: int) -> list[MicroBatchHooks]:
+    """`hooks` as chunk `chunk` runs them (`PerChunkHooks` replaced by that chunk's)."""
+    out: list[MicroBatchHooks] = []
+    for hook in hooks:
+        out.extend(hook.per_chunk[chunk] if isinstance(hook, PerChunkHooks) else [hook])
+    return out
 
 
 LossFn = Callable[[int, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict]]
@@ -81,7 +112,8 @@ def run_micro_batches(
         forward_only: no backward (pi_old recompute, recording, evaluation); call under no_grad.
         temperature: sampling temperature of the rollouts (logits are divided by it).
         with_entropy: also hand `loss_fn` the per-token entropy.
-        hooks: per-micro-batch callbacks (routing replay, aux-loss weights).
+        hooks: per-micro-batch callbacks (routing replay, aux-loss weights); a `PerChunkHooks`
+            among them fires per chunk, as `chunk_hooks` do.
         chunk_hooks: under a virtual pipeline, `chunk_hooks[c]` fire around chunk c's forwards and
             backwards only, so state is keyed by (chunk, micro-batch): e.g. a `KeyedRecording`
             per chunk's `RoutingReplay`, whose layers are the only ones a chunk's forward runs.
@@ -92,15 +124,20 @@ def run_micro_batches(
 
     if not batches:
         return
-    num = len(batches)
-
     chunks = model_chunks(model)
     chunk_index = {id(chunk): c for c, chunk in enumerate(chunks)}
+    real = len(batches)
+    num = _interleaved_count(real, len(chunks)) if len(chunks) > 1 else real
+    padding = _FillerAuxScale(real, chunks[0].config) if num > real else None
 
     def forward_step(data_iterator, stage):
-        i = next(data_iterator)
+        index = next(data_iterator)
+        i = min(index, real - 1)  # a filler runs as the last real micro-batch
         packed = batches[i]
-        active = [*hooks, *(chunk_hooks[chunk_index[id(stage)]] if chunk_hooks else ())]
+        c = chunk_index[id(stage)]
+        active = [*_chunk_view(hooks, c), *(chunk_hooks[c] if chunk_hooks else ())]
+        if padding is not None:
+            active = [*active, padding.filler()] if index >= real else [padding.real(), *active]
         for hook in active:
             hook.before_forward(i)
         output, entropy = stage_forward(stage, packed, temperature=temperature, with_entropy=with_entropy)
@@ -110,6 +147,8 @@ def run_micro_batches(
             output.register_hook(_backward_start(active, i))
 
         def loss_func(neg_logprobs: torch.Tensor):
+            if index >= real:
+                return neg_logprobs.sum() * 0.0, {}  # a filler: no loss, no gradient
             logprobs = unpack(-neg_logprobs, packed)
             loss, metrics = loss_fn(i, logprobs, None if entropy is None else unpack(entropy, packed))
             return loss * num, metrics  # the schedule divides by `num`
@@ -130,6 +169,52 @@ def run_micro_batches(
         micro_batch_size=rows,
         forward_only=forward_only,
     )
+
+
+def _interleaved_count(num: int, chunks: int) -> int:
+    """The micro-batches the interleaved schedule runs for `num` real ones.
+
+    A multiple of the pipeline size (megatron refuses others), and more than the first stage's
+    warm-up forwards, 2 (PP - 1) + (V - 1) PP: when those cover every forward, stage 0 sends no
+    gradient shapes while the last stage, in its steady state, exchanges both directions, and
+    the shape exchange of variable-length micro-batches hangs (seen on gloo at PP = V = M = 2).
+    """
+    from megatron.core import parallel_state as ps
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    count = -(-num // pp) * pp
+    while count * chunks <= 2 * (pp - 1) + (chunks - 1) * pp:
+        count += pp
+    return count
+
+
+class _FillerAuxScale:
+    """The aux-loss scale of a padded run: megatron's for the real count, zero for fillers."""
+
+    def __init__(self, real: int, config) -> None:
+        from megatron_gspo.model.context_parallel import context_parallel_state
+
+        self.scale = context_parallel_state()[0] / real  # megatron's: loss scale (1) x CP / count
+        self.per_token = config.calculate_per_token_loss
+
+    def real(self) -> MicroBatchHooks:
+        """The hook of a real micro-batch (runs before the caller's)."""
+        return _SetAuxScale(1.0 if self.per_token else self.scale)
+
+    def filler(self) -> MicroBatchHooks:
+        """The hook of a filler (runs after the caller's)."""
+        return _SetAuxScale(0.0)
+
+
+class _SetAuxScale(MicroBatchHooks):
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def before_backward(self, i: int) -> None:
+        from megatron_gspo.model.aux_loss import set_aux_loss_scale
+        from megatron_gspo.model.distributed import compute_device
+
+        set_aux_loss_scale(torch.tensor(self.scale, device=compute_device()))
 
 
 def _backward_start(hooks: Sequence[MicroBatchHooks], i: int):

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from megatron_gspo.model.chunks import model_chunks
 from megatron_gspo.model.distributed import unwrap_model
 
 ROUTINE_SHARDING = "dp_reshardable"
@@ -65,7 +66,20 @@ def is_distributed_optimizer(leaf) -> bool:
 
 
 def _model_sharded(model: torch.nn.Module) -> dict[str, Any]:
-    sharded = unwrap_model(model).sharded_state_dict()
+    """Megatron's sharded state dict of the model (without TransformerEngine's extra state).
+
+    Under a virtual pipeline one per chunk (`model0`, `model1`, ...), as Megatron-LM nests them.
+    The files key tensors by global names and layer offsets (each chunk's `vp_stage` places its
+    layers), so any layout loads them.
+    """
+    chunks = model_chunks(unwrap_model(model))
+    if len(chunks) > 1:
+        return {f"model{c}": _chunk_sharded(chunk) for c, chunk in enumerate(chunks)}
+    return _chunk_sharded(chunks[0])
+
+
+def _chunk_sharded(chunk: torch.nn.Module) -> dict[str, Any]:
+    sharded = chunk.sharded_state_dict()
     return {k: v for k, v in sharded.items() if not k.endswith("_extra_state")}
 
 
@@ -243,7 +257,16 @@ def load_model_sharded(directory: Path, model: torch.nn.Module) -> None:
 
 
 def _load_model(model: torch.nn.Module, state: dict[str, Any]) -> None:
-    result = unwrap_model(model).load_state_dict(state, strict=False)
+    chunks = model_chunks(unwrap_model(model))
+    if len(chunks) > 1:
+        for c, chunk in enumerate(chunks):
+            _load_chunk(chunk, state[f"model{c}"])
+    else:
+        _load_chunk(chunks[0], state)
+
+
+def _load_chunk(chunk: torch.nn.Module, state: dict[str, Any]) -> None:
+    result = chunk.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:
         unexpected = result.unexpected_keys[:3]

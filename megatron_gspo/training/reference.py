@@ -45,9 +45,16 @@ REFERENCE_DIR = "reference"
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module under megatron's DDP wrapper (a `Float16Module` in bf16, else the `GPTModel`)."""
+    """The module under megatron's DDP wrapper (a `Float16Module` in bf16, else the `GPTModel`).
+
+    A virtual pipeline's `ModelChunks` of DDPs comes back as the `ModelChunks` of their modules.
+    """
     from megatron.core.distributed import DistributedDataParallel
 
+    from megatron_gspo.model.chunks import ModelChunks
+
+    if isinstance(model, ModelChunks):
+        return ModelChunks(_unwrap(chunk) for chunk in model)
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 

@@ -5,7 +5,9 @@ pass over a mini-batch (pi_old, training) is one schedule run (`model/pipeline.p
 `old_pass` / `train_pass` give the hooks for it, which record, replay and capture routing
 keyed by micro-batch (`model/routing_hooks.py`), so the backward recompute of micro-batch i
 replays i's routing however many micro-batches a pipeline has in flight. Each stage handles
-its own MoE layers (R3 picks them out of the rollout's routing by global layer number).
+its own MoE layers (R3 picks them out of the rollout's routing by global layer number). Under a
+virtual pipeline each model chunk has its own `RoutingReplay` and hooks (`PerChunkHooks`), so
+routing is keyed by (chunk, micro-batch).
 
 - R2 (`routing_replay: r2`): the pi_old pass - a no-grad forward of every micro-batch with the
   rollout weights, before the first update (the same pass as `old_logprobs: recompute` when
@@ -32,9 +34,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.algorithms.drift import DriftCounts, drift_counts
+from megatron_gspo.model.chunks import model_chunks
 from megatron_gspo.model.context_parallel import context_parallel_state
 from megatron_gspo.model.distributed import all_reduce, compute_device
-from megatron_gspo.model.pipeline import MicroBatchHooks
+from megatron_gspo.model.pipeline import MicroBatchHooks, PerChunkHooks
 from megatron_gspo.model.routing import (
     LayerRouting,
     RoutingCapture,
@@ -96,7 +99,9 @@ class StepRouting:
         self.drift_sample_tokens = drift_sample_tokens
         self.drift = drift  # this step measures drift (set per step by `set_step`)
         self._stride = 1  # every k-th routed token is compared (drift.sample_tokens)
-        self.replay = RoutingReplay(model) if mode != "none" else None
+        chunks = model_chunks(model)
+        self.replays = [RoutingReplay(chunk) for chunk in chunks] if mode != "none" else []
+        self.replay = self.replays[0] if self.replays else None
         routers = moe_routers(model)
         if drift and routers[0].config.pipeline_model_parallel_size > 1:
             raise ValueError(
@@ -111,11 +116,12 @@ class StepRouting:
             )
         self.num_experts, self.num_layers = routers[0].config.num_moe_experts, len(routers)
         self.layers = [r.layer_number - 1 for r in routers]  # global MoE layers of this stage
+        self.chunk_layers = [[r.layer_number - 1 for r in moe_routers(chunk)] for chunk in chunks]
         self.tp = {"tp_rank": tp_rank, "tp_size": tp_size, "sequence_parallel": sequence_parallel}
         self.tp |= {"cp_size": cp_size, "cp_rank": cp_rank}  # the router's rows: CP partition, then SP
         self._batch: RolloutBatch | RankRows | None = None
         self._old: dict[int, LayerRouting] = {}
-        self._targets: dict[int, LayerRouting] = {}
+        self._targets: dict[int | tuple[int, int], LayerRouting] = {}  # by micro-batch (and chunk)
         self._old_new: dict[int, DriftCounts] = {}
         self._infer: DriftCounts | None = None
 
@@ -146,10 +152,11 @@ class StepRouting:
         tokens = int((batch.prompt_lengths + batch.response_lengths).sum())
         self._stride = sample_stride(tokens, self.drift_sample_tokens)
 
-    def _rollout_routing(self, micro: MicroBatch) -> LayerRouting:
+    def _rollout_routing(self, micro: MicroBatch, layers: list[int] | None = None) -> LayerRouting:
         routes = [self._batch.routed_experts[i] for i in micro.indices]
+        layers = self.layers if layers is None else layers
         return routing_from_rollout(
-            micro.packed, routes, num_experts=self.num_experts, layers=self.layers, **self.tp
+            micro.packed, routes, num_experts=self.num_experts, layers=layers, **self.tp
         )
 
     def _mask(self, micro: MicroBatch) -> torch.Tensor:
@@ -162,6 +169,9 @@ class StepRouting:
         Yields the hooks to hand to `run_micro_batches`; what they saw is filed per micro-batch
         when the block ends.
         """
+        if len(self.replays) > 1:
+            yield from self._chunked_old_pass(micro_batches)
+            return
         with contextlib.ExitStack() as stack:
             recording = KeyedRecording(self.replay) if self.mode == "r2" else None
             capture = None
@@ -180,9 +190,31 @@ class StepRouting:
                     counts = self._counts(self._rollout_routing(micro), old, micro)
                     self._infer = counts if self._infer is None else self._infer + counts
 
+    def _chunked_old_pass(self, micro_batches: list[MicroBatch]) -> Iterator[list[MicroBatchHooks]]:
+        """`old_pass` under a virtual pipeline: R2 records per (chunk, micro-batch); no drift."""
+        recordings = [KeyedRecording(replay) for replay in self.replays] if self.mode == "r2" else []
+        try:
+            yield [PerChunkHooks([[r] for r in recordings])] if recordings else []
+        finally:
+            for replay in self.replays:
+                replay.reset()
+        for c, recording in enumerate(recordings):
+            for i, micro in enumerate(micro_batches):
+                if i in recording.routing:
+                    self._targets[(c, id(micro))] = recording.routing[i]
+
     @contextlib.contextmanager
     def train_pass(self, mini_batch: int, micro_batches: list[MicroBatch]) -> Iterator[list[MicroBatchHooks]]:
         """Hooks for the training schedule run of one mini-batch: replay (keyed), capture for drift."""
+        if len(self.replays) > 1:
+            try:
+                yield [
+                    PerChunkHooks([[self._chunk_replay(c, micro_batches)] for c in range(len(self.replays))])
+                ]
+            finally:
+                for replay in self.replays:
+                    replay.reset()
+            return
         with contextlib.ExitStack() as stack:
             hooks: list[MicroBatchHooks] = []
             if self.mode == "r2":
@@ -204,6 +236,13 @@ class StepRouting:
                 previous = self._old_new.get(mini_batch)
                 self._old_new[mini_batch] = counts if previous is None else previous + counts
 
+    def _chunk_replay(self, c: int, micro_batches: list[MicroBatch]) -> KeyedReplay:
+        """Chunk c's replay of each micro-batch: its R2 recording, or the rollout's routes of its layers."""
+        if self.mode == "r2":
+            return KeyedReplay(self.replays[c], lambda i: self._targets[(c, id(micro_batches[i]))])
+        layers = self.chunk_layers[c]
+        return KeyedReplay(self.replays[c], lambda i: self._rollout_routing(micro_batches[i], layers))
+
     def _counts(self, a: LayerRouting, b: LayerRouting, micro: MicroBatch) -> DriftCounts:
         """Drift sums of routing b against a, on the compute device (they are all-reduced later)."""
         device = compute_device()
@@ -222,8 +261,8 @@ class StepRouting:
     def step_metrics(self) -> dict[str, float]:
         """The step's drift metrics, reduced over all ranks (collective; same keys everywhere)."""
         out: dict[str, float] = {}
-        if self.replay is not None:
-            out["routing/replay_bytes_per_token"] = float(self.replay.bytes_per_token)
+        if self.replays:
+            out["routing/replay_bytes_per_token"] = float(sum(r.bytes_per_token for r in self.replays))
         if not self.drift:
             return out
         later = None
@@ -242,5 +281,5 @@ class StepRouting:
 
     def close(self) -> None:
         """Clear megatron's replay state for this model."""
-        if self.replay is not None:
-            self.replay.close()
+        for replay in self.replays:
+            replay.close()

@@ -76,11 +76,15 @@ def build_run(
     seed: int = 1234,
     dtype: str = "fp32",
     vocab_size: int = len(TOKENIZER),
+    num_layers: int | None = None,
 ) -> Run:
-    """The tiny run at `parallel`; `vocab_size` must divide by the TP size (the tokenizer has 79 tokens)."""
+    """The tiny run at `parallel`; `vocab_size` must divide by the TP size (the tokenizer has 79 tokens).
+
+    `num_layers` overrides the tiny model's (a virtual pipeline needs PP x chunks of them).
+    """
     if init:
         init_distributed(parallel, seed=seed)
-    model_cfg = tiny(vocab_size=vocab_size)
+    model_cfg = tiny(vocab_size=vocab_size, **({"num_layers": num_layers} if num_layers else {}))
     model = build_model(model_cfg, parallel, EngineConfig(dtype=dtype))
     ddp = wrap_ddp(model, distributed_optimizer=parallel.distributed_optimizer)
     optimizer, scheduler = build_optimizer(

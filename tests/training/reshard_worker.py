@@ -1,6 +1,7 @@
 """Save a checkpoint at one parallel layout, or load it at another; dump what must agree.
 
     python reshard_worker.py save --root R --out O --tp 2 [--ep 1] [--pp 1] [--distopt] [--steps 2]
+        [--vpp 2 --layers 4]   (model chunks per stage; the tiny model's layers)
     python reshard_worker.py load --root R --out O --tp 1 --ep 2 [--distopt]   (or under torchrun)
 
 `save` trains `--steps` steps (two; 0: a checkpoint before the first optimizer step) and
@@ -98,6 +99,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--vpp", type=int, help="model chunks per pipeline stage (virtual pipeline)")
+    parser.add_argument("--layers", type=int, help="the tiny model's layers (default: its own)")
     parser.add_argument("--distopt", action="store_true")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--reference", help="global weights to load through the sharding code")
@@ -106,9 +109,10 @@ def main() -> None:
         tensor_parallel=args.tp,
         pipeline_parallel=args.pp,
         expert_parallel=args.ep,
+        virtual_pipeline=args.vpp,
         distributed_optimizer=args.distopt,
     )
-    run = build_run(parallel, vocab_size=VOCAB)
+    run = build_run(parallel, vocab_size=VOCAB, num_layers=args.layers)
     if args.mode == "save":
         for _ in range(args.steps):
             train_step(run)
@@ -124,7 +128,7 @@ def main() -> None:
         "trainer_step": run.step,
     }
     if args.reference:
-        fresh = build_run(parallel, init=False, vocab_size=VOCAB)
+        fresh = build_run(parallel, init=False, vocab_size=VOCAB, num_layers=args.layers)
         load_global_state_dict(fresh.model, torch.load(args.reference, weights_only=True))
         result["reference_logprobs"] = logprobs(fresh)
     fixed_step(run)

@@ -20,7 +20,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 CROSS_LAYOUT_TOLERANCE = 1e-5  # TP splits reductions differently: rounding, not state
 
 
-def _launch(mode, root, out, *, tp=1, ep=1, pp=1, distopt=False, reference=None, steps=2):
+def _launch(
+    mode, root, out, *, tp=1, ep=1, pp=1, vpp=None, layers=None, distopt=False, reference=None, steps=2
+):
     world = tp * ep * pp
     prefix = [sys.executable]
     if world > 1:
@@ -40,6 +42,7 @@ def _launch(mode, root, out, *, tp=1, ep=1, pp=1, distopt=False, reference=None,
         "--pp",
         str(pp),
     ]
+    cmd += (["--vpp", str(vpp)] if vpp else []) + (["--layers", str(layers)] if layers else [])
     cmd += ["--distopt"] * distopt + (["--reference", str(reference)] if reference else [])
     cmd += ["--steps", str(steps)] if mode == "save" else []
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
@@ -138,6 +141,23 @@ def test_pp2_checkpoint_resumes_at_ep2(tmp_path):
         "load", tmp_path / "from_pp2", tmp_path / "ep2", ep=2, reference=tmp_path / "pp2_weights.pt"
     )
     _assert_resumed_like_saved(resumed, saved, "PP2 -> EP2")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("distopt", [False, True], ids=["adam", "distributed_optimizer"])
+def test_pp2_vpp2_checkpoint_resumes_at_world_one(tmp_path, distopt):
+    """Each model chunk saves its layers under their global keys (`model0`, `model1`): a PP2 x 2
+    chunks checkpoint of a 4-layer model loads into one whole model, Adam state included."""
+    saved, _ = _launch(
+        "save", tmp_path / "from_vpp", tmp_path / "vpp_saved", pp=2, vpp=2, layers=4, distopt=distopt
+    )
+    torch.save(saved["weights"], tmp_path / "vpp_weights.pt")
+    resumed, _ = _launch(
+        "load", tmp_path / "from_vpp", tmp_path / "world1", layers=4, distopt=distopt,
+        reference=tmp_path / "vpp_weights.pt",
+    )  # fmt: skip
+    _assert_resumed_like_saved(resumed, saved, "PP2 x VPP2 -> world of one", moments=not distopt)
 
 
 @pytest.mark.slow

@@ -91,3 +91,76 @@ def test_pp2_run_matches_world_of_one(tmp_path):
         for key in ("actor/pg_loss", "train/grad_norm", "actor/ratio_mean", "actor/entropy"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
         assert b["rollout/logprob_mismatch_mean"] < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_pp2_vpp2_run_matches_world_of_one_and_resumes_exactly(tmp_path):
+    """Two stages of two model chunks each (interleaved 1F1B; SFT's one micro-batch and RL's
+    counts padded for it) follow the world of one, and a run resumed from its step-2 checkpoint
+    (per-chunk sharded state) takes step 3 exactly as the uninterrupted run does.
+
+    Micro-batches of 6 of a rank's 16 rows: 3 per mini-batch, run as 4 (one zero-loss filler),
+    with the MoE aux loss on, which fillers must not add to."""
+    model = tiny(vocab_size=80, num_layers=4, aux_loss_coeff=0.01)
+    hf = make_tiny_hf_checkpoint(tmp_path / "init", model, seed=5)
+    config = tmp_path / "run.yaml"
+    config.write_text(CONFIG.format(hf=hf))
+    short = ["eval.num_problems=8", "trainer.micro_batch_size=6", "trainer.steps=3"]
+    vpp = ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2", "--nproc", "2"]
+    single = run(config, tmp_path / "world1", *short)
+    chunked = run(config, tmp_path / "vpp", *short, *vpp)
+    assert [r["step"] for r in chunked] == [r["step"] for r in single] == [0, 1, 2, 3]
+    for a, b in zip(single, chunked):
+        assert b.get("eval/accuracy") == a.get("eval/accuracy")
+        if "sft/loss" in a:
+            assert b["sft/loss"] == pytest.approx(a["sft/loss"], rel=1e-5)
+        if a["step"] == 0:
+            continue
+        assert b["rollout/reward_mean"] == a["rollout/reward_mean"]
+        assert a["train/all_zero_adv_batch"] == 0.0  # a step that trains
+        for key in ("actor/pg_loss", "train/grad_norm", "actor/ratio_mean", "actor/entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+        assert b["rollout/logprob_mismatch_mean"] < 1e-5
+    run(config, tmp_path / "resumed", *short[:2], "trainer.steps=2", *vpp)
+    resumed = run(config, tmp_path / "resumed", *short, "trainer.resume=true", *vpp)
+    assert resumed[-1]["step"] == 3
+    for key in (
+        "rollout/reward_mean",
+        "actor/pg_loss",
+        "train/grad_norm",
+        "actor/ratio_mean",
+        "actor/entropy",
+    ):
+        assert resumed[-1][key] == chunked[-1][key], key
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode, micro_batch_size, kl", [("r2", 6, False), ("r3", 2, True)])
+def test_pp2_vpp2_routing_replay_matches_world_of_one(tmp_path, mode, micro_batch_size, kl):
+    """Routing replay keyed by (model chunk, micro-batch): each chunk replays its own layers'
+    routes (R2: recorded by that chunk; R3: the rollout's, picked by the chunk's global layers);
+    a filler micro-batch (3 real ones run as 4) replays the routes of the one it copies. With the
+    KL loss, the reference model is built and copied chunk by chunk."""
+    hf = make_tiny_hf_checkpoint(tmp_path / "init", tiny(vocab_size=80, num_layers=4), seed=5)
+    config = tmp_path / "run.yaml"
+    config.write_text(CONFIG.format(hf=hf))
+    short = ["eval.num_problems=8", f"trainer.micro_batch_size={micro_batch_size}"]
+    short += [f"algorithm.routing_replay={mode}", f"algorithm.use_kl_loss={kl}", "algorithm.kl_loss_coef=0.1"]
+    single = run(config, tmp_path / "world1", *short)
+    chunked = run(
+        config,
+        tmp_path / "vpp",
+        *short,
+        "parallel.pipeline_parallel=2",
+        "parallel.virtual_pipeline=2",
+        "--nproc",
+        "2",
+    )
+    for a, b in zip(single[1:], chunked[1:]):
+        assert a["train/all_zero_adv_batch"] == 0.0 and b["rollout/reward_mean"] == a["rollout/reward_mean"]
+        half = a["routing/replay_bytes_per_token"] / 2  # each rank replays half the layers
+        assert b["routing/replay_bytes_per_token"] == half
+        for key in ("actor/pg_loss", "train/grad_norm", "actor/ratio_mean", *("actor/kl_ref",) * kl):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
