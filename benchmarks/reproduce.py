@@ -31,7 +31,8 @@ reproduce.png (see reproduce_report.py).
 
 `--grid` runs the stability grid instead (stability_grid.py): FP8 rollouts and a bf16 trainer
 for every run and cold start, each of its variants at N optimizer steps per rollout batch
-(`--updates`), plus cells at rollout.max_staleness=2 (`--stale-variants`, `--stale-updates`);
+(`--updates`), plus cells at rollout.max_staleness=2 (`--stale-variants`, `--stale-updates`) and
+bf16-rollout reference cells at N=1 (`--reference-variants`);
 each cell is one "variant" to the harness above, and `--out` (default
 benchmarks/results/stability_grid) gets summary.md, summary.json and stability_grid.png.
 
@@ -201,28 +202,31 @@ def plan(
     sets: dict[str, Any],
     work: Path,
     specs: dict[str, dict[str, Any]] = VARIANTS,
+    defaults: dict[str, Any] | None = None,
 ) -> list[Job]:
     """Cold starts first, then each seed's variants (each needing its seed's cold start).
 
-    A run's config: the base config, `HARNESS`, the variant's overrides (`specs[name]`; the grid's
-    cells are variants too), `sets` (--set wins), then what the harness sets per run (seeds,
-    directories, the cold start's checkpoint).
+    A run's config: the base config, `HARNESS`, the sweep's `defaults` (the grid's FP8 rollouts
+    and bf16 trainer), the variant's overrides (`specs[name]`; the grid's cells are variants too),
+    `sets` (--set wins), then what the harness sets per run (seeds, directories, the cold start's
+    checkpoint). Cold starts take `defaults` and `sets`.
     """
+    base = {**HARNESS, **(defaults or {})}
     for name in variants:
-        check_config(name, compose(HARNESS, specs[name], sets))
+        check_config(name, compose(base, specs[name], sets))
     # RL starts from the cold start's weights: no SFT (nor its early-stop target, which needs SFT steps).
     no_sft = {"sft.steps": 0, "sft.target_accuracy": None}
     jobs, runs = [], []
     for seed in seeds:
         seeded = {"trainer.seed": seed, "sft.seed": seed}
-        cold_key = config_hash(compose(HARNESS, sets, seeded), COLD_START_KEYS)
+        cold_key = config_hash(compose(base, sets, seeded), COLD_START_KEYS)
         cold_dir = work / "cold_start" / f"seed{seed}-{cold_key}"
         where = {"trainer.run_dir": str(cold_dir), "trainer.weight_sync_dir": str(cold_dir / "hf")}
-        cold_cfg = compose(HARNESS, sets, seeded, {"trainer.steps": 0, **where})
+        cold_cfg = compose(base, sets, seeded, {"trainer.steps": 0, **where})
         cold = Job(None, seed, cold_dir, cold_cfg, product=cold_dir / "hf" / "config.json")
         jobs.append(cold)
         for name in variants:
-            rl = compose(HARNESS, specs[name], sets, seeded, no_sft)
+            rl = compose(base, specs[name], sets, seeded, no_sft)
             rl.model.pop("overrides", None)  # the architecture comes from the cold start's checkpoint
             run_dir = work / name / f"seed{seed}-{config_hash(rl)}-{cold_key}"
             OmegaConf.update(rl, "model.hf_path", str(cold_dir / "hf"), force_add=True)
@@ -358,6 +362,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"{' '.join(stability_grid.STALE_VARIANTS)}; none: no stale cells)",
     )  # fmt: skip
     grid.add_argument(
+        "--reference-variants",
+        nargs="*",
+        default=None,
+        help=f"variants run at N=1 with bf16 rollouts, the mismatch without FP8 (default: "
+        f"{' '.join(stability_grid.REFERENCE_VARIANTS)}; none: no reference cells; --quick: none)",
+    )
+    grid.add_argument(
         "--stale-updates", type=int, default=None,
         help=f"N of the stale cells (default {stability_grid.STALE_UPDATES})",
     )  # fmt: skip
@@ -377,10 +388,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.out = REPO / "benchmarks" / ("quick" if args.quick else "results") / kind
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
-    if not args.grid and (args.updates or args.stale_variants is not None or args.stale_updates):
-        parser.error("--updates, --stale-variants and --stale-updates belong to --grid")
+    grid_only = (args.updates, args.stale_variants is not None, args.stale_updates, args.reference_variants)
+    if not args.grid and any(grid_only):
+        parser.error("--updates, --stale-variants, --stale-updates and --reference-variants belong to --grid")
     known = stability_grid.GRID_VARIANTS if args.grid else VARIANTS
-    for name in (args.variants or []) + (args.stale_variants or []):
+    for name in (args.variants or []) + (args.stale_variants or []) + (args.reference_variants or []):
         if name not in known:
             parser.error(f"unknown variant {name!r}; choose from {list(known)}")
     if any(n < 1 for n in args.updates or []) or (args.stale_updates or 1) < 1:
@@ -399,7 +411,9 @@ def grid_plan(args: argparse.Namespace) -> tuple[list[stability_grid.Cell], dict
     stale = args.stale_variants if args.stale_variants is not None else (
         quick_stale if args.quick else stability_grid.STALE_VARIANTS)  # fmt: skip
     stale_n = args.stale_updates or (quick_n if args.quick else stability_grid.STALE_UPDATES)
-    grid = stability_grid.cells(variants, updates, stale, stale_n)
+    references = args.reference_variants if args.reference_variants is not None else (
+        [] if args.quick else stability_grid.REFERENCE_VARIANTS)  # fmt: skip
+    grid = stability_grid.cells(variants, updates, stale, stale_n, references)
     return grid, {cell.name: cell.overrides() for cell in grid}
 
 
@@ -427,9 +441,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--set {clash[0]}: set per cell by --grid; choose cells with --updates")
         if stale and (clash := sorted(set(given) & set(staleness_sweep.SWEEP_RESERVED))):
             raise ValueError(f"--set {clash[0]}: set per cell by --staleness; choose K with --staleness")
-        grid_sets = stability_grid.GRID_SETS if args.grid else staleness_sweep.SWEEP_SETS if stale else {}
-        sets = {**grid_sets, **(QUICK if args.quick else {}), **given}
-        jobs = plan(variants, seeds, sets, args.work_dir.resolve(), specs)
+        defaults = stability_grid.GRID_SETS if args.grid else staleness_sweep.SWEEP_SETS if stale else {}
+        sets = {**(QUICK if args.quick else {}), **given}
+        jobs = plan(variants, seeds, sets, args.work_dir.resolve(), specs, defaults)
     except ValueError as err:
         args.parser.error(str(err))
     from run import machine  # benchmarks/run.py: what the figures were measured on
@@ -447,14 +461,18 @@ def main(argv: list[str] | None = None) -> int:
             ["python", "benchmarks/reproduce.py", *(sys.argv[1:] if argv is None else argv)]
         ),
         "base_config": str(BASE_CONFIG.relative_to(REPO)),
-        "overrides": [f"{k}={json.dumps(v)}" for k, v in {**HARNESS, **sets}.items()],
+        "overrides": [f"{k}={json.dumps(v)}" for k, v in {**HARNESS, **defaults, **sets}.items()],
         "variant_overrides": {n: [f"{k}={json.dumps(v)}" for k, v in specs[n].items()] for n in variants},
         "seeds": seeds,
         "jobs": args.jobs,
         "wall_seconds": time.perf_counter() - start,
         "machine": where,
     }
-    report = assemble(runs, colds, variants, target=args.target, gain=args.target_gain, provenance=provenance)
+    references = frozenset(c.name for c in grid if getattr(c, "bf16_rollouts", False))
+    report = assemble(
+        runs, colds, variants, target=args.target, gain=args.target_gain, provenance=provenance,
+        other_rollouts=references,
+    )  # fmt: skip
     if args.grid:
         written = stability_grid.write(report, runs, grid, args.out)
     elif stale:

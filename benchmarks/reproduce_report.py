@@ -207,8 +207,13 @@ def assemble(
     target: float | None,
     gain: float,
     provenance: dict[str, Any],
+    other_rollouts: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
-    """Everything summary.json holds: per-run and per-variant figures, cold starts, provenance."""
+    """Everything summary.json holds: per-run and per-variant figures, cold starts, provenance.
+
+    `other_rollouts`: variants whose rollout engine differs from the cold start's (the grid's bf16
+    references): they evaluate step 0 on other numerics, so the same-start check leaves them out.
+    """
     rows = [summarise_run(r, target, gain) for r in runs if r.status != "failed"]
     failed = [
         {"variant": r.variant, "seed": r.seed, "status": r.status, "log": r.log, "message": r.message}
@@ -218,7 +223,7 @@ def assemble(
     cold_rows = []
     for c in colds:
         start = c.records[0] if c.records else {}
-        starts = [r["cold_start"] for r in rows if r["seed"] == c.seed]
+        starts = [r["cold_start"] for r in rows if r["seed"] == c.seed and r["variant"] not in other_rollouts]
         cold_rows.append({
             "seed": c.seed, "status": c.status, "log": c.log,
             "accuracy": start.get(ACCURACY), "sft_steps": start.get("sft/steps"),

@@ -18,9 +18,13 @@ Variants (GRPO clip 0.2 / 0.27; "TIS" is token-level truncated IS, w = min(pi_ol
 - gspo / gspo_r3: GSPO as the project runs it (pi_old = the rollout server's log-probs, so the
   sequence ratio and its clip see the FP8 mismatch), without / with R3.
 
-Staleness cells (`--stale-variants`, default GSPO and GRPO + TIS + R2) take any variant; R3 at
-staleness k replays the routes of the weights that sampled the batch (k versions old), which the
-rollout server returned with it.
+Staleness cells (`--stale-variants`, default GSPO, GRPO + TIS + R2 and GRPO + TIS + R3) take any
+variant; R3 at staleness k replays the routes of the weights that sampled the batch (k versions
+old), which the rollout server returned with it.
+
+Reference cells (`--reference-variants`, default GRPO and GSPO, at N = 1) run with bf16 rollouts
+(`rollout.quantization=none`) against the same bf16 trainer: the mismatch the FP8 cells add is
+their rollout/trainer k3 KL and infer->train drift above these.
 
 This module defines the cells and writes the grid's summary.md, summary.json and figure from the
 report `reproduce_report.assemble` builds (one "variant" there per cell).
@@ -36,8 +40,9 @@ from typing import Any
 from cell_report import accuracy_text, cell_accuracies, every_cell_table, mean_or_none, write_report
 from reproduce_report import Run, markdown, series
 
-# Every run of the grid (and its cold starts): FP8 rollouts, bf16 trainer, the lr at which the
-# drift config learns with bf16 rollouts (3e-4, warm-up 4, as the probe that located the regime).
+# Every run of the grid (and its cold starts): FP8 rollouts (but the reference cells'), bf16
+# trainer, the lr at which the drift config learns with bf16 rollouts (3e-4, warm-up 4, as the
+# probe that located the regime). The per-cell overrides come after these, except for `--set`.
 GRID_SETS: dict[str, Any] = {
     "rollout.quantization": "fp8",
     "engine.dtype": "bf16",
@@ -57,7 +62,8 @@ GRID_VARIANTS: dict[str, dict[str, Any]] = {
 }
 UPDATES = [1, 4, 8, 16]
 STALE_KEY = "rollout/staleness_mean"  # versions between the sampling weights and the trainer's
-STALENESS, STALE_UPDATES, STALE_VARIANTS = 2, 4, ["gspo", "grpo_tis_r2"]
+STALENESS, STALE_UPDATES, STALE_VARIANTS = 2, 4, ["gspo", "grpo_tis_r2", "grpo_tis_r3"]
+REFERENCE_VARIANTS = ["grpo", "gspo"]  # at N = 1 with bf16 rollouts: the mismatch without FP8
 # Set per cell: a --set of these would silently turn every cell into the same one.
 GRID_RESERVED = ("algorithm.num_mini_batches", "algorithm.ppo_epochs", "rollout.max_staleness")
 # --quick --grid: two values of N, one variant, one stale cell (on the quick model of reproduce.py).
@@ -66,32 +72,40 @@ QUICK_UPDATES, QUICK_VARIANTS, QUICK_STALE = [1, 2], ["grpo_tis"], (2, ["gspo"])
 
 @dataclass(frozen=True)
 class Cell:
-    """One cell of the grid: a variant at N updates per rollout batch and a staleness bound."""
+    """One cell of the grid: a variant at N updates per rollout batch, a staleness bound, rollouts."""
 
     variant: str
     updates: int
     staleness: int = 0
+    bf16_rollouts: bool = False  # a reference cell: the grid's FP8 rollouts turned off
 
     @property
     def name(self) -> str:
-        return f"{self.variant}@N{self.updates}" + (f"+stale{self.staleness}" if self.staleness else "")
+        stale = f"+stale{self.staleness}" if self.staleness else ""
+        return f"{self.variant}@N{self.updates}{stale}" + ("+bf16rollouts" if self.bf16_rollouts else "")
 
     def overrides(self) -> dict[str, Any]:
-        """The variant's overrides with this cell's N (one pass over the batch) and staleness."""
+        """The variant's overrides with this cell's N (one pass over the batch), staleness, rollouts."""
         return {
             **GRID_VARIANTS[self.variant],
             "algorithm.num_mini_batches": self.updates,
             "algorithm.ppo_epochs": 1,
             "rollout.max_staleness": self.staleness,
+            **({"rollout.quantization": "none"} if self.bf16_rollouts else {}),
         }
 
 
 def cells(
-    variants: list[str], updates: list[int], stale_variants: list[str], stale_updates: int
+    variants: list[str],
+    updates: list[int],
+    stale_variants: list[str],
+    stale_updates: int,
+    reference_variants: list[str] = (),
 ) -> list[Cell]:
-    """Every (variant, N) at staleness 0, then the stale cells (variants x `stale_updates`)."""
+    """Every (variant, N) at staleness 0, the stale cells (at `stale_updates`), the bf16 references."""
     grid = [Cell(v, n) for v in variants for n in updates]
-    return grid + [Cell(v, stale_updates, STALENESS) for v in stale_variants]
+    grid += [Cell(v, stale_updates, STALENESS) for v in stale_variants]
+    return grid + [Cell(v, 1, bf16_rollouts=True) for v in reference_variants]
 
 
 def last_update_drift(run: Run, updates: int) -> float | None:
@@ -115,6 +129,7 @@ def grid_section(report: dict[str, Any], runs: list[Run], grid: list[Cell]) -> d
                 "variant": cell.variant,
                 "updates": cell.updates,
                 "staleness": cell.staleness,
+                "bf16_rollouts": cell.bf16_rollouts,
                 "k3_kl": means.get("rollout/k3_kl"),
                 "infer_train": means.get("drift/infer_train/mean"),
                 "drift_1_update": means.get("drift/old_new_mb1/mean"),
@@ -135,7 +150,7 @@ def grid_section(report: dict[str, Any], runs: list[Run], grid: list[Cell]) -> d
 def grid_markdown(report: dict[str, Any]) -> str:
     """summary.md of the grid: accuracy and collapse by variant x N, every column per cell, details."""
     grid = report["grid"]
-    by = {(c["variant"], c["updates"], c["staleness"]): c for c in grid["cells"]}
+    by = {(c["variant"], c["updates"], c["staleness"]): c for c in grid["cells"] if not c["bf16_rollouts"]}
     header = "| variant | " + " | ".join(f"N={n}" for n in grid["updates"]) + " |"
     rule = "|---|" + "---|" * len(grid["updates"])
     lines = [
@@ -144,7 +159,8 @@ def grid_markdown(report: dict[str, Any]) -> str:
         "N = optimizer steps per rollout batch (`algorithm.num_mini_batches`, one pass; N = 1 is "
         "on-policy). Variants: `grpo` (pi_old recomputed, no correction), `grpo_tis` (+ token TIS, "
         "cap 2), `grpo_tis_r2` / `grpo_tis_r3` (+ Routing Replay), `gspo` / `gspo_r3` (pi_old = the FP8 "
-        "server's log-probs). Stale cells: `rollout.max_staleness=2`. Definitions of collapse, final and "
+        "server's log-probs). Stale cells: `rollout.max_staleness=2`. Reference cells (`+bf16rollouts`): "
+        "bf16 rollouts against the same bf16 trainer. Definitions of collapse, final and "
         "best below (Details).",
         "",
         "Final held-out accuracy (mean ± sample std over seeds):",
@@ -199,18 +215,19 @@ def plot_grid(report: dict[str, Any], path: Path) -> None:
     for k, variant in enumerate(grid["variants"]):
         offset = -0.3 + (k + 0.5) * width
         mine = [c for c in grid["cells"] if c["variant"] == variant and c["runs"]]
-        fresh = [c for c in mine if not c["staleness"]]
+        fresh = [c for c in mine if not c["staleness"] and not c["bf16_rollouts"]]
         xs = [positions[c["updates"]] + offset for c in fresh]
         (line,) = ax.plot(xs, [c["final_mean"] for c in fresh], "-", lw=1.2, label=variant)
         for c in mine:
             x = positions[c["updates"]] + offset
-            marker = "x" if c["staleness"] else "o"
+            marker = "x" if c["staleness"] else "s" if c["bf16_rollouts"] else "o"
             finals = list(c["finals"].values())
             ax.scatter([x] * len(finals), finals, color=line.get_color(), marker=marker, s=18, alpha=0.8)
     colds = [c["accuracy"] for c in report["cold_starts"] if c["accuracy"] is not None]
     if colds:
         ax.axhline(statistics.mean(colds), color="grey", ls="--", lw=1, label="cold start (mean over seeds)")
     ax.scatter([], [], color="grey", marker="x", label=f"max_staleness={STALENESS} (at its N)")
+    ax.scatter([], [], color="grey", marker="s", label="bf16 rollouts (reference)")
     ax.set_xticks(range(len(grid["updates"])), [str(n) for n in grid["updates"]])
     ax.set_xlabel("N: optimizer steps per rollout batch")
     ax.set_ylabel("final held-out accuracy")

@@ -21,16 +21,21 @@ def modules():
     return reproduce, sys.modules["stability_grid"], sys.modules["reproduce_report"]
 
 
-def test_the_grid_is_every_variant_at_every_n_plus_the_stale_cells_and_each_validates(modules):
+def test_the_grid_is_every_variant_at_every_n_plus_the_stale_and_reference_cells_and_each_validates(modules):
     reproduce, grid_mod, _ = modules
-    grid = grid_mod.cells(list(grid_mod.GRID_VARIANTS), [1, 4, 8, 16], ["gspo", "grpo_tis_r2"], 4)
-    assert len(grid) == 6 * 4 + 2 and len({c.name for c in grid}) == len(grid)
-    assert [c.name for c in grid[-2:]] == ["gspo@N4+stale2", "grpo_tis_r2@N4+stale2"]
-    for cell in grid:  # as the trainer will load it, with the grid's FP8 rollouts and bf16 trainer
-        cfg = reproduce.compose(reproduce.HARNESS, cell.overrides(), grid_mod.GRID_SETS)
+    grid = grid_mod.cells(list(grid_mod.GRID_VARIANTS), [1, 4, 8, 16], ["gspo", "grpo_tis_r2"], 4, ["grpo"])
+    assert len(grid) == 6 * 4 + 2 + 1 and len({c.name for c in grid}) == len(grid)
+    assert [c.name for c in grid[-3:]] == ["gspo@N4+stale2", "grpo_tis_r2@N4+stale2", "grpo@N1+bf16rollouts"]
+    for (
+        cell
+    ) in grid:  # as the trainer will load it, with the grid's FP8 rollouts (but references) and bf16 trainer
+        cfg = reproduce.compose(reproduce.HARNESS, grid_mod.GRID_SETS, cell.overrides())
         reproduce.check_config(cell.name, cfg)
         assert cfg.algorithm.num_mini_batches == cell.updates and cfg.algorithm.ppo_epochs == 1
-        assert cfg.rollout.quantization == "fp8" and cfg.engine.dtype == "bf16"
+        assert (
+            cfg.rollout.quantization == ("none" if cell.bf16_rollouts else "fp8")
+            and cfg.engine.dtype == "bf16"
+        )
     tis = grid_mod.Cell("grpo_tis", 8).overrides()
     assert tis["algorithm.old_logprobs"] == "recompute"
     assert tis["algorithm.rollout_correction"] == {"method": "tis", "level": "token", "cap": 2.0}
@@ -38,7 +43,7 @@ def test_the_grid_is_every_variant_at_every_n_plus_the_stale_cells_and_each_vali
     assert "algorithm.rollout_correction" not in grid_mod.Cell("grpo", 1).overrides()
     # A stale R3 cell is a valid config too (R3 replays the sampling weights' routes).
     stale_r3 = grid_mod.Cell("grpo_tis_r3", 4, 2)
-    cfg = reproduce.compose(reproduce.HARNESS, stale_r3.overrides(), grid_mod.GRID_SETS)
+    cfg = reproduce.compose(reproduce.HARNESS, grid_mod.GRID_SETS, stale_r3.overrides())
     reproduce.check_config(stale_r3.name, cfg)
     assert cfg.rollout.max_staleness == 2 and cfg.algorithm.routing_replay == "r3"
 
@@ -49,6 +54,8 @@ def test_grid_arguments_are_checked(modules, capsys):
         (["--grid", "--set", "algorithm.num_mini_batches=2"], "set per cell by --grid"),
         (["--grid", "--variants", "sapo"], "unknown variant 'sapo'"),
         (["--updates", "4"], "belong to --grid"),
+        (["--reference-variants", "grpo"], "belong to --grid"),
+        (["--grid", "--reference-variants", "sapo"], "unknown variant 'sapo'"),
         (["--grid", "--updates", "0"], "N must be >= 1"),
     ]:
         with pytest.raises(SystemExit):
@@ -74,8 +81,9 @@ def _run(report_mod, cell: str, seed: int, accuracies: list[float], mb: dict[int
 
 def test_grid_report_figures_against_hand_computed_values(modules, tmp_path):
     _, grid_mod, report_mod = modules
-    grid = grid_mod.cells(["grpo_tis"], [1, 4], [], 4)
+    grid = grid_mod.cells(["grpo_tis"], [1, 4], [], 4, ["grpo_tis"])
     runs = [
+        _run(report_mod, "grpo_tis@N1+bf16rollouts", 1, [0.6, 0.9, 0.95], {0: 0.0}),
         _run(report_mod, "grpo_tis@N1", 1, [0.6, 0.7, 0.8], {0: 0.0}),
         _run(report_mod, "grpo_tis@N1", 2, [0.5, 0.3, 0.4], {0: 0.0}),
         _run(report_mod, "grpo_tis@N4", 1, [0.6, 0.2, 0.65], {0: 0.0, 1: 0.01, 2: 0.02, 3: 0.03}),
@@ -90,8 +98,13 @@ def test_grid_report_figures_against_hand_computed_values(modules, tmp_path):
     files = grid_mod.write(report, runs, grid, tmp_path)
     assert files == ["summary.md", "summary.json", "stability_grid.png"]
     written = json.loads((tmp_path / "summary.json").read_text())["grid"]
-    n1, n4 = written["cells"]
+    n1, n4, reference = written["cells"]
     assert (n1["updates"], n4["updates"], written["updates"]) == (1, 4, [1, 4])
+    assert (
+        reference["bf16_rollouts"]
+        and not n1["bf16_rollouts"]
+        and reference["final_mean"] == pytest.approx(0.9)
+    )
     assert n1["final_mean"] == pytest.approx(0.5) and n1["final_std"] == pytest.approx(
         0.08**0.5
     )  # sample std of 0.7, 0.3
@@ -103,7 +116,9 @@ def test_grid_report_figures_against_hand_computed_values(modules, tmp_path):
     assert n4["drift_mean_1_to_last"] is None  # not logged by these records
     md = (tmp_path / "summary.md").read_text()
     assert "| grpo_tis | 0.500 ± 0.283 | 0.200 (1/1) |" not in md  # a full cell has no (k/n)
+    # The reference cell (same variant and N, bf16 rollouts): out of the FP8 tables, in the every-cell one.
     assert "| grpo_tis | 0.500 ± 0.283 | 0.200 |" in md and "## Details" in md
+    assert "| grpo_tis@N1+bf16rollouts | 1/1 | 0.600 | 0.900 |" in md
     assert (tmp_path / "stability_grid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
