@@ -141,6 +141,7 @@ class RolloutEngine:
                         params,
                         rid=f"step{step}-p{p}-r{j}",
                         return_routed_experts=bool(routing),
+                        check_sampling_params=row == 0,  # the rows differ only in their seeds
                     )
                 )
                 prompts.append(ids)

@@ -2,12 +2,11 @@
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from reproduce_runs import run_reproduce
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -20,20 +19,10 @@ def load(name: str):
     return module
 
 
-def reproduce(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "reproduce.py"), *args],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-
-
 @pytest.mark.slow
 def test_quick_grid_shares_the_cold_start_and_resume_skips_finished_runs(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
-    first = reproduce("--quick", "--out", str(out), "--work-dir", str(work))
+    first = run_reproduce("--quick", "--out", str(out), "--work-dir", str(work))
     assert first.returncode == 0, first.stdout + first.stderr[-4000:]
     report = json.loads((out / "summary.json").read_text())
     assert (out / "reproduce.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -57,7 +46,7 @@ def test_quick_grid_shares_the_cold_start_and_resume_skips_finished_runs(tmp_pat
     markers = sorted(work.rglob("done.json"))
     assert len(markers) == 3  # one cold start, two RL runs
     stamps = {p: (p.stat().st_mtime_ns, (p.parent / "train.log").stat().st_mtime_ns) for p in markers}
-    again = reproduce("--quick", "--out", str(out), "--work-dir", str(work))
+    again = run_reproduce("--quick", "--out", str(out), "--work-dir", str(work))
     assert again.returncode == 0, again.stderr[-4000:]
     assert again.stdout.count("reused (finished earlier)") == 3, again.stdout
     assert {p: (p.stat().st_mtime_ns, (p.parent / "train.log").stat().st_mtime_ns) for p in markers} == stamps

@@ -2,8 +2,6 @@
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -123,15 +121,8 @@ def test_grid_report_figures_against_hand_computed_values(modules, tmp_path):
 
 
 @pytest.mark.slow
-def test_quick_grid_runs_fp8_cells_at_two_n_and_a_stale_cell(tmp_path):
-    out, work = tmp_path / "out", tmp_path / "work"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "reproduce.py"), "--quick", "--grid", "--jobs", "1",
-         "--out", str(out), "--work-dir", str(work)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    report = json.loads((out / "summary.json").read_text())
+def test_quick_grid_runs_fp8_cells_at_two_n_and_a_stale_cell(quick_report):
+    report, out = quick_report("--grid")
     cells = {c["cell"]: c for c in report["grid"]["cells"]}
     assert list(cells) == ["grpo_tis@N1", "grpo_tis@N2", "gspo@N2+stale2"]
     assert all(c["runs"] == c["of"] == 1 for c in cells.values())

@@ -2,8 +2,6 @@
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -102,15 +100,8 @@ def test_sweep_report_figures_against_hand_computed_values(modules, tmp_path):
 
 
 @pytest.mark.slow
-def test_quick_sweep_runs_one_variant_at_k0_and_k2_from_one_cold_start(tmp_path):
-    out, work = tmp_path / "out", tmp_path / "work"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "reproduce.py"), "--quick", "--staleness", "--jobs", "1",
-         "--out", str(out), "--work-dir", str(work)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    report = json.loads((out / "summary.json").read_text())
+def test_quick_sweep_runs_one_variant_at_k0_and_k2_from_one_cold_start(quick_report):
+    report, out = quick_report("--staleness")
     k0, k2 = report["sweep"]["cells"]
     assert (k0["cell"], k2["cell"]) == ("grpo_r3@k0", "grpo_r3@k2")
     assert k0["runs"] == k0["of"] == k2["runs"] == k2["of"] == 1

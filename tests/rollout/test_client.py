@@ -256,6 +256,10 @@ def test_build_generate_request_rejects_bad_input_with_reasons():
         build_generate_request([], {})
     with pytest.raises(ValueError, match="non-negative integers, found -1"):
         build_generate_request([1, -1], {})
+    # A caller that checked the batch's first row's params skips the rest; prompts are always checked.
+    assert build_generate_request([1], {"temprature": 0.5}, check_sampling_params=False)["input_ids"] == [1]
+    with pytest.raises(ValueError, match="non-negative integers, found -1"):
+        build_generate_request([1, -1], {}, check_sampling_params=False)
 
 
 # ---- generation -----------------------------------------------------------------------------

@@ -110,6 +110,11 @@ def fleet_held_on_loss(checkpoint, group_timeout_s: float):
         yield survivor, lost, router
 
 
+def released_by_its_timeout(server, group_timeout_s: float) -> bool:
+    """Whether `server`'s receive in the weight-update group has ended by its own group timeout."""
+    return f"Timed out waiting {int(group_timeout_s * 1000)}ms for recv" in server.output
+
+
 def listed(router) -> list[str]:
     return [w["url"] for w in httpx.get(f"{router.url}/workers").json()["workers"]]
 
@@ -191,7 +196,6 @@ def test_worker_lost_mid_broadcast_the_survivor_is_released_and_synced(
             tmp_path,
         )
         kill_as_second_broadcast_starts(client, b)
-        start = time.monotonic()
         if min_workers == 1:
             stats = sync.sync(client, 5)
             assert stats.attempts == 2 and stats.buckets > 2
@@ -203,7 +207,7 @@ def test_worker_lost_mid_broadcast_the_survivor_is_released_and_synced(
             with pytest.raises(FleetTooSmallError, match=rf"1 healthy .*min_workers=2 \(lost: {b.url}"):
                 sync.sync(client, 5)
             assert weight_version(a) == "0"  # nothing half-applied
-        assert 3.5 < time.monotonic() - start < 50  # the survivor's 4 s in the collective, not 30 min
+        assert released_by_its_timeout(a, 4)  # it was held in the collective, came out, then was synced
         assert client.urls == [a.url] and listed(router) == [a.url]
 
 
@@ -220,15 +224,16 @@ def test_worker_held_in_a_broadcast_is_set_aside_then_synced_and_readmitted(mode
             tmp_path,
         )
         kill_as_second_broadcast_starts(client, b)
-        start = time.monotonic()
         with pytest.raises(
             FleetTooSmallError, match=rf"0 healthy .*\(lost: {b.url}: .*; held in a broadcast: {a.url}\)"
         ):
             sync.sync(client, 5)
-        assert time.monotonic() - start < 14  # given up on a before its collective ended
+        assert not released_by_its_timeout(a, 15)  # given up on a while still in its collective
         assert weight_version(a) == "0" and client.urls == [] and listed(router) == []
         # Once its collective timed out, a answers again: the next sync takes it back, then the router.
-        time.sleep(max(0.0, start + 16 - time.monotonic()))
+        deadline = time.monotonic() + 120  # a hang guard, not a measurement
+        while not released_by_its_timeout(a, 15) and time.monotonic() < deadline:
+            time.sleep(0.2)
         stats = sync.sync(client, 6)
         sync.close(client)
         assert stats.attempts == 1 and stats.metrics()["fleet/rejoined"] == 1

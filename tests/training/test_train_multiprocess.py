@@ -69,6 +69,22 @@ def test_ep2_run_matches_world_of_one(tmp_path):
         assert b["perf/dp_token_imbalance"] <= a["perf/dp_token_imbalance"]
 
 
+def assert_follows_world_of_one(single: list[dict], staged: list[dict], steps: list[int]) -> None:
+    """A pipelined run's records against the world of one's: same SFT, evaluations, rollouts, updates."""
+    assert [r["step"] for r in staged] == [r["step"] for r in single] == steps
+    for a, b in zip(single, staged):
+        assert b.get("eval/accuracy") == a.get("eval/accuracy")
+        if "sft/loss" in a:
+            assert b["sft/loss"] == pytest.approx(a["sft/loss"], rel=1e-5)
+        if a["step"] == 0:
+            continue
+        assert b["rollout/reward_mean"] == a["rollout/reward_mean"]  # the synced weights are the trained ones
+        assert a["train/all_zero_adv_batch"] == 0.0  # a step that trains
+        for key in ("actor/pg_loss", "train/grad_norm", "actor/ratio_mean", "actor/entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+        assert b["rollout/logprob_mismatch_mean"] < 1e-5
+
+
 @pytest.mark.multiprocess
 def test_pp2_run_matches_world_of_one(tmp_path):
     """Two pipeline stages (1F1B over the micro-batches, SFT and weight sync included) follow the
@@ -79,18 +95,7 @@ def test_pp2_run_matches_world_of_one(tmp_path):
     short = ["eval.num_problems=8", "trainer.micro_batch_size=2"]
     single = run(config, tmp_path / "world1", *short)
     pp2 = run(config, tmp_path / "pp2", *short, "parallel.pipeline_parallel=2", "--nproc", "2")
-    assert [r["step"] for r in pp2] == [r["step"] for r in single] == [0, 1, 2]
-    for a, b in zip(single, pp2):
-        assert b.get("eval/accuracy") == a.get("eval/accuracy")
-        if "sft/loss" in a:
-            assert b["sft/loss"] == pytest.approx(a["sft/loss"], rel=1e-5)
-        if a["step"] == 0:
-            continue
-        assert b["rollout/reward_mean"] == a["rollout/reward_mean"]
-        assert a["train/all_zero_adv_batch"] == 0.0  # a step that trains
-        for key in ("actor/pg_loss", "train/grad_norm", "actor/ratio_mean", "actor/entropy"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
-        assert b["rollout/logprob_mismatch_mean"] < 1e-5
+    assert_follows_world_of_one(single, pp2, steps=[0, 1, 2])
 
 
 @pytest.mark.slow
@@ -110,18 +115,7 @@ def test_pp2_vpp2_run_matches_world_of_one_and_resumes_exactly(tmp_path):
     vpp = ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2", "--nproc", "2"]
     single = run(config, tmp_path / "world1", *short)
     chunked = run(config, tmp_path / "vpp", *short, *vpp)
-    assert [r["step"] for r in chunked] == [r["step"] for r in single] == [0, 1, 2, 3]
-    for a, b in zip(single, chunked):
-        assert b.get("eval/accuracy") == a.get("eval/accuracy")
-        if "sft/loss" in a:
-            assert b["sft/loss"] == pytest.approx(a["sft/loss"], rel=1e-5)
-        if a["step"] == 0:
-            continue
-        assert b["rollout/reward_mean"] == a["rollout/reward_mean"]
-        assert a["train/all_zero_adv_batch"] == 0.0  # a step that trains
-        for key in ("actor/pg_loss", "train/grad_norm", "actor/ratio_mean", "actor/entropy"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
-        assert b["rollout/logprob_mismatch_mean"] < 1e-5
+    assert_follows_world_of_one(single, chunked, steps=[0, 1, 2, 3])
     run(config, tmp_path / "resumed", *short[:2], "trainer.steps=2", *vpp)
     resumed = run(config, tmp_path / "resumed", *short, "trainer.resume=true", *vpp)
     assert resumed[-1]["step"] == 3
