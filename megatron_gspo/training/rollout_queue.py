@@ -8,8 +8,9 @@ two meet here:
   started at weight version v is consumed at version <= v + k (one sync per consumed batch);
 - a batch starts at a known weight version: it is started inside the gate, and the trainer
   syncs weights (and evaluates, and checkpoints) only with the gate held (`paused`). With
-  `rollout.update_mode: drain` the gate also waits for the batch being generated, so a batch
-  is one version; with pause / partial a sync lands mid-batch (`inflight_updates`);
+  `rollout.update_mode: drain` the gate also waits for the batch's requests to come back, so a
+  batch is one version (its checks and scoring, after `requests_done`, overlap the sync); with
+  pause / partial a sync lands mid-batch (`inflight_updates`);
 - the consumer (`take`) drops every batch older than `version - k` and counts its groups.
 """
 
@@ -55,8 +56,9 @@ class RolloutProducer:
         max_staleness: k >= 1.
         current_version: the trainer's weight version (read with the gate held).
         groups_of: the number of groups of a batch (for the dropped-groups count).
-        wait_in_flight: `paused` waits for the batch being generated (one version per batch);
-            False when syncs update weights with requests in flight (`inflight_updates`).
+        wait_in_flight: `paused` waits for the batch being generated (one version per batch),
+            until `produce` calls `requests_done`, or returns; False when syncs update weights
+            with requests in flight (`inflight_updates`).
         bound_version: the version of a batch the bound is checked on (default: the version it
             was started at; responses spanning versions pass their oldest token's).
     """
@@ -131,6 +133,16 @@ class RolloutProducer:
             with self._cond:
                 self._error = err
                 self._cond.notify_all()
+
+    def requests_done(self) -> None:
+        """Called by `produce` once its batch's responses are in: a sync may start from here.
+
+        Nothing of the batch is left at the servers; its checks and scoring, which take rank 0's
+        GIL, then overlap the sync instead of delaying it.
+        """
+        with self._cond:
+            self._generating = False
+            self._cond.notify_all()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +81,9 @@ class RolloutEngine:
         self.routed_experts = routed_experts
         self.samples_per_step = samples_per_step
         self.partial: PartialRollouts | None = None  # rollout.update_mode=partial: responses span syncs
+        # Rollouts ahead (drain): told when a batch's responses are in, so a weight sync need not
+        # wait for their checks and scoring.
+        self.on_responses: Callable[[], None] | None = None
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         """Token ids of a prompt (BOS first when configured; the task's chat-template choice)."""
@@ -147,6 +150,8 @@ class RolloutEngine:
                 prompts.append(ids)
         generate = self.partial.generate if self.partial is not None else self.client.generate_batched
         responses = generate(bodies)
+        if self.on_responses is not None:
+            self.on_responses()
         samples, unparseable, no_answer, rows = [], 0, 0, []
         for row, (ids, body, response) in enumerate(zip(prompts, bodies, responses)):
             try:

@@ -83,6 +83,8 @@ class RolloutsAhead:
             wait_in_flight=rollout.update_mode == "drain",
             bound_version=bound,
         )
+        if rollout.update_mode == "drain":  # a sync waits for the batch's responses, not its scoring
+            engine.on_responses = self.producer.requests_done
 
     def __enter__(self) -> RolloutsAhead:
         self.producer.__enter__()

@@ -95,6 +95,37 @@ def test_an_exception_in_the_trainer_stops_the_producer_mid_batch():
     assert versions.started_at == [0]  # no batch started after the close
 
 
+def test_a_sync_waits_for_the_responses_not_for_the_scoring_after_requests_done():
+    responses_in, scored = threading.Event(), threading.Event()
+
+    def produce(version):  # requests at the servers, then the client-side checks and scoring
+        time.sleep(0.05)
+        producer.requests_done()
+        responses_in.set()
+        scored.wait(10)
+        return {"groups": 4, "version": version}
+
+    producer = RolloutProducer(produce, 1, lambda: 0, lambda b: b["groups"])
+    with producer:
+        responses_in.wait(10)
+        with producer.paused():  # entered while the batch is still being scored
+            assert not scored.is_set()
+            scored.set()
+        assert producer.take(0).item.batch == {"groups": 4, "version": 0}
+
+
+def test_a_sync_waits_for_a_batch_whose_requests_are_in_flight():
+    versions = Versions()
+    producer = RolloutProducer(
+        lambda v: versions.produce(v, seconds=0.2), 1, lambda: versions.value, lambda b: b["groups"]
+    )
+    with producer:
+        while not versions.in_flight.is_set():
+            time.sleep(0.001)
+        with producer.paused():
+            assert not versions.in_flight.is_set()  # the batch ended before the sync began
+
+
 def test_max_staleness_zero_has_no_producer():
     with pytest.raises(ValueError, match="max_staleness must be >= 1"):
         RolloutProducer(lambda v: None, 0, lambda: 0, lambda b: 0)
