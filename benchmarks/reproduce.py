@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_seconds": time.perf_counter() - start,
         "machine": where,
     }
-    references = frozenset(c.name for c in grid if getattr(c, "bf16_rollouts", False))
+    references = frozenset(c.name for c in grid if args.grid and c.bf16_rollouts)
     report = assemble(
         runs, colds, variants, target=args.target, gain=args.target_gain, provenance=provenance,
         other_rollouts=references,

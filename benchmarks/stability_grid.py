@@ -33,6 +33,7 @@ report `reproduce_report.assemble` builds (one "variant" there per cell).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,7 @@ GRID_VARIANTS: dict[str, dict[str, Any]] = {
 }
 UPDATES = [1, 4, 8, 16]
 STALE_KEY = "rollout/staleness_mean"  # versions between the sampling weights and the trainer's
-STALENESS, STALE_UPDATES, STALE_VARIANTS = 2, 4, ["gspo", "grpo_tis_r2", "grpo_tis_r3"]
+STALENESS, STALE_UPDATES, STALE_VARIANTS = 2, 16, ["gspo", "grpo_tis_r2", "grpo_tis_r3"]
 REFERENCE_VARIANTS = ["grpo", "gspo"]  # at N = 1 with bf16 rollouts: the mismatch without FP8
 # Set per cell: a --set of these would silently turn every cell into the same one.
 GRID_RESERVED = ("algorithm.num_mini_batches", "algorithm.ppo_epochs", "rollout.max_staleness")
@@ -100,7 +101,7 @@ def cells(
     updates: list[int],
     stale_variants: list[str],
     stale_updates: int,
-    reference_variants: list[str] = (),
+    reference_variants: Sequence[str] = (),
 ) -> list[Cell]:
     """Every (variant, N) at staleness 0, the stale cells (at `stale_updates`), the bf16 references."""
     grid = [Cell(v, n) for v in variants for n in updates]
