@@ -27,6 +27,7 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,22 @@ Endpoint = Callable[[Any], tuple[int, Any]]
 LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 SHUTDOWN_GRACE_S = 5.0
 """How long requests in flight at SIGTERM / Ctrl-C get to finish (aiohttp's default is 60 s)."""
+
+
+class HTTP2ProbeFilter(logging.Filter):
+    """One line, not an error with a traceback, for a client opening with HTTP/2's preface.
+
+    SGLang's router probes each worker it registers over gRPC (HTTP/2) as well as HTTP; aiohttp
+    answers that connection with a 400 and would log it as a failed request.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """False (dropped, logged as one line) for the preface's 400; True for anything else."""
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, BadHttpMessage) and "PRI" in str(error):
+            logger.info("answered 400 to an HTTP/2 connection (a router probing for a gRPC worker)")
+            return False
+        return True
 
 
 class BodyError(ValueError):
@@ -121,6 +138,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 async def _serve(app: web.Application, sock: socket.socket) -> None:
+    logging.getLogger("aiohttp.server").addFilter(HTTP2ProbeFilter())
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     # SIGTERM and Ctrl-C end the loop at a point of its choosing: a KeyboardInterrupt raised from

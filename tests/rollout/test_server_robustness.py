@@ -498,3 +498,19 @@ def test_any_value_in_any_control_field_gets_200_or_a_400_never_a_500(server, cl
     finally:
         client.post(f"{server.url}/continue_generation", json={})
     assert client.get(f"{server.url}/health_generate").status_code == 200
+
+
+def test_an_http2_preface_gets_400_and_one_log_line_not_a_traceback(tmp_path):
+    """SGLang's router probes each worker it registers over gRPC (HTTP/2) too."""
+    ckpt = make_tiny_hf_checkpoint(tmp_path / "m", CFG, seed=0)
+    with launch_embedded_server(ckpt, extra_args=["--log-level", "info"]) as srv:
+        status, _, _, sock = _raw(srv, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        sock.close()
+        deadline = time.monotonic() + 30  # a hang guard: the line is logged as the 400 goes out
+        while "answered 400 to an HTTP/2 connection" not in srv.output:
+            assert time.monotonic() < deadline, srv.output
+            time.sleep(0.05)
+        assert httpx.get(f"{srv.url}/health", timeout=30).status_code == 200
+        output = srv.output
+    assert status == 400
+    assert "Traceback" not in output and "Error handling request" not in output, output
