@@ -110,9 +110,17 @@ def fleet_held_on_loss(checkpoint, group_timeout_s: float):
         yield survivor, lost, router
 
 
-def released_by_its_timeout(server, group_timeout_s: float) -> bool:
-    """Whether `server`'s receive in the weight-update group has ended by its own group timeout."""
-    return f"Timed out waiting {int(group_timeout_s * 1000)}ms for recv" in server.output
+def released_by_its_timeout(server, group_timeout_s: float, wait_s: float = 0.0) -> bool:
+    """Whether `server`'s receive in the weight-update group has ended by its own group timeout.
+
+    Read from its log, which reaches the test through a pipe and may trail its HTTP answers:
+    `wait_s` polls for the line that long (a hang guard, not a measurement).
+    """
+    line = f"Timed out waiting {int(group_timeout_s * 1000)}ms for recv"
+    deadline = time.monotonic() + wait_s
+    while line not in server.output and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return line in server.output
 
 
 def listed(router) -> list[str]:
@@ -207,7 +215,7 @@ def test_worker_lost_mid_broadcast_the_survivor_is_released_and_synced(
             with pytest.raises(FleetTooSmallError, match=rf"1 healthy .*min_workers=2 \(lost: {b.url}"):
                 sync.sync(client, 5)
             assert weight_version(a) == "0"  # nothing half-applied
-        assert released_by_its_timeout(a, 4)  # it was held in the collective, came out, then was synced
+        assert released_by_its_timeout(a, 4, wait_s=60)  # held in the collective, came out, was synced
         assert client.urls == [a.url] and listed(router) == [a.url]
 
 
@@ -231,9 +239,7 @@ def test_worker_held_in_a_broadcast_is_set_aside_then_synced_and_readmitted(mode
         assert not released_by_its_timeout(a, 15)  # given up on a while still in its collective
         assert weight_version(a) == "0" and client.urls == [] and listed(router) == []
         # Once its collective timed out, a answers again: the next sync takes it back, then the router.
-        deadline = time.monotonic() + 120  # a hang guard, not a measurement
-        while not released_by_its_timeout(a, 15) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        assert released_by_its_timeout(a, 15, wait_s=120)
         stats = sync.sync(client, 6)
         sync.close(client)
         assert stats.attempts == 1 and stats.metrics()["fleet/rejoined"] == 1
