@@ -24,9 +24,8 @@ def test_the_grid_is_every_variant_at_every_n_plus_the_stale_and_reference_cells
     grid = grid_mod.cells(list(grid_mod.GRID_VARIANTS), [1, 4, 8, 16], ["gspo", "grpo_tis_r2"], 4, ["grpo"])
     assert len(grid) == 6 * 4 + 2 + 1 and len({c.name for c in grid}) == len(grid)
     assert [c.name for c in grid[-3:]] == ["gspo@N4+stale2", "grpo_tis_r2@N4+stale2", "grpo@N1+bf16rollouts"]
-    for (
-        cell
-    ) in grid:  # as the trainer will load it, with the grid's FP8 rollouts (but references) and bf16 trainer
+    # As the trainer will load each: the grid's FP8 rollouts (bf16 for the references), bf16 trainer.
+    for cell in grid:
         cfg = reproduce.compose(reproduce.HARNESS, grid_mod.GRID_SETS, cell.overrides())
         reproduce.check_config(cell.name, cfg)
         assert cfg.algorithm.num_mini_batches == cell.updates and cfg.algorithm.ppo_epochs == 1
