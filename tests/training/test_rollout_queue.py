@@ -96,20 +96,21 @@ def test_an_exception_in_the_trainer_stops_the_producer_mid_batch():
 
 
 def test_a_sync_waits_for_the_responses_not_for_the_scoring_after_requests_done():
-    responses_in, scored = threading.Event(), threading.Event()
+    responses_in, scored, returned = threading.Event(), threading.Event(), threading.Event()
 
     def produce(version):  # requests at the servers, then the client-side checks and scoring
         time.sleep(0.05)
         producer.requests_done()
         responses_in.set()
         scored.wait(10)
+        returned.set()
         return {"groups": 4, "version": version}
 
     producer = RolloutProducer(produce, 1, lambda: 0, lambda b: b["groups"])
     with producer:
         responses_in.wait(10)
         with producer.paused():  # entered while the batch is still being scored
-            assert not scored.is_set()
+            assert not returned.is_set()
             scored.set()
         assert producer.take(0).item.batch == {"groups": 4, "version": 0}
 
