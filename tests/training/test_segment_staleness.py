@@ -51,6 +51,19 @@ def test_the_bound_is_on_the_oldest_token_or_with_masking_on_each_response_newes
     assert metrics["rollout/segments_mean"] == 2 and metrics["rollout/multi_segment_frac"] == 0.5
 
 
+def test_with_masking_the_bound_is_the_oldest_of_the_responses_newest_tokens():
+    # Both responses started at version 3 and span syncs: a's tokens 3,3,4,5,5,5, c's 3,4,4,4.
+    # Newest tokens: a 5, c 4 -> the bound 4 (c must keep a token in the loss); oldest tokens 3, 3.
+    a = sample(2, [("3", 2), ("4", 1), ("5", 3)], "5")
+    c = sample(2, [("3", 1), ("4", 3)], "4")
+    rb = RolloutBatch.from_samples([a, c], 2)
+    assert trainable_version(rb, 3, "partial", mask_stale=True) == 4
+    assert trainable_version(rb, 3, "partial", mask_stale=False) == 3
+    # Under pause every token counts as the batch's start; under drain, the reported 5 and 4.
+    assert trainable_version(rb, 3, "pause", mask_stale=False) == 3
+    assert trainable_version(rb, 3, "drain", mask_stale=False) == 4
+
+
 def test_masking_zeroes_exactly_the_tokens_of_stale_segments():
     rb = batch()
     before = rb.response_mask.clone()
