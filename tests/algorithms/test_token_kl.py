@@ -27,6 +27,24 @@ def test_returns_of_the_token_rewards_by_hand():
     assert zero.tolist() == [[1.0, 1.0, 1.0], [-1.0, 0.0, 0.0]]  # no KL: the reward on every token
 
 
+def test_reward_clip_applies_to_every_token_reward_before_the_returns():
+    # beta 1, k1, clip 0.5 (binary fractions: exact in float).
+    # Row 0, R = 1: kl 0.75, -0.625, 0.25, 0.25 -> rewards -0.75, 0.625, -0.25, -0.25 + 1 = 0.75
+    #   -> clipped -0.5, 0.5, -0.25, 0.5 -> returns 0.25, 0.75, 0.25, 0.5.
+    # Row 1, R = -1, 3 tokens + 1 padding: kl -1, 0.125, 0.5 -> rewards 1, -0.125, -0.5 - 1 = -1.5
+    #   -> clipped 0.5, -0.125, -0.5 -> returns -0.125, -0.625, -0.5, and 0 on the padding.
+    # Clipping the last token only would give row 0 0.125, 0.875, 0.25, 0.5 and row 1 0.375, -0.625, -0.5.
+    kl = torch.tensor([[0.75, -0.625, 0.25, 0.25], [-1.0, 0.125, 0.5, 3.0]])  # 3.0: off the response
+    old = torch.full((2, 4), -1.0)
+    mask = torch.tensor([[True, True, True, True], [True, True, True, False]])
+    returns, seq_kl = token_level_kl_returns(torch.tensor([1.0, -1.0]), old, old - kl, mask, beta=1.0,
+                                             reward_clip=0.5)  # fmt: skip
+    assert returns.tolist() == [[0.25, 0.75, 0.25, 0.5], [-0.125, -0.625, -0.5, 0.0]]
+    assert seq_kl.tolist() == [0.625 / 4, -0.375 / 3]  # the KL itself is not clipped
+    unclipped, _ = token_level_kl_returns(torch.tensor([1.0, -1.0]), old, old - kl, mask, beta=1.0)
+    assert unclipped.tolist() == [[0.375, 1.125, 0.5, 0.75], [-0.625, -1.625, -1.5, 0.0]]
+
+
 def test_kl_controllers_as_verl_and_roll():
     fixed = KLController(0.2)
     fixed.update(5.0, 512)

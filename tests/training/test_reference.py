@@ -181,7 +181,10 @@ def test_offload_is_a_no_op_on_cpu(models):
     assert math.isfinite(sum(float(p.sum()) for p in offloaded.model.parameters()))
 
 
-def test_token_level_kl_advantages_against_a_hand_computation(models):
+# reward_clip 0.25 clips the last token's reward (R +- the KL term) of six rows and, as ROLL clips
+# every token's, three earlier tokens' -beta kl (two of row 6, one of row 2; |.| 0.29 to 0.59).
+@pytest.mark.parametrize("reward_clip", [None, 0.25])
+def test_token_level_kl_advantages_against_a_hand_computation(models, reward_clip):
     from megatron_gspo.algorithms.token_kl import KLController
     from megatron_gspo.training.token_kl_step import apply_token_level_kl
 
@@ -199,12 +202,12 @@ def test_token_level_kl_advantages_against_a_hand_computation(models):
     recompute_and_measure(policy, plan, T, reference=reference)
     algo = AlgorithmConfig(loss_type="gspo_token", num_mini_batches=2, old_logprobs="recompute",
                            add_token_level_kl=True, init_kl_coef=beta, whiten_advantages=True,
-                           advantage_clip=clip)  # fmt: skip
+                           advantage_clip=clip, reward_clip=reward_clip)  # fmt: skip
     controller = KLController(beta)
     metrics = apply_token_level_kl(policy, plan, algo, controller, None)
 
     # By hand, over the whole batch: k1 = log pi_old - log pi_ref, R on the last token, returns,
-    # ROLL's masked_whiten over all response tokens, clip.
+    # the token rewards clipped (reward_clip), ROLL's masked_whiten over all response tokens, clip.
     lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
     sequences = [batch.tokens[b, :n] for b, n in enumerate(lengths)]
     mask = batch.response_mask[:, : max(lengths)].bool()
@@ -212,15 +215,19 @@ def test_token_level_kl_advantages_against_a_hand_computation(models):
         old, _ = sequence_logprobs(policy.module, sequences, temperature=T)
         ref, _ = sequence_logprobs(reference.model, sequences, temperature=T)
     kl = ((old - ref).double() * mask).tolist()
-    expected, values, seq_kls = [], [], []
+    expected, values, seq_kls, clipped_before_last = [], [], [], 0
     for b in range(len(sequences)):
         cols = [t for t in range(mask.shape[1]) if mask[b, t]]
         token_rewards = [-beta * kl[b][t] for t in cols]
         token_rewards[-1] += float(rewards[b])
+        if reward_clip is not None:
+            clipped_before_last += sum(abs(r) > reward_clip for r in token_rewards[:-1])
+            token_rewards = [max(-reward_clip, min(reward_clip, r)) for r in token_rewards]
         returns = [sum(token_rewards[i:]) for i in range(len(cols))]
         expected.append(returns)
         values += returns
         seq_kls.append(sum(kl[b][t] for t in cols) / len(cols))
+    assert clipped_before_last >= (0 if reward_clip is None else 2)  # the clip reaches inner tokens
     mean = sum(values) / len(values)
     var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
     expected = [[max(-clip, min(clip, (v - mean) / math.sqrt(var + 1e-8))) for v in row] for row in expected]
