@@ -106,18 +106,18 @@ def test_pp2_vpp2_run_matches_world_of_one_and_resumes_exactly(tmp_path):
     (per-chunk sharded state) takes step 3 exactly as the uninterrupted run does.
 
     Micro-batches of 6 of a rank's 16 rows: 3 per mini-batch, run as 4 (one zero-loss filler),
-    with the MoE aux loss on, which fillers must not add to."""
-    model = tiny(vocab_size=80, num_layers=4, aux_loss_coeff=0.01)
-    hf = make_tiny_hf_checkpoint(tmp_path / "init", model, seed=5)
+    with the MoE aux loss on (RL's algorithm.aux_loss_coeff: the checkpoint's is not used), which
+    fillers must not add to."""
+    hf = make_tiny_hf_checkpoint(tmp_path / "init", tiny(vocab_size=80, num_layers=4), seed=5)
     config = tmp_path / "run.yaml"
     config.write_text(CONFIG.format(hf=hf))
-    short = ["eval.num_problems=8", "trainer.micro_batch_size=6", "trainer.steps=3"]
+    short = ["eval.num_problems=8", "trainer.micro_batch_size=6", "algorithm.aux_loss_coeff=0.01"]
     vpp = ["parallel.pipeline_parallel=2", "parallel.virtual_pipeline=2", "--nproc", "2"]
-    single = run(config, tmp_path / "world1", *short)
-    chunked = run(config, tmp_path / "vpp", *short, *vpp)
+    single = run(config, tmp_path / "world1", *short, "trainer.steps=3")
+    chunked = run(config, tmp_path / "vpp", *short, "trainer.steps=3", *vpp)
     assert_follows_world_of_one(single, chunked, steps=[0, 1, 2, 3])
-    run(config, tmp_path / "resumed", *short[:2], "trainer.steps=2", *vpp)
-    resumed = run(config, tmp_path / "resumed", *short, "trainer.resume=true", *vpp)
+    run(config, tmp_path / "resumed", *short, "trainer.steps=2", *vpp)
+    resumed = run(config, tmp_path / "resumed", *short, "trainer.steps=3", "trainer.resume=true", *vpp)
     assert resumed[-1]["step"] == 3
     for key in (
         "rollout/reward_mean",
