@@ -138,6 +138,10 @@ class GenerationEngine:
         self._paused = False
         self._retract = False
         self._seed_stream = torch.Generator().manual_seed(seed)
+        self.tokens_generated = 0
+        """Output tokens decoded since start (all rows, all requests): /get_server_info's
+        `num_generated_tokens`, which tells a caller that a generation is under way and how far,
+        e.g. a test that must land a weight sync after the first N tokens and not before."""
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(self.device).eval()
         cfg = self.model.config
@@ -352,6 +356,7 @@ class GenerationEngine:
                 outputs[b].append(step_tokens[i])
                 out_lps[b].append(step_lps[i])
                 finish[b] = self._finish_reason(it.sampling, step_tokens[i], len(outputs[b]))
+                self.tokens_generated += 1
             going = [i for i, b in enumerate(rows) if finish[b] is None]
             if not going:
                 break

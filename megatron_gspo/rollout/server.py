@@ -21,7 +21,10 @@ What it implements, and how it differs from SGLang:
   generated; `in_place` / `retract` halt them at a step boundary, KV cache kept / recomputed,
   while weight updates run), /continue_generation, /abort_request (by `rid`, or `abort_all`),
   /flush_cache (no-op: there is no cache between requests); GET /health, /health_generate, /get_model_info,
-  /get_server_info, /get_weight_version (and their un-prefixed aliases).
+  /get_server_info, /get_weight_version (and their un-prefixed aliases). /get_server_info also
+  reports `num_generated_tokens` (not SGLang's): the output tokens decoded since start, so that
+  a caller sees a generation under way and how far it got (tests land a weight sync after the
+  first N tokens by it, not by a sleep).
 - `--dp-size N` makes /get_server_info report SGLang's `dp_size: N` and, above 1, refuses
   what SGLang refuses on a server launched with --dp-size > 1 (/init_weights_update_group,
   /update_weights_from_tensor: its assertion's 500); generation stays one replica.
@@ -370,6 +373,7 @@ class RolloutService:
             "return_original_logprob": self.engine.return_original_logprob,
             "max_running_requests": self.scheduler.max_batch_size,
             "num_pending_requests": self.scheduler.num_pending,
+            "num_generated_tokens": self.engine.tokens_generated,  # not SGLang's: see the module doc
             "version": "embedded",
         }
 

@@ -39,6 +39,33 @@ class EmbeddedServer:
         """The last lines the server printed (stdout and stderr), for error reports."""
         return "".join(self._tail)
 
+    def generated_tokens(self) -> int:
+        """Output tokens the server has decoded since start (/get_server_info's `num_generated_tokens`)."""
+        return int(httpx.get(f"{self.url}/get_server_info", timeout=30).json()["num_generated_tokens"])
+
+    def wait_for_tokens(self, count: int, *, timeout: float = 120.0) -> int:
+        """Block until the server has decoded at least `count` output tokens since start.
+
+        How a caller lands something (a pause, a weight sync) after a generation's first tokens
+        rather than after a guessed sleep: read `generated_tokens()` before starting it, then wait
+        for that plus N.
+
+        Returns:
+            The count reached (>= `count`).
+
+        Raises:
+            TimeoutError: not reached within `timeout` s (a hang guard, not a measurement).
+            RuntimeError: the server exited.
+        """
+        deadline = time.monotonic() + timeout
+        while (done := self.generated_tokens()) < count:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"embedded server exited with {self.process.returncode}:\n{self.output}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{done} of {count} tokens generated after {timeout} s")
+            time.sleep(0.005)
+        return done
+
     def terminate(self, timeout: float = 10.0) -> None:
         """Stop the server (SIGTERM, then SIGKILL after `timeout` s)."""
         if self.process.poll() is None:

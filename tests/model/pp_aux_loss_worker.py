@@ -4,6 +4,11 @@ Only the aux loss backpropagates (the policy loss is the log-probs times 0). Eve
 `<out>.rank<r>.json` with the max |router grad - expected| of its stage, where expected is
 sum_i scale_i x (micro-batch i alone at scale 1), for `AuxLossWeights` and, as the negative
 control, for megatron's own schedule scale (1 / num_microbatches for every micro-batch).
+
+`--virtual-pipeline 2`: two model chunks per stage (interleaved 1F1B). The 3 micro-batches then
+run as 4 and each one alone as 4: filler micro-batches, copies of the last real one, whose
+aux-loss gradient must be zero. A filler that added it would count micro-batch 3 once more in
+the weighted run and each micro-batch 4 times alone: `weighted` would show it.
 """
 
 import argparse
@@ -32,11 +37,13 @@ def router_grads(model, batches, hooks):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--virtual-pipeline", type=int, default=None)
     args = parser.parse_args()
-    parallel = ParallelConfig(pipeline_parallel=2)
+    parallel = ParallelConfig(pipeline_parallel=2, virtual_pipeline=args.virtual_pipeline)
     init_distributed(parallel, seed=7)
     engine = EngineConfig(recompute_activations=True)
-    model = build_model(tiny(vocab_size=32, init_std=0.2), parallel, engine, aux_loss_coeff=0.5).train()
+    arch = tiny(vocab_size=32, init_std=0.2, num_layers=2 * (args.virtual_pipeline or 1))
+    model = build_model(arch, parallel, engine, aux_loss_coeff=0.5).train()
     gen = torch.Generator().manual_seed(0)
     batches = [pack_sequences([torch.randint(3, 32, (n,), generator=gen)]) for n in (5, 11, 8)]
     unit = [torch.tensor(1.0)]

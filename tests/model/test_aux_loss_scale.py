@@ -79,16 +79,24 @@ def test_megatron_backward_applies_the_per_micro_batch_weight(aux_model):
 
 
 @pytest.mark.multiprocess
-def test_pipeline_backward_applies_each_micro_batch_its_own_weight(tmp_path):
+@pytest.mark.parametrize("virtual_pipeline", [None, 2], ids=["pp2", "pp2_vpp2"])
+def test_pipeline_backward_applies_each_micro_batch_its_own_weight(tmp_path, virtual_pipeline):
     """PP2, 1F1B, recompute: megatron resets the class-level scale after every forward, and stage 0
-    runs the next forward before each backward; the weight set at backward start still wins."""
+    runs the next forward before each backward; the weight set at backward start still wins.
+
+    With two model chunks per stage (interleaved 1F1B) the micro-batches are padded with fillers,
+    copies of the last real one: their aux-loss gradient must be zero, or the weighted run and the
+    runs alone (3 fillers each) stop adding up."""
     worker = Path(__file__).with_name("pp_aux_loss_worker.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
+    cmd += ["--out", str(tmp_path / "aux")]
+    if virtual_pipeline:
+        cmd += ["--virtual-pipeline", str(virtual_pipeline)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*cmd, "--out", str(tmp_path / "aux")], env=env, capture_output=True, text=True)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     for rank in range(2):
         result = json.loads((tmp_path / f"aux.rank{rank}.json").read_text())
         assert result["grad_abs"] > 0.1  # the aux loss reaches this stage's routers
-        assert result["weighted"] <= 1e-6
+        assert result["weighted"] <= 1e-6, (rank, result)
         assert result["megatron_scale"] > 0.1  # what the schedule alone would give: caught

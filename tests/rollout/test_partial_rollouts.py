@@ -3,13 +3,15 @@
 Each segment's log-probs and routed experts are checked against a teacher-forced pass of
 the weights that generated it (checkpoint a before the sync, b after), over the whole
 merged sequence: a segment is the continuation of prompt + earlier tokens under its version.
+
+The sync begins once the server reports TOKENS_IN output tokens of each row decoded
+(/get_server_info's num_generated_tokens), not after a sleep: the first segments are at least
+that long, and LONG leaves the generation far from its end.
 """
 
 import base64
 import threading
-import time
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -30,6 +32,7 @@ TEMPERATURE = 0.8
 # fp32 decoding token by token (KV cache) vs one teacher-forced forward over up to ~490 positions:
 # float noise up to 1.2e-5 was seen (CI); the other version's weights differ by > 1e-2.
 DECODE_TOL = 5e-5
+TOKENS_IN = 16  # output tokens of each row decoded before the sync begins
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +77,9 @@ def test_sync_mid_generation_gives_segments_with_their_versions_logprobs_and_rou
         ]
         holder = {}
         thread = threading.Thread(target=lambda: holder.setdefault("r", partial.generate(bodies)))
+        before = server.generated_tokens()
         thread.start()
-        deadline = time.monotonic() + 60
-        while httpx.get(f"{server.url}/get_server_info").json()["num_pending_requests"] == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        time.sleep(0.15)  # some tokens in
+        server.wait_for_tokens(before + TOKENS_IN * len(bodies))  # the rows decode in one batch
         with partial.sync():
             client.update_weights_from_disk(str(b), weight_version=1)
         thread.join(300)
@@ -88,7 +88,7 @@ def test_sync_mid_generation_gives_segments_with_their_versions_logprobs_and_rou
     for prompt, body, response in zip(PROMPTS, bodies, responses):
         segments = segments_of(response)
         assert [s.weight_version for s in segments] == ["0", "1"]
-        assert segments[0].start == 0 and segments[1].start == segments[0].length > 0
+        assert segments[0].start == 0 and segments[1].start == segments[0].length >= TOKENS_IN
         assert sum(s.length for s in segments) == LONG
         sample = parse_generate_response(
             prompt, response, rid=body["rid"], expect_routed_experts=True, vocab_size=CFG.vocab_size,

@@ -165,3 +165,17 @@ def test_bf16_engine_logprobs_are_those_of_bf16_logits(ckpt):
     assert (lps[torch.bfloat16] - ref).abs().max() < 1e-5
     diff = (lps[torch.bfloat16] - lps[torch.float32]).abs()
     assert 1e-3 < diff.mean() < 0.05 and diff.max() < 0.5, (diff.max(), diff.mean())
+
+
+def test_tokens_generated_counts_every_decoded_output_token(ckpt):
+    """The counter behind /get_server_info's num_generated_tokens: one per output token, all rows."""
+    engine = GenerationEngine(ckpt)
+    assert engine.tokens_generated == 0
+    options = [
+        SamplingOptions(max_new_tokens=n, temperature=1.0, sampling_seed=n, ignore_eos=True) for n in (3, 5)
+    ]
+    outs = engine.generate([GenerationInput(PROMPT, o) for o in options])
+    assert [len(o.output_ids) for o in outs] == [3, 5]
+    assert engine.tokens_generated == 8
+    engine.generate([GenerationInput(PROMPT, SamplingOptions(max_new_tokens=2, ignore_eos=True))])
+    assert engine.tokens_generated == 10

@@ -6,10 +6,13 @@ SGLang 0.5.x's modes (`PauseGenerationReqInput`): `abort` returns the running re
 recomputes the cache with the weights served at /continue_generation. Each is checked against
 teacher-forced passes of the two checkpoints: the tokens before the pause carry the old
 weights' log-probs, those after it the new weights' (retract) or neither (in_place's old cache).
+
+A pause or abort lands once the server reports TOKENS_IN output tokens of the generation decoded
+(/get_server_info's num_generated_tokens), not after a sleep: the tokens before it are at least
+that many, and LONG leaves the generation far from its end.
 """
 
 import threading
-import time
 
 import httpx
 import pytest
@@ -30,6 +33,7 @@ LONG = 480  # tokens (the context is 512): the pause lands well inside the gener
 # fp32 decoding token by token (KV cache) vs one teacher-forced forward over up to ~490 positions:
 # float noise up to ~1.2e-5 was seen; the other version's weights differ by > 1e-3.
 DECODE_TOL = 5e-5
+TOKENS_IN = 16  # output tokens decoded before the test pauses or aborts the generation
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +59,9 @@ def teacher_forced_logprobs(path, output_ids, temperature=1.0):
     return lp.gather(1, torch.tensor(output_ids)[:, None])[:, 0]
 
 
-def start_generation(url, rid):
-    """A long seeded generation in a thread; returns (thread, holder of its response)."""
+def start_generation(server, rid):
+    """A long seeded generation in a thread, TOKENS_IN tokens in; returns (thread, holder of its response)."""
+    url = server.url
     holder = {}
     body = {
         "input_ids": PROMPT,
@@ -77,12 +82,9 @@ def start_generation(url, rid):
             holder["error"] = err
 
     thread = threading.Thread(target=post)
+    before = server.generated_tokens()  # the server is idle: what follows is this generation's
     thread.start()
-    deadline = time.monotonic() + 60
-    while httpx.get(f"{url}/get_server_info").json()["num_pending_requests"] == 0:
-        assert time.monotonic() < deadline, "the generation never reached the server"
-        time.sleep(0.01)
-    time.sleep(0.15)  # some tokens in (the first comes with the prefill, before any pause point)
+    server.wait_for_tokens(before + TOKENS_IN)
     return thread, holder
 
 
@@ -100,7 +102,7 @@ def test_weight_update_while_paused_mid_generation(server, checkpoints, mode):
     a, b = checkpoints
     url = server.url
     httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(a), "weight_version": "0"})
-    thread, holder = start_generation(url, f"held-{mode}")
+    thread, holder = start_generation(server, f"held-{mode}")
     answer = httpx.post(f"{url}/pause_generation", json={"mode": mode}, timeout=60).json()
     assert answer["status"] == "ok"
     assert httpx.get(f"{url}/health_generate").status_code == 503  # paused: no token can come
@@ -119,7 +121,7 @@ def test_weight_update_while_paused_mid_generation(server, checkpoints, mode):
     ref_a = teacher_forced_logprobs(a, ids)
     ref_b = teacher_forced_logprobs(b, ids)
     n = first_mismatch(got, ref_a)
-    assert 0 < n < LONG  # the update landed mid-generation
+    assert TOKENS_IN <= n < LONG  # the update landed mid-generation, after the tokens seen
     assert (got[:n] - ref_a[:n]).abs().max() < DECODE_TOL  # before the pause: the old weights
     after = (got[n:] - ref_b[n:]).abs().max()
     if mode == "retract":  # cache recomputed with b: exactly b's teacher-forced log-probs
@@ -132,13 +134,13 @@ def test_abort_mode_returns_the_tokens_so_far_and_holds_new_requests(server, che
     a, _ = checkpoints
     url = server.url
     httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(a), "weight_version": "0"})
-    thread, holder = start_generation(url, "aborted-by-pause")
+    thread, holder = start_generation(server, "aborted-by-pause")
     httpx.post(f"{url}/pause_generation", json={"mode": "abort"}, timeout=60)
     thread.join(60)
     response = holder["r"]
     ids = response["output_ids"]
     assert response["meta_info"]["finish_reason"]["type"] == "abort"
-    assert 0 < len(ids) < LONG and response["meta_info"]["weight_version"] == "0"
+    assert TOKENS_IN <= len(ids) < LONG and response["meta_info"]["weight_version"] == "0"
     assert (logprobs_of(response) - teacher_forced_logprobs(a, ids)).abs().max() < DECODE_TOL
     later, held = start_generation_while_paused(url)
     later.join(0.5)
@@ -162,13 +164,13 @@ def test_abort_request_by_rid_ends_a_running_generation_only(server, checkpoints
     a, _ = checkpoints
     url = server.url
     httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(a), "weight_version": "0"})
-    thread, holder = start_generation(url, "to-abort")
+    thread, holder = start_generation(server, "to-abort")
     assert httpx.post(f"{url}/abort_request", json={"rid": "someone-else"}).status_code == 200
     assert httpx.post(f"{url}/abort_request", json={"rid": "to-abort"}).status_code == 200
     thread.join(60)
     response = holder["r"]
     assert response["meta_info"]["finish_reason"]["type"] == "abort"
-    assert 0 < len(response["output_ids"]) < LONG
+    assert TOKENS_IN <= len(response["output_ids"]) < LONG
     got, ids = logprobs_of(response), response["output_ids"]
     assert (got - teacher_forced_logprobs(a, ids)).abs().max() < DECODE_TOL
 
@@ -176,7 +178,7 @@ def test_abort_request_by_rid_ends_a_running_generation_only(server, checkpoints
 def test_sigterm_with_a_request_held_mid_generation_exits_within_the_grace(checkpoints):
     """In-flight requests get SHUTDOWN_GRACE_S, not aiohttp's 60 s: the server exits and the client hears."""
     with launch_embedded_server(checkpoints[0]) as srv:
-        thread, holder = start_generation(srv.url, "held-at-exit")
+        thread, holder = start_generation(srv, "held-at-exit")
         httpx.post(f"{srv.url}/pause_generation", json={"mode": "in_place"}, timeout=60)
         srv.process.terminate()
         # Before the fix it hung > 60 s (aiohttp's own shutdown wait, then the held batch's join).

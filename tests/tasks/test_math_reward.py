@@ -1,4 +1,3 @@
-import time
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 
@@ -155,22 +154,48 @@ def test_answers_match_is_symmetric_on_the_table():
             assert answers_match(reference, content) == answers_match(content, reference) == (reward == 1.0)
 
 
-@pytest.mark.parametrize(
-    "hostile",
-    [
-        r"9^{99^{99}}",
-        r"((9^{99})^{99})^{99}",
-        "__import__('os').system('true')",
-        "1" * 500,
-        r"10^{10^{10}}",
-        "1000000!",
-        "99!!",
-    ],
-)
-def test_hostile_answers_are_rejected_quickly(hostile):
-    start = time.perf_counter()
-    assert math_reward(rf"\boxed{{{hostile}}}", "1").reward == 0.0
-    assert time.perf_counter() - start < 2.0
+# Answers sympy would evaluate for minutes (exact powers, factorials) or that are too long to try.
+COSTLY = [r"9^{99^{99}}", r"((9^{99})^{99})^{99}", "1" * 500, r"10^{10^{10}}", "1000000!", "99!!"]
+
+
+@pytest.fixture
+def math_verify_calls(monkeypatch):
+    """math-verify's parse and verify as the reward calls them, each call's arguments recorded.
+
+    A call that carries one of the COSTLY answers fails at once (AssertionError) instead of
+    running sympy on it: what would take minutes is seen as a call, not as a time.
+    """
+    import math_verify
+
+    calls = []
+
+    def spy(name, real):
+        def call(*args, **kwargs):
+            calls.append((name, args))
+            if any(costly in str(args) for costly in COSTLY):
+                raise AssertionError(f"math-verify {name} got {str(args)[:80]}: past the cost guard")
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(math_verify, "parse", spy("parse", math_verify.parse))
+    monkeypatch.setattr(math_verify, "verify", spy("verify", math_verify.verify))
+    return calls
+
+
+@pytest.mark.parametrize("costly", COSTLY)
+def test_costly_answers_are_rejected_before_math_verify(costly, math_verify_calls):
+    """The cost guard (or the fast path) decides: no call reaches sympy, so none can run for minutes."""
+    assert math_reward(rf"\boxed{{{costly}}}", "1").reward == 0.0
+    assert math_verify_calls == []
+
+
+def test_code_in_an_answer_is_parsed_never_run(tmp_path, math_verify_calls):
+    marker = tmp_path / "ran"
+    code = f"__import__('pathlib').Path('{marker}').touch()"
+    assert math_reward(rf"\boxed{{{code}}}", "1").reward == 0.0
+    assert [name for name, _ in math_verify_calls][:1] == ["parse"]  # math-verify did read it
+    assert not marker.exists()
 
 
 def test_empty_reference_is_a_data_error():
@@ -219,9 +244,9 @@ def test_gsm8k_completion_line_is_an_answer():
     assert extract_answer("no answer here") == (None, ParseStatus.NO_ANSWER)
 
 
-def test_math_verify_runs_on_worker_threads():
+def test_math_verify_runs_on_worker_threads(math_verify_calls):
     """math-verify's SIGALRM timeout only works on the main thread; off it the reward still works
-    (no "signal only works in main thread" error) and the cost guard still rejects towers fast."""
+    (no "signal only works in main thread" error) and the cost guard still keeps towers from sympy."""
     cases = [
         (r"\boxed{x+1}", "1+x", 1.0),
         (r"\boxed{\{1,2\}}", r"\{2,1\}", 1.0),
@@ -230,8 +255,7 @@ def test_math_verify_runs_on_worker_threads():
     cases += [
         (rf"\boxed{{{h}}}", "1", 0.0) for h in (r"9^{99^{99}}", r"((9^{99})^{99})^{99}", "1000000!", "99!!")
     ]
-    start = time.perf_counter()
     with ThreadPoolExecutor(2) as pool:
         rewards = list(pool.map(lambda case: math_reward(case[0], case[1]).reward, cases))
     assert rewards == [reward for *_, reward in cases]
-    assert time.perf_counter() - start < 10.0
+    assert {name for name, _ in math_verify_calls} == {"parse", "verify"}  # the first three asked it

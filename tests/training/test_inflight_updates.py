@@ -4,12 +4,14 @@ The producer's batch is a long generation on a real embedded server; the sync (a
 to another checkpoint) must neither wait for it (the gate does not drain it) nor lose it:
 under `pause` the request is held and finishes under the new version, under `partial` it is
 cut and resumed as a second segment.
+
+The sync begins once the server reports TOKENS_IN output tokens decoded (/get_server_info's
+num_generated_tokens), not after a sleep; inside it the count must stay short of LONG: the
+generation is held (or cut) mid-way while the weights change.
 """
 
 import threading
-import time
 
-import httpx
 import pytest
 
 from megatron_gspo.model.config import tiny
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.slow  # a weight sync landing mid-batch on a live serve
 TOKENIZER = build_char_tokenizer()
 CFG = tiny(vocab_size=len(TOKENIZER), init_std=0.2)
 LONG = 480  # the context is 512: the sync lands mid-generation on a fast box too
+TOKENS_IN = 16  # output tokens decoded before the sync begins
 
 
 @pytest.fixture(scope="module")
@@ -55,18 +58,19 @@ def test_sync_lands_mid_batch_and_the_batch_survives(checkpoints, mode):
             return generate([body])[0]
 
         producer = RolloutProducer(produce, 1, lambda: 0, lambda batch: 1, wait_in_flight=False)
+        before = server.generated_tokens()
         with producer:
-            started.wait(60)
-            deadline = time.monotonic() + 60
-            while httpx.get(f"{server.url}/get_server_info").json()["num_pending_requests"] == 0:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            time.sleep(0.15)
+            assert started.wait(60)
+            server.wait_for_tokens(before + TOKENS_IN)
             with inflight.around_sync(producer):
                 client.update_weights_from_disk(str(b), weight_version=1)
+                during = server.generated_tokens() - before  # held (pause) or cut (partial) here
             response = producer.take(1).item.batch
     # Started at version 0 and finished by version 1: the sync landed while it was generating.
+    assert TOKENS_IN <= during < LONG  # the weights changed while the generation was part-way
     assert len(response["output_ids"]) == LONG
     assert response["meta_info"]["weight_version"] == "1"
     if mode == "partial":
-        assert [s.weight_version for s in segments_of(response)] == ["0", "1"]
+        segments = segments_of(response)
+        assert [s.weight_version for s in segments] == ["0", "1"]
+        assert segments[0].length >= TOKENS_IN

@@ -5,6 +5,10 @@ sent before step 1); with SFT the server still starts from the checkpoint and th
 its SFT weights into it first. Either way step 1's train/inference mismatch is fp32 noise (~1e-7
 nats): a server left on the pre-SFT weights would differ by O(0.1). (Without SFT the random
 policy scores nothing, so step 1 skips its update and measures no mismatch.)
+
+An external server that does not serve the trainer's weights is synced at start-up: a run of no
+steps (only the cold-start evaluation) leaves it on the trainer's weight version, and its prompt
+log-probs are the checkpoint's (computed here from the checkpoint itself), not the other weights'.
 """
 
 import os
@@ -12,7 +16,9 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
+import torch
 
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
@@ -75,6 +81,7 @@ def external_server(checkpoint):
 
 
 def _train_against(url, checkpoint, tmp_path):
+    """A run of no steps: start-up (and its sync), the cold-start evaluation, nothing sent after."""
     cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", str(tmp_path / "run.yaml")]
     (tmp_path / "run.yaml").write_text(
         f"model: {{hf_path: {checkpoint}}}\n"
@@ -83,32 +90,68 @@ def _train_against(url, checkpoint, tmp_path):
         f"rollout: {{rollout_batch_size: 2, group_size: 2, max_new_tokens: 4, server_urls: [{url}]}}\n"
         "algorithm: {num_mini_batches: 1}\n"
         "eval: {at_start: true, at_end: false, every: 0, num_problems: 4}\n"
-        f"trainer: {{steps: 1, run_dir: {tmp_path / 'run'}}}\n"
+        f"trainer: {{steps: 0, run_dir: {tmp_path / 'run'}}}\n"
         "logging: {progress_bar: false}\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
 
 
+PROMPT = list(range(3, 40))  # token ids of the character tokenizer
+
+
+def served_logprobs(url: str) -> torch.Tensor:
+    """The server's log-probs of `PROMPT`'s tokens after the first ([len - 1])."""
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    out = httpx.post(f"{url}/generate", json=body, timeout=120).json()
+    return torch.tensor([lp for lp, _token, _text in out["meta_info"]["input_token_logprobs"][1:]])
+
+
+def checkpoint_logprobs(path) -> torch.Tensor:
+    """`PROMPT`'s log-probs under the HF checkpoint at `path`, computed here (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
+
+
+def served_version(url: str) -> str:
+    return httpx.get(f"{url}/get_weight_version", timeout=60).json()["weight_version"]
+
+
 def test_external_server_of_another_version_is_synced_before_the_cold_start_eval(
     checkpoint, external_server, tmp_path
 ):
+    assert served_version(external_server) == "default"
     done = _train_against(external_server, checkpoint, tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     said = f"start-up: {external_server} serves weight_version 'default', the trainer's is 0: syncing"
     assert said in done.stderr
     assert done.stderr.index(said) < done.stderr.index("cold-start held-out accuracy")
+    assert served_version(external_server) == "0"  # synced, not only warned about
+    torch.testing.assert_close(served_logprobs(external_server), checkpoint_logprobs(checkpoint))
 
 
 def test_external_server_on_other_weights_is_synced(checkpoint, external_server, tmp_path):
     other = make_tiny_hf_checkpoint(tmp_path / "other", tiny(vocab_size=80), build_char_tokenizer(), seed=1)
-    import httpx  # an earlier run left the server on its weights, at version "0"
-
+    # an earlier run left the server on its weights, at version "0"
     body = {"model_path": str(other), "weight_version": "0"}
     assert httpx.post(f"{external_server}/update_weights_from_disk", json=body, timeout=120).json()["success"]
+    stale = served_logprobs(external_server)
+    want = checkpoint_logprobs(checkpoint)
+    assert (stale - want).abs().max() > 0.1  # the other weights show in the log-probs
     done = _train_against(external_server, checkpoint, tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     assert f"start-up: {external_server} serves {other}, not {checkpoint}: syncing" in done.stderr
+    assert served_version(external_server) == "0"
+    torch.testing.assert_close(served_logprobs(external_server), want)  # the trainer's weights, served
 
 
 def test_external_server_lost_mid_run_is_one_line(checkpoint, tmp_path):
