@@ -3,6 +3,11 @@
 A test that starts several processes (torchrun, gloo) is also `slow`, and so is a test on the
 `short_run` fixture (a real training run): `pytest -m "not slow"` is the quick subset, every
 module, single-process tests of seconds.
+
+With `MEGATRON_GSPO_NO_SKIPS=1` (set by `.ci/run`) a skip fails the test, unless it is for what
+a CPU box cannot have (`tests/gpu/`: CUDA devices, TransformerEngine) or for a megatron-core line
+the test does not apply to: a test that skips because SGLang's receiver environment, the router
+or a system tool is missing would otherwise pass CI unseen.
 """
 
 import os
@@ -11,8 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
+GPU_TESTS = REPO / "tests" / "gpu"
+SKIP_ALLOWED_REASONS = ("megatron-core",)  # the test is for another megatron-core line
 SHORT_RUN = [
     "--config",
     str(REPO / "configs" / "tiny_moe_cpu.yaml"),
@@ -38,12 +46,20 @@ def short_run(tmp_path_factory) -> Path:
 
     Its metrics hold rewards, accuracy, KL, clip fractions, mismatch by length and per-layer
     drift; tools and reports are tested on it as a user would point them at their own run.
+    Under pytest-xdist the workers share one run: the first to need it trains, the others wait.
     """
-    run_dir = tmp_path_factory.mktemp("short_run") / "run"
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", *SHORT_RUN, f"trainer.run_dir={run_dir}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # this session's folder, above each worker's own
+    run_dir, finished = shared / "short_run" / "run", shared / "short_run" / "finished"
+    with FileLock(shared / "short_run.lock"):
+        if not finished.is_file():
+            cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", *SHORT_RUN]
+            cmd.append(f"trainer.run_dir={run_dir}")
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, done.stderr[-4000:]
+            finished.touch()
     return run_dir
 
 
@@ -52,3 +68,19 @@ def pytest_collection_modifyitems(items):
         expensive = item.get_closest_marker("multiprocess") is not None or "short_run" in item.fixturenames
         if expensive and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
+    # The modules holding slow tests first: under pytest-xdist (`-n 2 --dist loadscope`, a module's
+    # tests on one worker, its module-scoped fixtures made once) the tail is then a quick module's.
+    slow_modules = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow_modules)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if not report.skipped or not os.environ.get("MEGATRON_GSPO_NO_SKIPS") or GPU_TESTS in item.path.parents:
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if not any(allowed in reason for allowed in SKIP_ALLOWED_REASONS):
+        report.outcome = "failed"
+        report.longrepr = f"skipped, and MEGATRON_GSPO_NO_SKIPS=1 wants it run: {reason}"

@@ -50,6 +50,27 @@ def _launch(
     return torch.load(f"{out}.pt", weights_only=False), done.stderr
 
 
+@pytest.fixture(scope="module")
+def saved_at(tmp_path_factory):
+    """`saved_at(**layout)`: a `save` run of that layout, launched once for the module's tests.
+
+    Returns (checkpoint root, the save run's result, its global weights as a `--reference` file);
+    `load` runs only read the root.
+    """
+    runs = {}
+
+    def get(**layout):
+        key = tuple(sorted(layout.items()))
+        if key not in runs:
+            folder = tmp_path_factory.mktemp("saved")
+            result, _ = _launch("save", folder / "ckpt", folder / "saved", **layout)
+            torch.save(result["weights"], folder / "weights.pt")
+            runs[key] = (folder / "ckpt", result, folder / "weights.pt")
+        return runs[key]
+
+    return get
+
+
 def _max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
@@ -57,15 +78,11 @@ def _max_diff(a: dict, b: dict) -> float:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("distopt", [False, True], ids=["adam", "distributed_optimizer"])
-def test_tp2_checkpoint_resumes_at_ep2_and_at_world_one(tmp_path, distopt):
-    root = tmp_path / "ckpt"
-    saved, _ = _launch("save", root, tmp_path / "tp2", tp=2, distopt=distopt)
-    torch.save(saved["weights"], tmp_path / "weights.pt")
+def test_tp2_checkpoint_resumes_at_ep2_and_at_world_one(tmp_path, saved_at, distopt):
+    root, saved, reference = saved_at(tp=2, distopt=distopt)
     assert saved["adam_step"] == 2 and saved["trainer_step"] == 2
     for name, layout in {"ep2": {"ep": 2}, "tp1ep1": {}}.items():
-        resumed, log = _launch(
-            "load", root, tmp_path / name, distopt=distopt, reference=tmp_path / "weights.pt", **layout
-        )
+        resumed, log = _launch("load", root, tmp_path / name, distopt=distopt, reference=reference, **layout)
         assert "random streams are not restored" in log, name
         weights = resumed["weights"]
         assert weights.keys() == saved["weights"].keys()
@@ -114,18 +131,11 @@ def _assert_resumed_like_saved(resumed: dict, saved: dict, name: str, *, moments
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("distopt", [False, True], ids=["adam", "distributed_optimizer"])
-def test_tp2_checkpoint_resumes_at_pp2(tmp_path, distopt):
-    """Each stage loads its layers by their global keys, Adam state included."""
-    saved, _ = _launch("save", tmp_path / "from_tp2", tmp_path / "tp2", tp=2, distopt=distopt)
-    torch.save(saved["weights"], tmp_path / "tp2_weights.pt")
-    resumed, log = _launch(
-        "load",
-        tmp_path / "from_tp2",
-        tmp_path / "pp2",
-        pp=2,
-        distopt=distopt,
-        reference=tmp_path / "tp2_weights.pt",
-    )
+def test_tp2_checkpoint_resumes_at_pp2(tmp_path, saved_at, distopt):
+    """Each stage loads its layers by their global keys, Adam state included (the TP2 checkpoint
+    is the one the EP2 / world-of-one test resumes)."""
+    root, saved, reference = saved_at(tp=2, distopt=distopt)
+    resumed, log = _launch("load", root, tmp_path / "pp2", pp=2, distopt=distopt, reference=reference)
     assert "random streams are not restored" in log and "PP=2" in log
     _assert_resumed_like_saved(
         resumed, saved, "TP2 -> PP2" + " (distributed optimizer)" * distopt, moments=not distopt

@@ -97,8 +97,9 @@ def test_weight_sync_sender_holds_about_two_buckets_of_gathered_tensors(model, g
     model_bytes, largest = sizes(model)
     peaks = synced_peaks(model, checkpoint, 2 * MIB, tmp_path)
     assert peaks["one bucket"] >= 2 * model_bytes, peaks  # the gathered tensors and their flat copy
-    # What the meter sees beside the tensors (request bodies, the finite check's masks): ~0.2 MiB.
-    assert peaks["buckets"] <= 2 * 2 * MIB + largest + MIB // 4, peaks
+    # What the meter sees beside the tensors (request bodies, the finite check's masks): ~0.2 MiB
+    # alone, 0.4 MiB seen in a pytest-xdist worker (its I/O thread allocates from the same heap).
+    assert peaks["buckets"] <= 2 * 2 * MIB + largest + 3 * MIB // 4, peaks
 
 
 def test_export_holds_one_shard_at_a_time(model, gathered_copies, tmp_path):
