@@ -9,18 +9,14 @@ documented format (the format `tests/rollout/test_validation.py` checks against 
 
 import numpy as np
 import pytest
-from rollout_standin import StandInServers
+from rollout_standin import ANSWER, TOKENIZER, VOCAB, StandInServers, generate_response
 
 from megatron_gspo.config import RolloutConfig
 from megatron_gspo.rollout import RolloutValidationError, StaleRolloutError
 from megatron_gspo.rollout.partial import PartialRollouts
 from megatron_gspo.rollout.types import Segment
 from megatron_gspo.tasks.arithmetic import AdditionTask
-from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 from megatron_gspo.training.rollout_step import RolloutEngine
-
-TOKENIZER = build_char_tokenizer()
-VOCAB = 80
 
 
 class GenerateResponses:
@@ -36,21 +32,10 @@ class GenerateResponses:
         return [self._response(body) for body in bodies]
 
     def _response(self, body):
-        ids = TOKENIZER.encode("7") + [TOKENIZER.eos_token_id]
+        ids = list(ANSWER)
         if body["rid"] == self.bad_rid:
             ids[0] = VOCAB + 3
-        meta = {
-            "id": body["rid"],
-            "prompt_tokens": len(body["input_ids"]),
-            "completion_tokens": len(ids),
-            "cached_tokens": 0,
-            "finish_reason": {"type": "stop", "matched": TOKENIZER.eos_token_id},
-            "output_token_logprobs": [[-0.5, t, None] for t in ids],
-            "output_token_logprobs_length": len(ids),
-            "weight_version": "0",
-            "e2e_latency": 0.01,
-        }
-        return {"text": "7", "output_ids": ids, "meta_info": meta}
+        return generate_response(body, ids, "0", {"type": "stop", "matched": TOKENIZER.eos_token_id})
 
 
 def sample(on_invalid, bad_rid="step1-p1-r0"):
