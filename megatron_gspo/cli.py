@@ -15,9 +15,7 @@ first), or a run directory: its newest intact checkpoint)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
-import os
 import sys
 
 # name -> (help, module, function adding the arguments, function running the command)
@@ -30,7 +28,7 @@ COMMANDS = {
     ),
     "parity": (
         "check a TP x EP layout against TP=EP=1",
-        "megatron_gspo.model.parity",
+        "megatron_gspo.analysis.parity",
         "add_parity_args",
         "run_parity",
     ),
@@ -71,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the sub-command and run it; returns the process exit status."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # the server owns its arguments (also `python -m megatron_gspo.rollout.server`)
-        from megatron_gspo.rollout.server import main as serve
+        from megatron_gspo.rollout.server.main import main as serve
 
         return serve(argv[1:])
     parser = argparse.ArgumentParser(
@@ -93,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _, module, _, run = COMMANDS[args.command]
-    from megatron_gspo.config import ConfigError
+    from megatron_gspo.errors import ConfigError, report_user_error
     from megatron_gspo.rollout.errors import RolloutFault
 
     try:
@@ -109,21 +107,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         report_user_error(f"megatron-gspo {args.command}: rollout server failed: {err}", code=1)
         return 1
-
-
-# Set by `train --nproc N` for its workers: the first worker to report a user error creates it,
-# so the message is printed once and the launcher knows not to dump torchrun's failure report.
-USER_ERROR_FILE_ENV = "MEGATRON_GSPO_USER_ERROR_FILE"
-
-
-def report_user_error(message: str, code: int = 2) -> None:
-    """Print a user error on stderr; under `train --nproc N` hand it and its exit code to the launcher."""
-    path = os.environ.get(USER_ERROR_FILE_ENV)
-    if not path:
-        print(message, file=sys.stderr, flush=True)
-        return
-    with contextlib.suppress(FileExistsError), open(path, "x") as f:  # the first worker wins
-        f.write(f"{code}\n{message}\n")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ megatron-gspo drift --a CKPT_A --b CKPT_B --config RUN/config.yaml --out report/
 megatron-gspo drift --a CKPT --dump rollouts.jsonl --out report/
 megatron-gspo drift --metrics runs/x/metrics.jsonl --a CKPT_A --b CKPT_B --out report/
 
-CKPT: an HF directory, a training checkpoint or a run directory (`training/checkpoint_source.py`).
+CKPT: an HF directory, a training checkpoint or a run directory (`checkpoint/source.py`).
 Prompts (with --b): see `analysis/tool_prompts.py` (chat template and BOS as the trainer's).
 """
 
@@ -18,8 +18,8 @@ import contextlib
 import json
 
 from megatron_gspo.analysis.tool_prompts import add_prompt_args, prompt_source
+from megatron_gspo.checkpoint.source import hf_checkpoint_dir
 from megatron_gspo.config import ConfigError
-from megatron_gspo.training.checkpoint_source import hf_checkpoint_dir
 
 
 def add_drift_args(parser: argparse.ArgumentParser) -> None:

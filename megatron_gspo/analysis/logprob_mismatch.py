@@ -325,7 +325,7 @@ def _server(checkpoint: str, url: str | None, extra_args: Sequence[str]) -> Iter
     if url:
         yield url
         return
-    from megatron_gspo.rollout.server_launch import launch_embedded_server
+    from megatron_gspo.rollout.server.launch import launch_embedded_server
 
     with launch_embedded_server(checkpoint, extra_args=extra_args) as server:
         yield server.url

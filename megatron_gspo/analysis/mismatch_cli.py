@@ -5,7 +5,7 @@ megatron-gspo mismatch --checkpoint CKPT --original-logprob --ignore-eos --out r
 megatron-gspo mismatch --checkpoint CKPT --server-url http://gpu-node:30000 --prompts p.jsonl --out r/
 megatron-gspo mismatch --checkpoint RUN_DIR --config RUN_DIR/config.yaml --out r/   (the run's task)
 
-CKPT: an HF directory, a training checkpoint or a run directory (`training/checkpoint_source.py`);
+CKPT: an HF directory, a training checkpoint or a run directory (`checkpoint/source.py`);
 prompts as `analysis/tool_prompts.py` says (chat template and BOS as the trainer's).
 
 Outputs: summary.json (every number), summary.md (a table of comparisons and one by response
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from megatron_gspo.analysis.logprob_mismatch import MismatchConfig, MismatchReport, run_mismatch
 from megatron_gspo.analysis.tool_prompts import PromptSource, add_prompt_args, prompt_source
-from megatron_gspo.training.checkpoint_source import hf_checkpoint_dir
+from megatron_gspo.checkpoint.source import hf_checkpoint_dir
 
 # ----------------------------------------------------------------------------- report
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_gspo.model.pipeline import MicroBatchHooks
+from megatron_gspo.model.micro_batch_hooks import MicroBatchHooks
 
 
 def aux_loss_scale(micro_normalizer: torch.Tensor, normalizer: torch.Tensor, dp_size: int) -> torch.Tensor:
@@ -59,3 +59,31 @@ class AuxLossWeights(MicroBatchHooks):
     def before_backward(self, i: int) -> None:
         """Weight micro-batch i's aux-loss gradient."""
         set_aux_loss_scale(self.scales[i])
+
+
+class FillerAuxScale:
+    """The aux-loss scale of a padded run: megatron's for the real count, zero for fillers."""
+
+    def __init__(self, real: int, config) -> None:
+        from megatron_gspo.model.context_parallel import context_parallel_state
+
+        self.scale = context_parallel_state()[0] / real  # megatron's: loss scale (1) x CP / count
+        self.per_token = config.calculate_per_token_loss
+
+    def real(self) -> MicroBatchHooks:
+        """The hook of a real micro-batch (runs before the caller's)."""
+        return _SetAuxScale(1.0 if self.per_token else self.scale)
+
+    def filler(self) -> MicroBatchHooks:
+        """The hook of a filler (runs after the caller's)."""
+        return _SetAuxScale(0.0)
+
+
+class _SetAuxScale(MicroBatchHooks):
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def before_backward(self, i: int) -> None:
+        from megatron_gspo.model.distributed import compute_device
+
+        set_aux_loss_scale(torch.tensor(self.scale, device=compute_device()))

@@ -1,6 +1,6 @@
 """Architecture of a Qwen3-MoE-shaped policy, and how it maps to HF and Megatron configs.
 
-One dataclass describes the network; `to_hf_config` / `from_hf_config` translate it to
+One dataclass describes the network; `hf_config.to_hf_config` / `from_hf_config` translate it to
 and from HF `Qwen3MoeConfig` fields (config.json), and `model/builder.py` turns it into a
 Megatron `TransformerConfig`. Presets: `tiny` (CPU tests and the demo), `qwen3_30b_a3b`
 and `qwen3_235b_a22b` (sizes of the released checkpoints; never instantiated on CPU).
@@ -102,19 +102,6 @@ class MoEModelConfig:
         moe = self.num_experts * 3 * h * self.moe_ffn_hidden_size + self.num_experts * h + h
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + moe) + emb + h
-
-    def to_hf_config(self) -> dict[str, Any]:
-        """Fields of an HF `Qwen3MoeConfig` (config.json) describing this architecture."""
-        from megatron_gspo.model.hf_config import to_hf_config
-
-        return to_hf_config(self)
-
-    @classmethod
-    def from_hf_config(cls, hf: dict[str, Any], where: str = "config.json") -> MoEModelConfig:
-        """Read an HF Qwen3-MoE config.json dict (`model/hf_config.py`: what is read, what is refused)."""
-        from megatron_gspo.model.hf_config import from_hf_config
-
-        return from_hf_config(hf, where)
 
     def replace(self, **changes: Any) -> MoEModelConfig:
         """A copy with some fields changed (validated again)."""

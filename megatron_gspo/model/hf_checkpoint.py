@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from transformers import GenerationConfig, PreTrainedTokenizerBase, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from megatron_gspo.model.config import MoEModelConfig, preset
+from megatron_gspo.model.hf_config import to_hf_config
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -336,7 +337,7 @@ class HFCheckpointWriter:
         (self.tmp / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2))
 
     def _write_config(self) -> None:
-        hf_cfg = self.model_cfg.to_hf_config()
+        hf_cfg = to_hf_config(self.model_cfg)
         if len(self._dtypes) == 1:
             hf_cfg["dtype"] = str(next(iter(self._dtypes))).removeprefix("torch.")
         tokenizer = self.tokenizer
@@ -427,7 +428,7 @@ def _replace_dir(src: Path, dst: Path) -> None:
 
 def build_hf_model(model_cfg: MoEModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32):
     """A randomly initialised HF `Qwen3MoeForCausalLM` (init std `model_cfg.init_std`), in eval mode."""
-    hf_config = Qwen3MoeConfig(**model_cfg.to_hf_config())
+    hf_config = Qwen3MoeConfig(**to_hf_config(model_cfg))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3MoeForCausalLM(hf_config)

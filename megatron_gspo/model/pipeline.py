@@ -38,39 +38,12 @@ from typing import TypeVar
 
 import torch
 
+from megatron_gspo.model.aux_loss import FillerAuxScale
 from megatron_gspo.model.logprobs import stage_forward
+from megatron_gspo.model.micro_batch_hooks import MicroBatchHooks, PerChunkHooks
 from megatron_gspo.model.packing import PackedBatch, unpack
 
 T = TypeVar("T")
-
-
-class MicroBatchHooks:
-    """Per-micro-batch callbacks of one schedule run (override what you need).
-
-    `i` is the micro-batch's index in the `batches` of `run_micro_batches`.
-    """
-
-    def before_forward(self, i: int) -> None:
-        """Right before this stage's forward of micro-batch i (not called for recompute)."""
-
-    def after_forward(self, i: int) -> None:
-        """Right after this stage's forward of micro-batch i."""
-
-    def before_backward(self, i: int) -> None:
-        """Right before this stage's backward (and activation recompute) of micro-batch i."""
-
-
-class PerChunkHooks(MicroBatchHooks):
-    """Hooks given in `hooks` that differ per model chunk (a virtual pipeline).
-
-    Chunk c's forwards and backwards fire `per_chunk[c]` only: state keyed by (chunk, micro-batch).
-
-    Args:
-        per_chunk: per chunk of the model, its hooks.
-    """
-
-    def __init__(self, per_chunk: Sequence[Sequence[MicroBatchHooks]]) -> None:
-        self.per_chunk = per_chunk
 
 
 def _chunk_view(hooks: Sequence[MicroBatchHooks], chunk: int) -> list[MicroBatchHooks]:
@@ -128,7 +101,7 @@ def run_micro_batches(
     chunk_index = {id(chunk): c for c, chunk in enumerate(chunks)}
     real = len(batches)
     num = _interleaved_count(real, len(chunks)) if len(chunks) > 1 else real
-    padding = _FillerAuxScale(real, chunks[0].config) if num > real else None
+    padding = FillerAuxScale(real, chunks[0].config) if num > real else None
 
     def forward_step(data_iterator, stage):
         index = next(data_iterator)
@@ -186,35 +159,6 @@ def _interleaved_count(num: int, chunks: int) -> int:
     while count * chunks <= 2 * (pp - 1) + (chunks - 1) * pp:
         count += pp
     return count
-
-
-class _FillerAuxScale:
-    """The aux-loss scale of a padded run: megatron's for the real count, zero for fillers."""
-
-    def __init__(self, real: int, config) -> None:
-        from megatron_gspo.model.context_parallel import context_parallel_state
-
-        self.scale = context_parallel_state()[0] / real  # megatron's: loss scale (1) x CP / count
-        self.per_token = config.calculate_per_token_loss
-
-    def real(self) -> MicroBatchHooks:
-        """The hook of a real micro-batch (runs before the caller's)."""
-        return _SetAuxScale(1.0 if self.per_token else self.scale)
-
-    def filler(self) -> MicroBatchHooks:
-        """The hook of a filler (runs after the caller's)."""
-        return _SetAuxScale(0.0)
-
-
-class _SetAuxScale(MicroBatchHooks):
-    def __init__(self, scale: float) -> None:
-        self.scale = scale
-
-    def before_backward(self, i: int) -> None:
-        from megatron_gspo.model.aux_loss import set_aux_loss_scale
-        from megatron_gspo.model.distributed import compute_device
-
-        set_aux_loss_scale(torch.tensor(self.scale, device=compute_device()))
 
 
 def _backward_start(hooks: Sequence[MicroBatchHooks], i: int):

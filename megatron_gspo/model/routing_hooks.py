@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from megatron_gspo.model.pipeline import MicroBatchHooks
+from megatron_gspo.model.micro_batch_hooks import MicroBatchHooks
 from megatron_gspo.model.routing import LayerRouting, RoutingCapture, RoutingReplay
 
 

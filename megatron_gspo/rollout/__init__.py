@@ -19,8 +19,8 @@ from megatron_gspo.rollout.errors import TokenIdError as TokenIdError
 from megatron_gspo.rollout.errors import WeightUpdateError as WeightUpdateError
 from megatron_gspo.rollout.errors import WeightVersionError as WeightVersionError
 from megatron_gspo.rollout.requests import build_generate_request as build_generate_request
-from megatron_gspo.rollout.server_launch import EmbeddedServer as EmbeddedServer
-from megatron_gspo.rollout.server_launch import launch_embedded_server as launch_embedded_server
+from megatron_gspo.rollout.server.launch import EmbeddedServer as EmbeddedServer
+from megatron_gspo.rollout.server.launch import launch_embedded_server as launch_embedded_server
 from megatron_gspo.rollout.types import RolloutBatch as RolloutBatch
 from megatron_gspo.rollout.types import RolloutSample as RolloutSample
 from megatron_gspo.rollout.validation import parse_generate_response as parse_generate_response

@@ -19,8 +19,8 @@ import argparse
 import os
 from pathlib import Path
 
+from megatron_gspo.checkpoint.source import resolve_checkpoint
 from megatron_gspo.config import ConfigError
-from megatron_gspo.training.checkpoint_source import resolve_checkpoint
 
 
 def add_export_args(parser: argparse.ArgumentParser) -> None:
@@ -44,8 +44,8 @@ def add_export_args(parser: argparse.ArgumentParser) -> None:
 
 def _model_description(checkpoint: Path):
     """(architecture, tokenizer or None) recorded in the checkpoint's `model/` directory."""
+    from megatron_gspo.checkpoint.meta import MODEL_DIR, CheckpointError, read_meta
     from megatron_gspo.model.hf_config import read_hf_config
-    from megatron_gspo.training.checkpoint import MODEL_DIR, CheckpointError, read_meta
 
     try:
         meta = read_meta(checkpoint)
@@ -106,7 +106,7 @@ def run_export(args: argparse.Namespace) -> int:
         from megatron_gspo.training.launch import relaunch
 
         return relaunch(args.nproc)
-    from megatron_gspo.training.checkpoint import CheckpointError
+    from megatron_gspo.checkpoint.meta import CheckpointError
 
     try:
         path = export_training_checkpoint(
@@ -123,10 +123,10 @@ def export_training_checkpoint(
     checkpoint: Path, out: str | os.PathLike, parallel, model_cfg, tokenizer, max_shard_bytes
 ):
     """Build the model at `parallel`, load the checkpoint's weights, write HF (collective)."""
+    from megatron_gspo.checkpoint.load import load_weights
     from megatron_gspo.model.builder import build_model
     from megatron_gspo.model.distributed import destroy_distributed, init_distributed
     from megatron_gspo.model.hf_export import export_hf_checkpoint
-    from megatron_gspo.training.checkpoint import load_weights
 
     init_distributed(parallel)
     try:

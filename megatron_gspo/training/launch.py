@@ -22,12 +22,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from megatron_gspo.cli import USER_ERROR_FILE_ENV
+from megatron_gspo.errors import USER_ERROR_FILE_ENV
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
     """Arguments of `megatron-gspo train`."""
-    parser.add_argument("--config", default=None, help="YAML run config (see megatron_gspo/config.py)")
+    parser.add_argument("--config", default=None, help="YAML run config (see megatron_gspo/config/)")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.steps=3")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument(
@@ -122,7 +122,7 @@ def _wait_for_group(pgid: int, grace_s: float = 60.0) -> None:
 def run_train(args: argparse.Namespace) -> int:
     """Entry point; returns the exit status (2 for a configuration error)."""
     from megatron_gspo.config import ConfigError, load_config, validate
-    from megatron_gspo.config_checks import ValueCheckError, check_run_dir_writable
+    from megatron_gspo.config.value_checks import ValueCheckError, check_run_dir_writable
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")

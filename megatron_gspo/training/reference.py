@@ -36,7 +36,7 @@ from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.convert import load_hf_checkpoint
 from megatron_gspo.model.hf_export import export_hf_checkpoint
 from megatron_gspo.model.pipeline import run_micro_batches
-from megatron_gspo.training.forward import MicroBatch
+from megatron_gspo.training.step.forward import MicroBatch
 
 logger = logging.getLogger(__name__)
 

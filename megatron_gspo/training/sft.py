@@ -32,8 +32,8 @@ from megatron_gspo.model.optim import OptimConfig, build_optimizer, dp_loss_scal
 from megatron_gspo.model.pipeline import run_micro_batches, share_from_last_stage
 from megatron_gspo.tasks import Problem, PromptStream, Task, sft_batches
 from megatron_gspo.tasks.tokenizer import encode_prompt, encode_text, problem_prompt_ids
-from megatron_gspo.training.forward import pack_uniform
-from megatron_gspo.training.micro_batching import DataLayout
+from megatron_gspo.training.step.forward import pack_uniform
+from megatron_gspo.training.step.micro_batches import DataLayout
 
 logger = logging.getLogger(__name__)
 

@@ -7,16 +7,18 @@ data flow):
    validates them (`rollout.on_invalid`) and scores them;
 2. rank 0 computes the group advantages and the batch metrics over the whole batch; the
    metrics (or rank 0's exception) reach every rank over the gloo control plane, and each
-   data-parallel rank receives only the rows it trains on (`batch_scatter`); a batch whose
+   data-parallel rank receives only the rows it trains on (`step.scatter`); a batch whose
    advantages are all zero is reported and not trained on;
-3. `num_mini_batches` optimizer steps (`update.py`); a non-finite loss or gradient skips that
+3. `num_mini_batches` optimizer steps (`step.update`); a non-finite loss or gradient skips that
    optimizer step with the weights untouched and is counted;
-4. the weights are exported as an HF checkpoint (RAM-backed dir when available) and the
-   rollout engine reloads them as `weight_version + 1`;
+4. the weights reach the rollout servers as `weight_version + 1` (`weight_sync`): streamed in
+   buckets over a weight-update group (`weight_sync.method: distributed`, the default), sent
+   as tensors, or, with `disk`, exported as an HF checkpoint (RAM-backed dir when available)
+   that the servers reload;
 5. held-out evaluation every `eval.every` steps, metrics, checkpoints every `save_every`.
 
 With `rollout.max_staleness >= 1`, step 1's sampling moves to rank 0's producer thread
-(`rollout_queue`), which runs ahead of training; the step takes the oldest batch within the
+(`ahead.queue`), which runs ahead of training; the step takes the oldest batch within the
 bound from its queue, and steps 4-5 pause the producer.
 """
 
@@ -37,6 +39,12 @@ import torch.distributed as dist
 
 from megatron_gspo.algorithms import RunningMeanStd
 from megatron_gspo.algorithms.token_kl import KLController
+from megatron_gspo.checkpoint.load import load_checkpoint
+from megatron_gspo.checkpoint.meta import step_dir_name
+from megatron_gspo.checkpoint.resume_checks import check_resume
+from megatron_gspo.checkpoint.save import save_checkpoint
+from megatron_gspo.checkpoint.schedule import checkpoint_due
+from megatron_gspo.checkpoint.steps import resumable_step
 from megatron_gspo.config import (
     ConfigError,
     RunConfig,
@@ -59,30 +67,25 @@ from megatron_gspo.rollout import RolloutBatch
 from megatron_gspo.tasks import PromptStream, evaluate_accuracy
 from megatron_gspo.tasks.prompt_check import check_prompts
 from megatron_gspo.tasks.tokenizer import resolve_add_bos
-from megatron_gspo.training.batch_scatter import scatter_rank_rows
-from megatron_gspo.training.batch_scoring import score_batch
-from megatron_gspo.training.checkpoint import load_checkpoint, resumable_step, save_checkpoint
-from megatron_gspo.training.checkpoint_meta import step_dir_name
+from megatron_gspo.training.ahead.rollouts_ahead import RolloutsAhead
 from megatron_gspo.training.metrics import MetricsLogger, ZeroRewardWatch
-from megatron_gspo.training.micro_batching import DataLayout
 from megatron_gspo.training.reference import ReferencePolicy
-from megatron_gspo.training.resume_checks import check_resume
-from megatron_gspo.training.rollout_step import RolloutEngine, rollout_servers
-from megatron_gspo.training.rollouts_ahead import RolloutsAhead
-from megatron_gspo.training.routing_step import StepRouting
 from megatron_gspo.training.run_lock import RunLock, lock_path
 from megatron_gspo.training.run_setup import load_tokenizer, weight_sync_dir
-from megatron_gspo.training.save_schedule import checkpoint_due
 from megatron_gspo.training.server_checks import check_servers
 from megatron_gspo.training.sft import run_sft
 from megatron_gspo.training.shm_exports import claim_export_dir
-from megatron_gspo.training.step_metrics import (
+from megatron_gspo.training.step.metrics import (
     peak_memory_metrics,
     progress_label,
 )
-from megatron_gspo.training.termination import exit_if_terminated
-from megatron_gspo.training.token_kl_step import apply_token_level_kl
-from megatron_gspo.training.update import (
+from megatron_gspo.training.step.micro_batches import DataLayout
+from megatron_gspo.training.step.rollouts import RolloutEngine, rollout_servers
+from megatron_gspo.training.step.routing import StepRouting
+from megatron_gspo.training.step.scatter import scatter_rank_rows
+from megatron_gspo.training.step.scoring import score_batch
+from megatron_gspo.training.step.token_kl import apply_token_level_kl
+from megatron_gspo.training.step.update import (
     dp_group,
     plan_metrics,
     plan_rank_rows,
@@ -90,6 +93,7 @@ from megatron_gspo.training.update import (
     recompute_old_logprobs,
     train_on_batch,
 )
+from megatron_gspo.training.termination import exit_if_terminated
 from megatron_gspo.training.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)

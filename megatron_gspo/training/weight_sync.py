@@ -60,9 +60,9 @@ from megatron_gspo.model.hf_stream import Bucket, iter_buckets, refuse_non_finit
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.errors import RolloutFault, WeightUpdateError
 from megatron_gspo.rollout.fleet import FleetTooSmallError
-from megatron_gspo.rollout.server_protocol import TENSOR_LOAD_FORMAT, serialize_named_tensors
+from megatron_gspo.rollout.server.protocol import TENSOR_LOAD_FORMAT, serialize_named_tensors
+from megatron_gspo.rollout.server.weight_receiver import FLATTENED_BUCKET
 from megatron_gspo.rollout.update_group import destroy_update_group, init_update_group
-from megatron_gspo.rollout.weight_receiver import FLATTENED_BUCKET
 from megatron_gspo.training.server_checks import refuse_unfit_servers
 from megatron_gspo.training.termination import protocol_step
 

@@ -11,7 +11,7 @@ from megatron_gspo.algorithms import (
     compute_loss_normalizer,
     compute_policy_loss,
 )
-from megatron_gspo.training.micro_batching import DataLayout, split_by_tokens
+from megatron_gspo.training.step.micro_batches import DataLayout, split_by_tokens
 
 ROWS, WIDTH, DP, MICRO = 16, 11, 2, 4
 

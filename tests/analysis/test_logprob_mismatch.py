@@ -27,7 +27,7 @@ from megatron_gspo.cli import main as cli_main
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout.client import SGLangClient
-from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.tasks import get_task
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer, encode_strict
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(GPUS < 2, reason=f"needs 2+ CUDA devices for tor
 def test_parity(tp, ep, record_property):
     import gpu_checks as checks
 
-    from megatron_gspo.model.parity import required_world_size
+    from megatron_gspo.analysis.parity import required_world_size
 
     world = required_world_size(tp, ep)
     if GPUS < world:

@@ -16,7 +16,8 @@ import sys
 
 import torch
 
-from megatron_gspo.model import optim, parity, sharding
+from megatron_gspo.analysis import parity
+from megatron_gspo.model import optim, sharding
 
 EXPERTS = "decoder.layers.0.mlp.experts.local_experts"
 FC2 = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"

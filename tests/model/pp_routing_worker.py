@@ -33,10 +33,10 @@ from megatron_gspo.model.pipeline import run_micro_batches
 from megatron_gspo.model.routing import RoutingReplay, moe_routers, routing_map_to_indices
 from megatron_gspo.model.routing_hooks import KeyedReplay
 from megatron_gspo.rollout import RolloutBatch, RolloutSample
-from megatron_gspo.training.batch_scatter import RankRows
-from megatron_gspo.training.micro_batching import DataLayout, flatten, split_batch
-from megatron_gspo.training.routing_step import StepRouting
-from megatron_gspo.training.update import plan_rank_rows, recompute_old_logprobs, train_on_batch
+from megatron_gspo.training.step.micro_batches import DataLayout, flatten, split_batch
+from megatron_gspo.training.step.routing import StepRouting
+from megatron_gspo.training.step.scatter import RankRows
+from megatron_gspo.training.step.update import plan_rank_rows, recompute_old_logprobs, train_on_batch
 
 VOCAB, E, K = 48, 8, 2
 MICRO_BATCHES = 4  # stage 0 of PP2 has one forward in flight before each backward

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.checkpoint import steps
 from megatron_gspo.config import ConfigError, load_config
 from megatron_gspo.model import control_plane
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
-from megatron_gspo.training import checkpoint
 
 
 def _timeout(group) -> datetime.timedelta:
@@ -65,7 +65,7 @@ def test_control_helpers_use_the_control_group(fresh_world, monkeypatch):
     assert control_plane.broadcast_from_rank0({"a": 1}) == {"a": 1}
     assert control_plane.all_gather_objects("x") == ["x", "x"]
     control_plane.barrier()
-    assert checkpoint._broadcast((ValueError("kept"), "tmp"))[1] == "tmp"  # an error value, not raised
+    assert steps._broadcast((ValueError("kept"), "tmp"))[1] == "tmp"  # an error value, not raised
     with pytest.raises(RuntimeError, match="rollouts failed"):
         control_plane.on_rank0(lambda: (_ for _ in ()).throw(RuntimeError("rollouts failed")))
     names = [name for name, _ in calls]

@@ -24,7 +24,12 @@ from megatron_gspo.model.convert import (
 )
 from megatron_gspo.model.distributed import ParallelConfig, init_distributed
 from megatron_gspo.model.hf_checkpoint import load_hf_state_dict
-from megatron_gspo.model.hf_config import HFConfigError, UnsupportedArchitectureError, from_hf_config
+from megatron_gspo.model.hf_config import (
+    HFConfigError,
+    UnsupportedArchitectureError,
+    from_hf_config,
+    to_hf_config,
+)
 from megatron_gspo.model.hf_export import export_hf_checkpoint
 from megatron_gspo.model.sharding import load_global_state_dict
 
@@ -192,7 +197,7 @@ def test_released_qwen3_30b_a3b_config_is_the_preset():
     assert long == qwen3_30b_a3b(
         rope_type="yarn", yarn_factor=4.0, yarn_original_max_position_embeddings=32768
     )
-    assert from_hf_config(long.to_hf_config()) == long
+    assert from_hf_config(to_hf_config(long)) == long
 
 
 REFUSED = {

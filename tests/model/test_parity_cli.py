@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.model.parity import BF16_FACTOR, BF16_GRAD_NORM_REL, BF16_WEIGHT_MEAN
+from megatron_gspo.analysis.parity import BF16_FACTOR, BF16_GRAD_NORM_REL, BF16_WEIGHT_MEAN
 
 pytestmark = pytest.mark.multiprocess
 

@@ -24,7 +24,7 @@ from megatron_gspo.model.routing import (
     routing_token_mask,
 )
 from megatron_gspo.rollout.requests import build_generate_request
-from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.rollout.validation import parse_generate_response
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 

@@ -18,6 +18,7 @@ import torch
 
 
 def scenario(skip: str, tp: int, ep: int) -> None:
+    from megatron_gspo.checkpoint.dist import save_sharded
     from megatron_gspo.model.builder import build_model
     from megatron_gspo.model.config import tiny
     from megatron_gspo.model.distributed import ParallelConfig, init_distributed
@@ -25,7 +26,6 @@ def scenario(skip: str, tp: int, ep: int) -> None:
     from megatron_gspo.model.packing import pack_sequences, pad_to_shape, uniform_shape
     from megatron_gspo.model.pipeline import run_micro_batches
     from megatron_gspo.patches import apply_patches
-    from megatron_gspo.training.checkpoint_dist import save_sharded
 
     apply_patches(skip=() if skip == "-" else (skip,))
     parallel = ParallelConfig(tensor_parallel=tp, expert_parallel=ep)

@@ -15,7 +15,7 @@ from megatron_gspo.rollout import (
     build_generate_request,
     parse_generate_response,
 )
-from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 
 TOKENIZER = build_char_tokenizer()

@@ -41,7 +41,7 @@ GUARDED_SLEEPER = textwrap.dedent(
 TRAINER_LIKE = textwrap.dedent(
     """
     import sys, time
-    from megatron_gspo.rollout.server_launch import launch_embedded_server
+    from megatron_gspo.rollout.server.launch import launch_embedded_server
     server = launch_embedded_server(sys.argv[2])  # as rollout_servers() starts it for the trainer
     open(sys.argv[1], "w").write(str(server.process.pid))
     time.sleep(600)

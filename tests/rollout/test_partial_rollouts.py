@@ -21,7 +21,7 @@ from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout import SGLangClient, build_generate_request, parse_generate_response
 from megatron_gspo.rollout.partial import PartialRollouts, segments_of
-from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 
 TOKENIZER = build_char_tokenizer()

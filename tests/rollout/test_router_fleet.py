@@ -25,7 +25,7 @@ from megatron_gspo.rollout import (
 )
 from megatron_gspo.rollout.fleet import FleetTooSmallError
 from megatron_gspo.rollout.router_launch import launch_router, router_available
-from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.rollout.types import RolloutBatch
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 from megatron_gspo.training.metrics import read_metrics

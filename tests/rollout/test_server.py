@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import load_hf_state_dict, make_tiny_hf_checkpoint, save_hf_state_dict
 from megatron_gspo.rollout import contract
-from megatron_gspo.rollout.server_launch import launch_embedded_server
-from megatron_gspo.rollout.server_protocol import serialize_named_tensors
+from megatron_gspo.rollout.server.launch import launch_embedded_server
+from megatron_gspo.rollout.server.protocol import serialize_named_tensors
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 
 TOKENIZER = build_char_tokenizer()
@@ -326,7 +326,8 @@ def test_update_weights_from_tensor_loads_the_tensors(server, client, checkpoint
 
 def test_unknown_sampling_key_refused_with_and_without_the_wheel(monkeypatch):
     """SGLang's contract refuses an unknown sampling_params key; without the wheel the server must too."""
-    from megatron_gspo.rollout import contract, server_protocol
+    from megatron_gspo.rollout import contract
+    from megatron_gspo.rollout.server import protocol as server_protocol
 
     body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "bogus": 1}}
     api = contract.load()
@@ -343,7 +344,7 @@ def test_unknown_sampling_key_refused_with_and_without_the_wheel(monkeypatch):
 
 def test_batch_rows_sharing_sampling_params_are_each_checked_with_their_own_seed():
     """Rows equal but for the seed share one check; one differing only in a value's type is checked alone."""
-    from megatron_gspo.rollout import server_protocol
+    from megatron_gspo.rollout.server import protocol as server_protocol
 
     params = [{"max_new_tokens": 3, "temperature": 1, "sampling_seed": seed} for seed in (7, None, 9)]
     body = {"input_ids": [[1, 2]] * 3, "sampling_params": params}

@@ -6,7 +6,12 @@ from transformers import AutoModelForCausalLM
 
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
-from megatron_gspo.rollout.engine import GenerationEngine, GenerationInput, SamplingOptions, filter_probs
+from megatron_gspo.rollout.server.engine import (
+    GenerationEngine,
+    GenerationInput,
+    SamplingOptions,
+    filter_probs,
+)
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 
 TOKENIZER = build_char_tokenizer()

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
-from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 
 pytestmark = pytest.mark.slow  # an embedded server and 480-token generations: ~45 s

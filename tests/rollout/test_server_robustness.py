@@ -21,8 +21,8 @@ import pytest
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout import contract
-from megatron_gspo.rollout.server import HEALTH_GENERATE_TIMEOUT_S
-from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.rollout.server.launch import launch_embedded_server
+from megatron_gspo.rollout.server.service import HEALTH_GENERATE_TIMEOUT_S
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 
 TOKENIZER = build_char_tokenizer()

@@ -2,8 +2,8 @@
 
 import threading
 
-from megatron_gspo.rollout.engine import GenerationOutput
-from megatron_gspo.rollout.server_scheduler import BatchScheduler
+from megatron_gspo.rollout.server.engine import GenerationOutput
+from megatron_gspo.rollout.server.scheduler import BatchScheduler
 
 
 class RecordingEngine:

@@ -25,8 +25,8 @@ from rl_update_common import make_batch as make_groups
 from megatron_gspo.config import AlgorithmConfig
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
 from megatron_gspo.model.optim import OptimConfig, build_optimizer
-from megatron_gspo.training.micro_batching import DataLayout
-from megatron_gspo.training.update import plan_metrics, recompute_and_measure, train_on_batch
+from megatron_gspo.training.step.micro_batches import DataLayout
+from megatron_gspo.training.step.update import plan_metrics, recompute_and_measure, train_on_batch
 
 MAX_RESPONSE, BUDGET = 40, 48
 

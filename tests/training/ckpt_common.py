@@ -161,7 +161,7 @@ def draw_probes() -> dict:
 
 def save_run(run: Run, root, **kwargs):
     """`save_checkpoint` of everything `run` holds, at its current step."""
-    from megatron_gspo.training.checkpoint import save_checkpoint
+    from megatron_gspo.checkpoint.save import save_checkpoint
 
     return save_checkpoint(
         root,
@@ -178,6 +178,6 @@ def save_run(run: Run, root, **kwargs):
 
 def load_run(run: Run, root, **kwargs):
     """`load_checkpoint` into `run`'s model, optimizer and scheduler."""
-    from megatron_gspo.training.checkpoint import load_checkpoint
+    from megatron_gspo.checkpoint.load import load_checkpoint
 
     return load_checkpoint(root, model=run.ddp, optimizer=run.optimizer, scheduler=run.scheduler, **kwargs)

@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from ckpt_common import build_run, train_step  # noqa: E402
 
+from megatron_gspo.checkpoint.save import save_checkpoint
 from megatron_gspo.model.distributed import ParallelConfig  # noqa: E402
 from megatron_gspo.model.sharding import gather_global_state_dict  # noqa: E402
-from megatron_gspo.training.checkpoint import save_checkpoint  # noqa: E402
 
 
 def block_forever(marker: str) -> None:

@@ -25,9 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from ckpt_common import build_run, draw_probes, train_step  # noqa: E402
 
+from megatron_gspo.checkpoint.load import load_checkpoint
+from megatron_gspo.checkpoint.save import save_checkpoint
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed  # noqa: E402
 from megatron_gspo.model.sharding import gather_global_state_dict  # noqa: E402
-from megatron_gspo.training.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
 
 def main() -> None:

@@ -27,10 +27,10 @@ from megatron_gspo.config import AlgorithmConfig
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
 from megatron_gspo.model.engine import EngineConfig
 from megatron_gspo.model.optim import OptimConfig, build_optimizer
-from megatron_gspo.training.micro_batching import DataLayout
 from megatron_gspo.training.reference import ReferencePolicy
-from megatron_gspo.training.token_kl_step import apply_token_level_kl
-from megatron_gspo.training.update import recompute_and_measure, train_on_batch
+from megatron_gspo.training.step.micro_batches import DataLayout
+from megatron_gspo.training.step.token_kl import apply_token_level_kl
+from megatron_gspo.training.step.update import recompute_and_measure, train_on_batch
 
 ESTIMATORS = ("k1", "k2", "k3")
 KEYS = ("actor/kl_ref", "actor/kl_ref_first_mb", "actor/kl_loss", "actor/pg_loss", "train/grad_norm")

@@ -27,11 +27,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from ckpt_common import build_run, load_run, packed_batch, save_run, train_step  # noqa: E402
 
+from megatron_gspo.checkpoint.dist import leaf_optimizers, optimizer_step_count  # noqa: E402
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed  # noqa: E402
 from megatron_gspo.model.optim import dp_loss_scale, optimizer_step, zero_grads  # noqa: E402
 from megatron_gspo.model.pipeline import run_micro_batches, share_from_last_stage  # noqa: E402
 from megatron_gspo.model.sharding import gather_global_state_dict, load_global_state_dict  # noqa: E402
-from megatron_gspo.training.checkpoint_dist import leaf_optimizers, optimizer_step_count  # noqa: E402
 
 VOCAB = 80  # divisible by TP=2
 

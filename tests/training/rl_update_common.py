@@ -14,9 +14,9 @@ from megatron_gspo.model.convert import load_hf_checkpoint
 from megatron_gspo.model.distributed import ParallelConfig, compute_device
 from megatron_gspo.model.optim import wrap_ddp
 from megatron_gspo.rollout import RolloutBatch, RolloutSample
-from megatron_gspo.training.batch_scatter import scatter_rank_rows
-from megatron_gspo.training.micro_batching import DataLayout
-from megatron_gspo.training.update import plan_rank_rows
+from megatron_gspo.training.step.micro_batches import DataLayout
+from megatron_gspo.training.step.scatter import scatter_rank_rows
+from megatron_gspo.training.step.update import plan_rank_rows
 
 G, GROUPS, MINI, T, LR = 4, 4, 2, 0.7, 0.1
 MODEL = tiny(vocab_size=80)

@@ -24,8 +24,8 @@ from megatron_gspo.model.distributed import (
     init_distributed,
 )
 from megatron_gspo.rollout import RolloutBatch, RolloutSample
-from megatron_gspo.training.batch_scatter import RankRows, scatter_rank_rows
-from megatron_gspo.training.micro_batching import DataLayout, dp_rows
+from megatron_gspo.training.step.micro_batches import DataLayout, dp_rows
+from megatron_gspo.training.step.scatter import RankRows, scatter_rank_rows
 
 G, GROUPS, MINI, LAYERS, TOPK = 4, 4, 2, 3, 2
 LAYOUTS = {"tp2": (2, 1, 1), "ep2": (1, 2, 1), "tp2ep2": (2, 2, 1), "cp2": (1, 1, 2), "tp2cp2": (2, 1, 2)}

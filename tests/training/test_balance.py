@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from megatron_gspo.training.balance import balanced_partition
+from megatron_gspo.training.step.balance import balanced_partition
 
 
 def totals(weights, parts):

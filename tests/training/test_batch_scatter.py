@@ -11,9 +11,9 @@ import torch
 from scatter_worker import LAYOUTS, MINI, make_batch
 
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
-from megatron_gspo.training.batch_scatter import RankRows
-from megatron_gspo.training.micro_batching import DataLayout, dp_rows
-from megatron_gspo.training.update import plan_mini_batches
+from megatron_gspo.training.step.micro_batches import DataLayout, dp_rows
+from megatron_gspo.training.step.scatter import RankRows
+from megatron_gspo.training.step.update import plan_mini_batches
 
 WORKER = Path(__file__).with_name("scatter_worker.py")
 

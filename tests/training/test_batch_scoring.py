@@ -5,7 +5,7 @@ import torch
 
 from megatron_gspo.config import AlgorithmConfig
 from megatron_gspo.rollout import RolloutBatch, RolloutSample
-from megatron_gspo.training.batch_scoring import fit_layout, score_batch
+from megatron_gspo.training.step.scoring import fit_layout, score_batch
 
 
 def batch_of(rewards: list[list[float]]) -> RolloutBatch:

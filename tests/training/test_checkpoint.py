@@ -10,17 +10,12 @@ import pytest
 import torch
 from ckpt_common import build_run, draw_probes, load_run, save_run, train_step
 
+from megatron_gspo.checkpoint.files import write_meta
+from megatron_gspo.checkpoint.meta import CheckpointError, read_meta
+from megatron_gspo.checkpoint.rng_state import capture_rng_state, restore_rng_state
+from megatron_gspo.checkpoint.save import save_checkpoint
+from megatron_gspo.checkpoint.steps import latest_step, list_steps, newest_reshardable_step
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
-from megatron_gspo.training.checkpoint import (
-    CheckpointError,
-    latest_step,
-    list_steps,
-    newest_reshardable_step,
-    read_meta,
-    save_checkpoint,
-)
-from megatron_gspo.training.checkpoint_files import write_meta
-from megatron_gspo.training.rng_state import capture_rng_state, restore_rng_state
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -245,7 +240,7 @@ def test_another_layout_loads_weights_and_says_rng_is_not_restored(saved, tmp_pa
     torch.manual_seed(5)
     expected_draw = torch.randn(3)
     torch.manual_seed(5)
-    with caplog.at_level("WARNING", logger="megatron_gspo.training.checkpoint"):
+    with caplog.at_level("WARNING", logger="megatron_gspo.checkpoint.load"):
         assert load_run(run, root)["step"] == 2
     assert torch.equal(torch.randn(3), expected_draw)  # the CPU generator was left alone
     assert "random streams are not restored" in caplog.text and "TP=2" in caplog.text

@@ -9,18 +9,12 @@ import pytest
 import torch
 from ckpt_common import build_run, load_run, save_run, train_step
 
+from megatron_gspo.checkpoint.files import write_meta
+from megatron_gspo.checkpoint.meta import CheckpointCorruptError, CheckpointError, read_meta
+from megatron_gspo.checkpoint.steps import latest_step, list_steps, resumable_step
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
-from megatron_gspo.training.checkpoint import (
-    CheckpointCorruptError,
-    CheckpointError,
-    latest_step,
-    list_steps,
-    read_meta,
-    resumable_step,
-)
-from megatron_gspo.training.checkpoint_files import write_meta
 
-LOGGER = "megatron_gspo.training.checkpoint"
+LOGGER = "megatron_gspo.checkpoint.load"
 
 
 def _ours(caplog) -> list:

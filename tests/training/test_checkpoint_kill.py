@@ -11,9 +11,11 @@ import pytest
 import torch
 from ckpt_common import build_run, train_step
 
+from megatron_gspo.checkpoint.load import load_checkpoint
+from megatron_gspo.checkpoint.save import save_checkpoint
+from megatron_gspo.checkpoint.steps import latest_step, list_steps
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
 from megatron_gspo.model.sharding import gather_global_state_dict
-from megatron_gspo.training.checkpoint import latest_step, list_steps, load_checkpoint, save_checkpoint
 
 WORKER = Path(__file__).with_name("ckpt_kill_worker.py")
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_gspo.training.checkpoint import latest_step, newest_reshardable_step, read_meta
+from megatron_gspo.checkpoint.meta import read_meta
+from megatron_gspo.checkpoint.steps import latest_step, newest_reshardable_step
 
 WORKER = Path(__file__).with_name("ckpt_worker.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -10,7 +10,7 @@ from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
 from megatron_gspo.model.optim import OptimConfig, build_optimizer, wrap_ddp
-from megatron_gspo.training import update
+from megatron_gspo.training.step import update
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron_gspo.training.routing_step import every_kth, sample_stride
+from megatron_gspo.training.step.routing import every_kth, sample_stride
 
 
 def test_every_kth_keeps_every_kth_true_entry():

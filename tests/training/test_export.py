@@ -17,6 +17,7 @@ import pytest
 import torch
 from reshard_worker import VOCAB, fixed_batch
 
+from megatron_gspo.checkpoint.source import hf_checkpoint_dir
 from megatron_gspo.config import ConfigError
 from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
@@ -24,7 +25,6 @@ from megatron_gspo.model.convert import load_hf_checkpoint
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
 from megatron_gspo.model.logprobs import sequence_logprobs
 from megatron_gspo.model.sharding import gather_global_state_dict, load_global_state_dict
-from megatron_gspo.training.checkpoint_source import hf_checkpoint_dir
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]

@@ -25,7 +25,7 @@ from megatron_gspo.model.config import tiny
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.fleet import FleetTooSmallError
 from megatron_gspo.rollout.router_launch import launch_router, router_available
-from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.training.server_checks import served_weights
 from megatron_gspo.training.weight_sync import WeightSync
 

@@ -18,10 +18,10 @@ from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout import SGLangClient, build_generate_request
 from megatron_gspo.rollout.partial import segments_of
-from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
-from megatron_gspo.training.inflight_updates import InFlightUpdates
-from megatron_gspo.training.rollout_queue import RolloutProducer
+from megatron_gspo.training.ahead.inflight_updates import InFlightUpdates
+from megatron_gspo.training.ahead.queue import RolloutProducer
 
 pytestmark = pytest.mark.slow  # a weight sync landing mid-batch on a live server: ~40 s
 

@@ -20,7 +20,7 @@ from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout import RolloutSample
 from megatron_gspo.training.metrics import read_metrics
-from megatron_gspo.training.rollout_step import RolloutEngine
+from megatron_gspo.training.step.rollouts import RolloutEngine
 
 QWEN_CHAT = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "

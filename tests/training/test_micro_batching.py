@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from megatron_gspo.model.packing import pack_sequences, packed_size
-from megatron_gspo.training.micro_batching import DataLayout, dp_rows, flatten, split_batch, split_by_tokens
+from megatron_gspo.training.step.micro_batches import (
+    DataLayout,
+    dp_rows,
+    flatten,
+    split_batch,
+    split_by_tokens,
+)
 
 
 def long_tailed(n, seed, low=20, high=3200):

@@ -7,7 +7,7 @@ import pytest
 from megatron_gspo.config import load_config
 from megatron_gspo.training import metrics as metrics_module
 from megatron_gspo.training.metrics import MetricsLogger
-from megatron_gspo.training.step_metrics import progress_label
+from megatron_gspo.training.step.metrics import progress_label
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,12 @@ from megatron_gspo.model.logprobs import sequence_logprobs
 from megatron_gspo.model.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_gspo.rollout import RolloutBatch, RolloutSample
 from megatron_gspo.training.reference import ReferencePolicy
-from megatron_gspo.training.update import DataLayout, plan_mini_batches, recompute_and_measure, train_on_batch
+from megatron_gspo.training.step.update import (
+    DataLayout,
+    plan_mini_batches,
+    recompute_and_measure,
+    train_on_batch,
+)
 
 G, GROUPS, T = 4, 2, 0.7
 MODEL = tiny(vocab_size=32)
@@ -186,7 +191,7 @@ def test_offload_is_a_no_op_on_cpu(models):
 @pytest.mark.parametrize("reward_clip", [None, 0.25])
 def test_token_level_kl_advantages_against_a_hand_computation(models, reward_clip):
     from megatron_gspo.algorithms.token_kl import KLController
-    from megatron_gspo.training.token_kl_step import apply_token_level_kl
+    from megatron_gspo.training.step.token_kl import apply_token_level_kl
 
     policy, reference = models
     start = snapshot(policy.module)

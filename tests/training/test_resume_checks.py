@@ -1,7 +1,7 @@
 """Resume refusals decided from meta.json before any heavy work: a routine checkpoint's layout."""
 
+from megatron_gspo.checkpoint.resume_checks import resume_incompatibilities
 from megatron_gspo.config import RunConfig
-from megatron_gspo.training.resume_checks import resume_incompatibilities
 
 
 def _meta(sharding: str) -> dict:

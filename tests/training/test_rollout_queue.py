@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from megatron_gspo.training.rollout_queue import RolloutProducer
+from megatron_gspo.training.ahead.queue import RolloutProducer
 
 
 class Versions:

@@ -16,7 +16,7 @@ from megatron_gspo.rollout import RolloutValidationError, StaleRolloutError
 from megatron_gspo.rollout.partial import PartialRollouts
 from megatron_gspo.rollout.types import Segment
 from megatron_gspo.tasks.arithmetic import AdditionTask
-from megatron_gspo.training.rollout_step import RolloutEngine
+from megatron_gspo.training.step.rollouts import RolloutEngine
 
 
 class GenerateResponses:

@@ -21,8 +21,8 @@ from megatron_gspo.rollout import RolloutBatch, RolloutSample, StaleRolloutError
 from megatron_gspo.rollout.partial import PartialRollouts
 from megatron_gspo.rollout.types import Segment
 from megatron_gspo.tasks.arithmetic import AdditionTask
-from megatron_gspo.training.rollout_step import RolloutEngine
-from megatron_gspo.training.rollouts_ahead import RolloutsAhead
+from megatron_gspo.training.ahead.rollouts_ahead import RolloutsAhead
+from megatron_gspo.training.step.rollouts import RolloutEngine
 
 WAIT_S = 60  # hang guards only: every wait below ends on an event
 

@@ -27,8 +27,8 @@ from megatron_gspo.model.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_gspo.model.pipeline import run_micro_batches
 from megatron_gspo.model.routing import moe_routers
 from megatron_gspo.rollout import RolloutBatch, RolloutSample
-from megatron_gspo.training.routing_step import StepRouting
-from megatron_gspo.training.update import (
+from megatron_gspo.training.step.routing import StepRouting
+from megatron_gspo.training.step.update import (
     DataLayout,
     plan_mini_batches,
     recompute_old_logprobs,

@@ -5,7 +5,7 @@ import logging
 
 from megatron_gspo.tasks import Problem
 from megatron_gspo.training.metrics import MetricsLogger, ZeroRewardWatch
-from megatron_gspo.training.rollout_step import sample_rows
+from megatron_gspo.training.step.rollouts import sample_rows
 
 
 def test_sample_rows_take_one_per_group_first():

@@ -1,6 +1,6 @@
 """A step's sampling seeds: reproducible, row r's independent of how many rows the step has."""
 
-from megatron_gspo.training.rollout_step import sampling_seeds
+from megatron_gspo.training.step.rollouts import sampling_seeds
 
 
 def test_seeds_depend_only_on_run_seed_step_and_row():

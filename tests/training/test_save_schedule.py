@@ -2,8 +2,8 @@
 
 import pytest
 
+from megatron_gspo.checkpoint.schedule import checkpoint_due
 from megatron_gspo.config import ConfigError, RunConfig, validate
-from megatron_gspo.training.save_schedule import checkpoint_due
 
 
 def _schedule(steps: int, **trainer) -> dict[int, str]:

@@ -5,7 +5,7 @@ import torch
 
 from megatron_gspo.rollout import RolloutBatch, RolloutSample, StaleRolloutError
 from megatron_gspo.rollout.types import Segment
-from megatron_gspo.training.segment_staleness import (
+from megatron_gspo.training.ahead.staleness import (
     check_not_older,
     mask_stale_tokens,
     staleness_metrics,

@@ -20,7 +20,7 @@ from megatron_gspo.model import hf_stream
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_export import export_hf_checkpoint
 from megatron_gspo.rollout.client import SGLangClient
-from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.training.weight_sync import WeightSync
 
 pytestmark = linux_only

@@ -17,8 +17,8 @@ from megatron_gspo.model.generate import greedy_generate
 from megatron_gspo.model.optim import wrap_ddp
 from megatron_gspo.tasks import get_task
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer, encode_prompt
-from megatron_gspo.training.micro_batching import DataLayout
 from megatron_gspo.training.sft import heldout_accuracy, run_sft
+from megatron_gspo.training.step.micro_batches import DataLayout
 
 TASK = get_task("sort_digits", min_length=1, max_length=2)
 HELDOUT = TASK.heldout(10)

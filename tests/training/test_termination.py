@@ -19,7 +19,7 @@ from megatron_gspo.model.convert import load_hf_checkpoint
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout.client import SGLangClient
-from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.training import termination
 from megatron_gspo.training.termination import exit_if_terminated, exit_on_sigterm, protocol_step
 from megatron_gspo.training.weight_sync import WeightSync

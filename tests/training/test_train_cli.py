@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.training.checkpoint import latest_step
+from megatron_gspo.checkpoint.steps import latest_step
 from megatron_gspo.training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow  # end-to-end training runs of 20-70 s each

@@ -13,8 +13,8 @@ from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed,
 from megatron_gspo.model.logprobs import sequence_logprobs
 from megatron_gspo.model.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_gspo.rollout import RolloutBatch, RolloutSample
-from megatron_gspo.training.forward import MicroBatch
-from megatron_gspo.training.update import (
+from megatron_gspo.training.step.forward import MicroBatch
+from megatron_gspo.training.step.update import (
     DataLayout,
     _Mismatch,
     plan_metrics,

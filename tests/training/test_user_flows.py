@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo.training.checkpoint import latest_step, list_steps
+from megatron_gspo.checkpoint.steps import latest_step, list_steps
 
 pytestmark = pytest.mark.slow  # training runs end to end through the CLI: 8-14 s each on a shared box
 

@@ -19,7 +19,7 @@ from megatron_gspo.model.convert import random_tokens
 from megatron_gspo.model.hf_stream import NonFiniteWeightError
 from megatron_gspo.model.logprobs import sequence_logprobs
 from megatron_gspo.rollout.client import SGLangClient
-from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.training.weight_sync import WeightSync, WeightSyncFailed
 
 CFG = tiny(vocab_size=80, init_std=0.2)

@@ -15,7 +15,7 @@ from megatron_gspo.model.convert import random_tokens
 from megatron_gspo.model.hf_stream import iter_hf_tensors
 from megatron_gspo.plan import sync_bytes
 from megatron_gspo.rollout.client import SGLangClient
-from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.training.weight_sync import WeightSync
 
 CFG = tiny(vocab_size=80, init_std=0.2)

@@ -26,7 +26,7 @@ from megatron_gspo.model.convert import load_hf_checkpoint, random_tokens, read_
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
 from megatron_gspo.model.logprobs import sequence_logprobs
 from megatron_gspo.rollout.client import SGLangClient
-from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.training.weight_sync import WeightSync
 
 

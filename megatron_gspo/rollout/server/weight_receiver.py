@@ -29,7 +29,7 @@ import torch.distributed as dist
 from megatron_gspo.model.fp8 import dequantize_named
 from megatron_gspo.model.hf_checkpoint import check_finite, check_fits_model
 from megatron_gspo.model.hf_stream import flat_nbytes, tensor_dtype, unflatten_bucket
-from megatron_gspo.rollout.engine import GenerationEngine
+from megatron_gspo.rollout.server.engine import GenerationEngine
 from megatron_gspo.rollout.update_group import destroy_update_group, init_update_group
 
 FLATTENED_BUCKET = "flattened_bucket"

@@ -1,74 +1,17 @@
-"""The embedded rollout server: SGLang's HTTP protocol over an HF transformers Qwen3-MoE.
-
-SGLang cannot run on CPU machines, so CPU runs (development, CI, the demo) serve rollouts
-with this server; the trainer talks to it with the same client it uses for real SGLang.
-What it implements, and how it differs from SGLang:
-
-- POST /generate: SGLang's request contract (same 400s), single or batch (`input_ids` as
-  a list of lists) requests, log-probs, routed experts; see `engine.py` for the exact
-  log-prob and routing definitions. Concurrent requests are batched (`server_scheduler.py`).
-  Not implemented (400 naming the field): streaming, stop strings, penalties, n > 1, top
-  log-probs, constrained decoding. No prefix cache between requests (`cached_tokens` is always 0);
-  within one batch, rows with the same prompt share its prefill.
-- POST /update_weights_from_disk: really reloads safetensors from `model_path` (same
-  architecture), all-or-nothing; /update_weights_from_tensor: base64 safetensors payload
-  (`server_protocol.serialize_named_tensors`) instead of SGLang's CUDA-IPC pickle.
-- POST /init_weights_update_group, /begin_weight_update, /update_weights_from_distributed
-  (plain or `flattened_bucket`), /end_weight_update, /destroy_weights_update_group: SGLang's
-  distributed update for real, over torch.distributed (gloo on CPU), one rank per server;
-  a session is applied all-or-nothing at its end (`weight_receiver.py`).
-- POST /pause_generation (SGLang's modes: `abort` returns running requests with what they
-  generated; `in_place` / `retract` halt them at a step boundary, KV cache kept / recomputed,
-  while weight updates run), /continue_generation, /abort_request (by `rid`, or `abort_all`),
-  /flush_cache (no-op: there is no cache between requests); GET /health, /health_generate, /get_model_info,
-  /get_server_info, /get_weight_version (and their un-prefixed aliases). /get_server_info also
-  reports `num_generated_tokens` (not SGLang's): the output tokens decoded since start, so that
-  a caller sees a generation under way and how far it got (tests land a weight sync after the
-  first N tokens by it, not by a sleep).
-- `--dp-size N` makes /get_server_info report SGLang's `dp_size: N` and, above 1, refuses
-  what SGLang refuses on a server launched with --dp-size > 1 (/init_weights_update_group,
-  /update_weights_from_tensor: its assertion's 500); generation stays one replica.
-
-What it guarantees (tests/rollout/test_server_robustness.py):
-
-- Every request gets an HTTP answer, never a dropped connection: broken framing (bad
-  Content-Length, ...) a 400 naming the header; a body that is not UTF-8, not JSON, nested
-  too deeply or not an object a 400; a body over `--max-body-mb` a 413.
-- Every field an endpoint reads is checked for type and range before use (`server_fields`):
-  booleans must be JSON booleans, integers int64 within the field's range, numbers finite
-  (NaN / Infinity refused), `rid` a string or one string per row, `text` encodable; the 400
-  names the field (`sampling_params[1].temperature`, `rid[2]`, ...).
-- A weight update holding NaN/inf is refused naming the tensor; the old weights and
-  `weight_version` keep serving.
-- GET /health_generate answers within seconds: 503 while generation is paused (SGLang's
-  status when it cannot generate), or when no token came within 20 s.
-- HTTP is aiohttp (`server_http.py`) with a listen backlog of 4096; endpoint calls run in
-  thread pools: one sized for a full batch of concurrent /generate calls, one for control
-  calls (so /continue_generation and /abort_request run however many /generate calls wait).
-
-    megatron-gspo serve --model DIR --port 30000
-    python -m megatron_gspo.rollout.server --model DIR --port 30000
-"""
+"""The embedded server's endpoints, each as SGLang answers it, and its route tables (see the package)."""
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
-import contextlib
-import gc
 import logging
-import signal
-import sys
 import time
 import uuid
 from http import HTTPStatus
 from typing import Any
 
-import torch
-
-from megatron_gspo.rollout import contract, server_http
-from megatron_gspo.rollout.engine import GenerationEngine, GenerationInput, SamplingOptions
-from megatron_gspo.rollout.server_fields import (
+from megatron_gspo.rollout import contract
+from megatron_gspo.rollout.server.engine import GenerationEngine, GenerationInput, SamplingOptions
+from megatron_gspo.rollout.server.fields import (
     RequestError,
     check_bool,
     check_int,
@@ -76,19 +19,19 @@ from megatron_gspo.rollout.server_fields import (
     check_str,
     show,
 )
-from megatron_gspo.rollout.server_protocol import (
+from megatron_gspo.rollout.server.protocol import (
     TENSOR_LOAD_FORMAT,
     build_response,
     check_response,
     deserialize_named_tensors,
     parse_generate,
 )
-from megatron_gspo.rollout.server_scheduler import BatchScheduler
-from megatron_gspo.rollout.weight_receiver import WeightReceiver, WeightSyncError
+from megatron_gspo.rollout.server.scheduler import BatchScheduler
+from megatron_gspo.rollout.server.weight_receiver import WeightReceiver, WeightSyncError
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 _DISK_LOAD_FORMATS = (None, "auto", "safetensors")
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 """/health_generate answers 503 when its one token takes longer (SGLang's default health timeout)."""
@@ -451,163 +394,3 @@ def _required(body: dict, name: str) -> Any:
 
 def _bad_request(message: str) -> tuple[int, dict]:
     return HTTPStatus.BAD_REQUEST, {"error": {"message": message}}
-
-
-def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Arguments of `megatron-gspo serve` (and `python -m megatron_gspo.rollout.server`)."""
-    parser.add_argument(
-        "--model",
-        required=True,
-        help="HF checkpoint directory (safetensors + config + tokenizer), training checkpoint "
-        "(RUN/checkpoints/step_N, exported to a temporary HF directory first) or run directory (its newest "
-        "intact checkpoint)",
-    )
-    parser.add_argument("--port", type=int, default=30000, help="TCP port (0 picks a free one)")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="model dtype")
-    parser.add_argument(
-        "--return-original-logprob",
-        action="store_true",
-        help="report log_softmax of the raw logits, as SGLANG_RETURN_ORIGINAL_LOGPROB=1 does "
-        "(default: log_softmax(logits / temperature))",
-    )
-    parser.add_argument("--weight-version", default="default", help="initial weight_version")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the generators of unseeded requests")
-    parser.add_argument("--max-batch-size", type=int, default=256, help="rows per generation batch")
-    parser.add_argument(
-        "--batch-window-ms",
-        type=float,
-        default=5.0,
-        help="how long to collect concurrent requests into one batch",
-    )
-    parser.add_argument(
-        "--check-responses",
-        action="store_true",
-        help="check every response against SGLang's contract (debug/tests)",
-    )
-    parser.add_argument(
-        "--max-body-mb",
-        type=float,
-        default=1024.0,
-        help="largest request body in MiB, else 413 (a /update_weights_from_tensor payload is "
-        "4/3 of the tensors' bytes)",
-    )
-    parser.add_argument(
-        "--dp-size",
-        type=int,
-        default=1,
-        help="report this SGLang dp_size and, above 1, refuse the weight updates SGLang refuses at "
-        "dp_size > 1 (/init_weights_update_group, /update_weights_from_tensor); generation is "
-        "one replica either way, as one SGLang URL is to its client (tests of DP deployments)",
-    )
-    parser.add_argument(
-        "--weight-update-timeout-s",
-        type=float,
-        default=1800.0,
-        help="timeout of the weight-update groups this server joins, so of a broadcast it waits in "
-        "(SGLang's: torch's default process-group timeout, 30 min, not settable over HTTP)",
-    )
-    parser.add_argument("--log-level", default="warning", help="python logging level")
-    return parser
-
-
-def build_service(args: argparse.Namespace) -> RolloutService:
-    """Load the model and start the batcher."""
-    engine = GenerationEngine(
-        args.model,
-        dtype=_DTYPES[args.dtype],
-        return_original_logprob=args.return_original_logprob,
-        weight_version=args.weight_version,
-        seed=args.seed,
-    )
-    scheduler = BatchScheduler(
-        engine, batch_window_s=args.batch_window_ms / 1000, max_batch_size=args.max_batch_size
-    )
-    return RolloutService(
-        engine,
-        scheduler,
-        check_responses=args.check_responses,
-        dp_size=args.dp_size,
-        weight_update_timeout_s=args.weight_update_timeout_s,
-    )
-
-
-def build_app(service: RolloutService, max_batch_size: int, max_body_bytes: int):
-    """The aiohttp application of `service` (routes bound to it) and its thread pools."""
-
-    def bind(table):
-        return {path: (lambda body, method=method: method(service, body)) for path, method in table.items()}
-
-    # Room for a full batch of single-row /generate calls plus health checks (threads start on demand).
-    generation = cf.ThreadPoolExecutor(max_batch_size + 32, thread_name_prefix="rollout-generate")
-    control = cf.ThreadPoolExecutor(16, thread_name_prefix="rollout-control")
-    app = server_http.build_app(
-        bind(GET_ROUTES),
-        bind(POST_ROUTES),
-        lambda path: generation if path in GENERATION_PATHS else control,
-        max_body_bytes=max_body_bytes,
-    )
-    return app, (generation, control)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the embedded rollout server until interrupted."""
-    parser = add_serve_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
-    args = parser.parse_args(argv)
-    if args.max_body_mb <= 0:
-        parser.error(f"--max-body-mb must be > 0, got {args.max_body_mb}")
-    if args.dp_size < 1:
-        parser.error(f"--dp-size must be >= 1, got {args.dp_size}")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:  # before the model loads (or a checkpoint is exported): a busy port fails at once
-        sock = server_http.bind(args.host, args.port)
-    except OSError as err:
-        print(
-            f"megatron-gspo serve: cannot listen on {args.host}:{args.port}: {err.strerror or err}; "
-            "choose another --port (or --port 0 for a free one)",
-            file=sys.stderr,
-        )
-        return 2
-    from megatron_gspo.config import ConfigError
-    from megatron_gspo.training.checkpoint_source import hf_checkpoint_dir
-
-    with contextlib.ExitStack() as stack:  # a training checkpoint's export lives as long as the server
-        stack.callback(sock.close)
-        try:
-            model = str(stack.enter_context(hf_checkpoint_dir(args.model, "--model")))
-        except ConfigError as err:
-            print(f"megatron-gspo serve: {err}", file=sys.stderr, flush=True)
-            return 2
-        if model != args.model:  # SIGTERM while the model loads unwinds like Ctrl-C: the export is removed
-            signal.signal(signal.SIGTERM, _interrupt)
-            args.model = model
-        return _serve(args, sock)
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
-def _serve(args: argparse.Namespace, sock) -> int:
-    service = build_service(args)
-    service.host, service.port = sock.getsockname()[:2]
-    app, pools = build_app(service, args.max_batch_size, int(args.max_body_mb * 2**20))
-    # torch, transformers and the model live as long as the server: frozen, they are not
-    # rescanned by each full collection (0.2 s apiece mid-run, as SGLang's freeze_gc avoids).
-    gc.collect()
-    gc.freeze()
-    # The launcher waits for this line (it carries the port when --port 0 was given); the
-    # socket already listens, so connections made right after it queue in the backlog.
-    print(f"embedded rollout server listening on http://{service.host}:{service.port}", flush=True)
-    try:
-        server_http.serve(app, sock)
-    finally:
-        service.scheduler.close()
-        for pool in pools:
-            pool.shutdown(wait=False, cancel_futures=True)
-        sock.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

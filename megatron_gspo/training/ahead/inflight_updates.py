@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 from megatron_gspo.rollout import SGLangClient
 from megatron_gspo.rollout.partial import PartialRollouts
-from megatron_gspo.training.rollout_queue import RolloutProducer
+from megatron_gspo.training.ahead.queue import RolloutProducer
 
 
 class InFlightUpdates:

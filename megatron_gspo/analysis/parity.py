@@ -23,7 +23,7 @@ relative grad-norm difference. The bf16 model uses init std `BF16_INIT_STD`, sha
 (log-probs ~ -4.6 nats) for a bug to stand out of the rounding noise.
 
 With `--hf-path CKPT` the model is the user's own checkpoint (an HF directory, a training
-checkpoint or a run directory, `training/checkpoint_source.py`): its architecture and weights
+checkpoint or a run directory, `checkpoint/source.py`): its architecture and weights
 replace the tiny random policy, so a layout is checked on the model it will train.
 
 On a CPU machine without an outer torchrun, the command re-launches itself under torchrun
@@ -127,9 +127,9 @@ def _layout(args: argparse.Namespace):
 
 def _checkpoint_model(args: argparse.Namespace):
     """(resolved checkpoint, its architecture) of `--hf-path`."""
+    from megatron_gspo.checkpoint.meta import MODEL_DIR
+    from megatron_gspo.checkpoint.source import resolve_checkpoint
     from megatron_gspo.model.convert import read_hf_config
-    from megatron_gspo.training.checkpoint_meta import MODEL_DIR
-    from megatron_gspo.training.checkpoint_source import resolve_checkpoint
 
     source = resolve_checkpoint(args.hf_path, "--hf-path")
     return source, read_hf_config(source.path if source.kind == "hf" else source.path / MODEL_DIR)
@@ -170,8 +170,8 @@ def _check_tiny_layout(args: argparse.Namespace) -> None:
 
 def _load_checkpoint(model, source, model_cfg) -> None:
     """The checkpoint's weights into this rank's shard (HF: per-shard reads; training: dist ckpt)."""
+    from megatron_gspo.checkpoint.load import load_weights
     from megatron_gspo.model.convert import load_hf_checkpoint
-    from megatron_gspo.training.checkpoint import load_weights
 
     if source.kind == "hf":
         load_hf_checkpoint(model, source.path, model_cfg)

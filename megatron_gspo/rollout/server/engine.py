@@ -1,6 +1,6 @@
 """Batched generation with an HF Qwen3-MoE: tokens, SGLang-style log-probs and routed experts.
 
-The model half of the embedded SGLang-protocol server (`rollout/server.py`). One call of
+The model half of the embedded SGLang-protocol server (`rollout/server/`). One call of
 `GenerationEngine.generate` runs a left-padded batch: one prefill forward over the distinct
 prompts (the rows of a group share their prompt's, as SGLang's prefix cache shares it; in
 fp32 a shared row's values equal a solo prefill's to ~1e-7, not bit for bit, since matmul

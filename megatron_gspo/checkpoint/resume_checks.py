@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
+from megatron_gspo.checkpoint.meta import CheckpointError, read_meta
 from megatron_gspo.config import ConfigError, RunConfig
-from megatron_gspo.training.checkpoint_meta import CheckpointError, read_meta
 
 
 class ResumeIncompatibleError(ConfigError):
@@ -75,7 +75,7 @@ def resume_incompatibilities(meta: dict[str, Any], cfg: RunConfig) -> list[str]:
 
 def _routine_layout(meta: dict[str, Any], cfg: RunConfig) -> list[str]:
     """The layout a routine checkpoint needs, when this run's differs (call after `init_distributed`)."""
-    from megatron_gspo.training.checkpoint import current_layout, is_reshardable, layout_text
+    from megatron_gspo.checkpoint.steps import current_layout, is_reshardable, layout_text
 
     if "layout" not in meta or is_reshardable(meta):
         return []

@@ -55,7 +55,7 @@ class CheckpointSource:
 
 def is_training_checkpoint(path: str | os.PathLike) -> bool:
     """Whether `path` is a checkpoint directory `save_checkpoint` wrote (not an HF directory)."""
-    from megatron_gspo.training.checkpoint_meta import DIST_DIR, META_FILE
+    from megatron_gspo.checkpoint.meta import DIST_DIR, META_FILE
 
     path = Path(path)
     return (path / META_FILE).is_file() and (path / DIST_DIR).is_dir()
@@ -73,7 +73,7 @@ def _contents(path: Path, limit: int = 8) -> str:
 
 def _damage(step_dir: Path) -> str | None:
     """Why `step_dir` is not an intact checkpoint, or None (see the module docstring)."""
-    from megatron_gspo.training.checkpoint_meta import MODEL_DIR, CheckpointError, read_meta, verify_files
+    from megatron_gspo.checkpoint.meta import MODEL_DIR, CheckpointError, read_meta, verify_files
 
     try:
         meta = read_meta(step_dir)
@@ -85,8 +85,8 @@ def _damage(step_dir: Path) -> str | None:
 
 def _newest_intact(root: Path, option: str, given: Path) -> Path:
     """The newest intact step directory under a checkpoint root (what `latest` names first)."""
-    from megatron_gspo.training.checkpoint import latest_step, list_steps
-    from megatron_gspo.training.checkpoint_meta import CheckpointError, step_dir_name
+    from megatron_gspo.checkpoint.meta import CheckpointError, step_dir_name
+    from megatron_gspo.checkpoint.steps import latest_step, list_steps
 
     steps = sorted(list_steps(root), reverse=True)
     with contextlib.suppress(CheckpointError):  # an unreadable `latest`: the newest complete step
@@ -126,7 +126,7 @@ def resolve_checkpoint(path: str | os.PathLike, option: str) -> CheckpointSource
         return CheckpointSource("training", given, given)
     if _is_hf_directory(given):
         return CheckpointSource("hf", given, given)
-    from megatron_gspo.training.checkpoint import list_steps
+    from megatron_gspo.checkpoint.steps import list_steps
 
     for root in (given / CHECKPOINTS_DIR, given):  # a run directory, or its checkpoint root
         if list_steps(root) or (root / "latest").is_file():

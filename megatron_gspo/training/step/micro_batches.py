@@ -1,7 +1,7 @@
 """Which rows of a step's batch each data-parallel rank trains on, cut into which micro-batches.
 
 Rank 0 decides for every rank from the row lengths alone (`split_batch`) and sends each rank
-its rows with the cut (`batch_scatter`); the ranks only pack. Mini-batch m is the rows
+its rows with the cut (`step.scatter`); the ranks only pack. Mini-batch m is the rows
 `[m * size, (m + 1) * size)` of the batch (one optimizer step each). Two ways to cut it:
 
 - by count (`trainer.micro_batch_size`, 0: a rank's whole mini-batch): rank r of D takes rows
@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_gspo.model.packing import packed_size
-from megatron_gspo.training.balance import balanced_partition
+from megatron_gspo.training.step.balance import balanced_partition
 
 # One rank's cut of a batch: per mini-batch, per micro-batch, the batch rows (ascending).
 RankSplit = list[list[list[int]]]

@@ -37,7 +37,7 @@ from megatron_gspo.algorithms.drift import DriftCounts, drift_counts
 from megatron_gspo.model.chunks import model_chunks
 from megatron_gspo.model.context_parallel import context_parallel_state
 from megatron_gspo.model.distributed import all_reduce, compute_device
-from megatron_gspo.model.pipeline import MicroBatchHooks, PerChunkHooks
+from megatron_gspo.model.micro_batch_hooks import MicroBatchHooks, PerChunkHooks
 from megatron_gspo.model.routing import (
     LayerRouting,
     RoutingCapture,
@@ -48,8 +48,8 @@ from megatron_gspo.model.routing import (
 )
 from megatron_gspo.model.routing_hooks import KeyedCapture, KeyedRecording, KeyedReplay
 from megatron_gspo.rollout import RolloutBatch
-from megatron_gspo.training.batch_scatter import RankRows
-from megatron_gspo.training.forward import MicroBatch
+from megatron_gspo.training.step.forward import MicroBatch
+from megatron_gspo.training.step.scatter import RankRows
 
 
 def every_kth(mask: torch.Tensor, k: int) -> torch.Tensor:

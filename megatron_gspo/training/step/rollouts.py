@@ -29,7 +29,7 @@ from megatron_gspo.rollout import (
 from megatron_gspo.rollout.partial import PartialRollouts, segments_of
 from megatron_gspo.tasks import Problem, Task
 from megatron_gspo.tasks.tokenizer import problem_prompt_ids
-from megatron_gspo.training.segment_staleness import check_not_older
+from megatron_gspo.training.ahead.staleness import check_not_older
 
 logger = logging.getLogger(__name__)
 

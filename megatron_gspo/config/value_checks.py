@@ -1,6 +1,6 @@
 """Start-up checks of single values in a `RunConfig`, before any heavy work.
 
-`validate` (config.py) checks what spans several fields; this module checks what each value
+`validate` (`config.validate`) checks what spans several fields; this module checks what each value
 must be on its own: finite floats everywhere, positive sizes and timeouts, http(s) server URLs,
 and sizes so large they cannot be meant (refused with the limit and why). Each error names
 the field as `section.key`.
@@ -13,10 +13,13 @@ import math
 import os
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from megatron_gspo.model.config import MoEModelConfig
+
+if TYPE_CHECKING:
+    from megatron_gspo.config.schema import RolloutConfig
 
 # Beyond these a value is a typo, not a plan: the largest public MoE models stay far below them.
 MODEL_LIMITS = {
@@ -171,3 +174,27 @@ def check_run_dir_writable(run_dir: str | os.PathLike) -> None:
         probe.unlink()
     except OSError as err:
         raise ValueCheckError(f"trainer.run_dir={run_dir} cannot be written: {err.strerror or err}") from None
+
+
+CONTROL_MARGIN_S = 600.0
+"""What a rollout batch must leave of the control group's timeout: rank 0 scores the batch and
+computes advantages before the waiting ranks hear from it."""
+
+
+def check_rollout_timeouts(rollout: RolloutConfig, timeout_minutes: float) -> None:
+    """The rollout timeouts fit each other and the control group's `parallel.timeout_minutes`."""
+    if rollout.request_timeout_s > rollout.batch_timeout_s:
+        raise ValueCheckError(
+            f"rollout.request_timeout_s={rollout.request_timeout_s:g} exceeds rollout.batch_timeout_s="
+            f"{rollout.batch_timeout_s:g}: the batch cap cuts a generation off before it can time out "
+            "and be retried; lower rollout.request_timeout_s or raise rollout.batch_timeout_s"
+        )
+    allowed = timeout_minutes * 60 - CONTROL_MARGIN_S
+    if rollout.batch_timeout_s > allowed:
+        needed = math.ceil((rollout.batch_timeout_s + CONTROL_MARGIN_S) / 60)
+        raise ValueCheckError(
+            f"rollout.batch_timeout_s={rollout.batch_timeout_s:g} s: the other ranks wait that long for "
+            f"rank 0's rollouts on the control group, which parallel.timeout_minutes={timeout_minutes:g} "
+            f"aborts first ({CONTROL_MARGIN_S:g} s must be left for scoring); raise "
+            f"parallel.timeout_minutes to >= {needed} or lower rollout.batch_timeout_s to <= {allowed:g}"
+        )

@@ -17,7 +17,7 @@ from megatron_gspo.config import AlgorithmConfig
 from megatron_gspo.model.distributed import all_reduce, compute_device
 from megatron_gspo.model.logprobs import is_last_stage
 from megatron_gspo.model.pipeline import share_from_last_stage
-from megatron_gspo.training.forward import MicroBatch
+from megatron_gspo.training.step.forward import MicroBatch
 
 _WHITEN_EPS = 1e-8  # ROLL's masked_whiten
 

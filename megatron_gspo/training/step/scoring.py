@@ -16,7 +16,7 @@ import torch
 from megatron_gspo.algorithms import RunningMeanStd, compute_group_advantages
 from megatron_gspo.config import AlgorithmConfig, effective_reward_norm
 from megatron_gspo.rollout import RolloutBatch
-from megatron_gspo.training.step_metrics import rollout_metrics
+from megatron_gspo.training.step.metrics import rollout_metrics
 
 
 def score_batch(

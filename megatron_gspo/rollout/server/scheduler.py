@@ -16,7 +16,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from megatron_gspo.rollout.engine import GenerationEngine, GenerationInput, GenerationOutput
+from megatron_gspo.rollout.server.engine import GenerationEngine, GenerationInput, GenerationOutput
 
 
 @dataclass

@@ -24,8 +24,8 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from megatron_gspo.rollout import contract
-from megatron_gspo.rollout.engine import GenerationInput, GenerationOutput, SamplingOptions
-from megatron_gspo.rollout.server_fields import (
+from megatron_gspo.rollout.server.engine import GenerationInput, GenerationOutput, SamplingOptions
+from megatron_gspo.rollout.server.fields import (
     INT64_MAX,
     RequestError,
     check_bool,
@@ -68,7 +68,7 @@ SGLANG_SAMPLING_KEYS = (
     "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width",
     "watermark", "choice",
 )  # fmt: skip
-# Fields checked by type and range before use (server_fields), each 400 naming the field.
+# Fields checked by type and range before use (`server.fields`), each 400 naming the field.
 _REQUEST_FLAGS = (
     "stream",
     "return_text_in_logprobs",
@@ -136,7 +136,7 @@ def _is_off(value: Any, off_values: tuple) -> bool:
 def parse_generate(body: Any, tokenizer) -> ParsedGenerate:
     """Check `body` field by field, then against SGLang's contract; split it into rows.
 
-    Every field the engine reads is checked first by `server_fields` (type, range, NaN), so
+    Every field the engine reads is checked first by `server.fields` (type, range, NaN), so
     the 400 names the field; SGLang's contract then checks the rest with the real server's text.
 
     Raises:

@@ -1,6 +1,6 @@
 """What a checkpoint directory holds and how it is checked: names, meta.json, file verification.
 
-See `megatron_gspo.training.checkpoint` for the layout and the guarantees.
+See the `megatron_gspo.checkpoint` package for the layout and the guarantees.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_gspo.training.checkpoint_files import CHECKSUM_ALGORITHM, file_checksum, meta_checksum
+from megatron_gspo.checkpoint.files import CHECKSUM_ALGORITHM, file_checksum, meta_checksum
 
 META_FILE = "meta.json"
 TRAINER_STATE_FILE = "trainer_state.pt"

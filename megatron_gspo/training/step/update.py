@@ -3,7 +3,7 @@
 The batch (rows group-major, on rank 0) is cut into `num_mini_batches` contiguous
 mini-batches, one optimizer step each; rank 0 decides which rows each data-parallel rank
 trains on and how it cuts them into micro-batches, by count or by a token budget
-(`micro_batching`), and sends each rank only those (`batch_scatter`); each rank packs its
+(`step.micro_batches`), and sends each rank only those (`step.scatter`); each rank packs its
 micro-batches once per step. Per-token data, the loss and every tensor a collective touches
 live on `compute_device()`. The loss normaliser of a mini-batch is computed over all its rows
 (all-reduced over DP) and every micro-batch divides by it, so the summed gradient does not
@@ -46,9 +46,9 @@ from megatron_gspo.model.logprobs import is_last_stage
 from megatron_gspo.model.optim import dp_loss_scale, optimizer_step, zero_grads
 from megatron_gspo.model.pipeline import run_micro_batches, share_from_last_stage
 from megatron_gspo.rollout import RolloutBatch
-from megatron_gspo.training.batch_scatter import RankRows
-from megatron_gspo.training.forward import MicroBatch, pack_uniform
-from megatron_gspo.training.micro_batching import DataLayout, flatten, split_batch
+from megatron_gspo.training.step.forward import MicroBatch, pack_uniform
+from megatron_gspo.training.step.micro_batches import DataLayout, flatten, split_batch
+from megatron_gspo.training.step.scatter import RankRows
 
 
 def plan_mini_batches(

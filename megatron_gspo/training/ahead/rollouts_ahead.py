@@ -1,6 +1,6 @@
 """Rank 0's rollouts ahead of training (`rollout.max_staleness >= 1`), as one step uses them.
 
-`RolloutsAhead` starts the producer thread and its queue (`rollout_queue`), sets up what a
+`RolloutsAhead` starts the producer thread and its queue (`ahead.queue`), sets up what a
 weight sync does to the requests in flight (`inflight_updates`, for `rollout.update_mode`
 pause / partial), hands the trainer the oldest batch within the bound with the step's
 staleness metrics, and holds the producer while the trainer syncs, evaluates or saves.
@@ -15,9 +15,9 @@ import torch
 
 from megatron_gspo.config import RolloutConfig
 from megatron_gspo.rollout import RolloutBatch
-from megatron_gspo.training.inflight_updates import InFlightUpdates
-from megatron_gspo.training.rollout_queue import RolloutProducer, Taken, VersionedBatch
-from megatron_gspo.training.segment_staleness import (
+from megatron_gspo.training.ahead.inflight_updates import InFlightUpdates
+from megatron_gspo.training.ahead.queue import RolloutProducer, Taken, VersionedBatch
+from megatron_gspo.training.ahead.staleness import (
     mask_stale_tokens,
     staleness_metrics,
     trainable_version,

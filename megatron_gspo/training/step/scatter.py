@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from megatron_gspo.model.control_plane import broadcast_from_rank0, call_on_rank0
 from megatron_gspo.rollout import RolloutBatch
-from megatron_gspo.training.micro_batching import DataLayout, flatten, split_batch
+from megatron_gspo.training.step.micro_batches import DataLayout, flatten, split_batch
 
 
 @dataclass
