@@ -21,8 +21,8 @@ import time
 import torch
 
 from megatron_gspo.rollout import RolloutBatch, RolloutSample
-from megatron_gspo.training.batch_scatter import encode_rows
-from megatron_gspo.training.micro_batching import dp_rows
+from megatron_gspo.training.step.micro_batches import dp_rows
+from megatron_gspo.training.step.scatter import encode_rows
 
 LAYERS, TOPK, GROUP = 48, 8, 16
 

@@ -28,7 +28,7 @@ import random
 import time
 from pathlib import Path
 
-from megatron_gspo.training.micro_batching import DataLayout, split_batch
+from megatron_gspo.training.step.micro_batches import DataLayout, split_batch
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny_moe_cpu.yaml"
 

@@ -25,7 +25,7 @@ def measure(quick: bool = False) -> dict[str, float]:
     from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
     from megatron_gspo.model.engine import EngineConfig
     from megatron_gspo.training.reference import ReferencePolicy
-    from megatron_gspo.training.update import recompute_and_measure, train_on_batch
+    from megatron_gspo.training.step.update import recompute_and_measure, train_on_batch
 
     init_distributed(ParallelConfig(), seed=0)
     try:

@@ -90,7 +90,7 @@ def measure(quick: bool = False) -> dict[str, float]:
     per-repeat ratios, so that load from other work on the machine cancels out.
     """
     from megatron_gspo.rollout.client import SGLangClient
-    from megatron_gspo.rollout.server_launch import launch_embedded_server
+    from megatron_gspo.rollout.server.launch import launch_embedded_server
 
     batch, new_tokens, repeats = (16, 8, 2) if quick else (64, 32, 7)
     threads = torch.get_num_threads()

@@ -135,8 +135,8 @@ class Setup:
         return cls(cfg, model, optimizer, scheduler, *demo_batch(cfg, model, build_char_tokenizer()))
 
     def plan(self, mini_batches: int):
-        from megatron_gspo.training.micro_batching import DataLayout
-        from megatron_gspo.training.update import plan_mini_batches
+        from megatron_gspo.training.step.micro_batches import DataLayout
+        from megatron_gspo.training.step.update import plan_mini_batches
 
         return plan_mini_batches(self.batch, self.advantages, mini_batches, DataLayout())
 
@@ -145,7 +145,7 @@ class Setup:
 
         With `routing` (R2) and no `record`, the replay targets are recorded once here.
         """
-        from megatron_gspo.training.update import recompute_old_logprobs, train_on_batch
+        from megatron_gspo.training.step.update import recompute_old_logprobs, train_on_batch
 
         plan, temperature = self.plan(mini_batches), self.cfg.rollout.temperature
 
@@ -169,7 +169,7 @@ class Setup:
 def measure(quick: bool = False) -> dict[str, float]:
     """The ratios (and the median milliseconds behind them) of the module docstring."""
     from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
-    from megatron_gspo.training.routing_step import StepRouting
+    from megatron_gspo.training.step.routing import StepRouting
 
     repeats = 3 if quick else 15
     init_distributed(ParallelConfig(), seed=0)

@@ -36,7 +36,7 @@ from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed,
 from megatron_gspo.model.hf_export import export_hf_checkpoint
 from megatron_gspo.plan import sync_bytes
 from megatron_gspo.rollout.client import SGLangClient
-from megatron_gspo.rollout.server_launch import launch_embedded_server
+from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.training.weight_sync import WeightSync
 
 SYNCS = (
