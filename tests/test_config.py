@@ -348,7 +348,7 @@ SCALED = {"rollout_batch_size", "prompt_length", "response_length"}  # sizes the
 
 
 def roll_value(cfg, key):
-    """The value of ROLL's `key` in a RunConfig (README's table of ROLL's keys)."""
+    """The value of ROLL's `key` in a RunConfig (the table of ROLL's keys in docs/algorithms.md)."""
     if key == "importance_sampling":
         return "seq" if cfg.algorithm.loss_type == "gspo" else "token"
     if key == "num_return_sequences_in_group":

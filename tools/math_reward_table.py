@@ -1,6 +1,6 @@
 r"""Agreement table of the math reward: the old hand-written reward vs math-verify vs the expected answer.
 
-    python tools/math_reward_table.py                 # print the README's "Math rewards" table
+    python tools/math_reward_table.py                 # print the agreement table of docs/math-rewards.md
     python tools/math_reward_table.py --old-rev REV   # take the old reward from another commit
 
 Each case is (completion, reference, expected reward). Columns: the project's reward before

@@ -13,7 +13,7 @@ groups whose final advantages are all zero. ROLL's whitening subtracts the batch
 which moves such groups off zero (as in ROLL).
 
 The option names and their order follow ROLL (alibaba/ROLL ``reward_postprocess`` and
-``compute_advantage``); README "ROLL's keys" maps each to this project's config.
+``compute_advantage``); "ROLL's keys" in docs/algorithms.md maps each to this project's config.
 """
 
 from __future__ import annotations

@@ -139,8 +139,9 @@ def _peak_extra(loss_fn, target):
 
 @linux_only
 def test_no_fp32_copy_of_the_logits_is_kept(world_one_model, monkeypatch):
-    """The README's bound: one fp32 chunk of at most 1/8 of the logits' bytes, forward or backward
-    (measured 0.13 / 0.19 for bf16), where megatron's CE keeps an fp32 copy, 2x bf16 logits."""
+    """The bound in docs/parallelism.md (bf16): one fp32 chunk of at most 1/8 of the logits' bytes,
+    forward or backward (measured 0.13 / 0.19 for bf16), where megatron's CE keeps an fp32 copy,
+    2x bf16 logits."""
     monkeypatch.setattr(chunked, "MIN_CHUNK_BYTES", 2**18)  # 16 MiB of logits: chunks of 1/8
     target = torch.randint(0, 2048, (512, 8), generator=torch.Generator().manual_seed(1))
     ours = _peak_extra(lambda x, t: chunked.chunked_vocab_parallel_cross_entropy(x, t), target)

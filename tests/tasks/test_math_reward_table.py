@@ -1,4 +1,4 @@
-"""The README's "Math rewards" table: the reward gives the expected verdict on every case."""
+"""The agreement table of docs/math-rewards.md: the reward gives the expected verdict on every case."""
 
 import importlib.util
 from pathlib import Path
@@ -28,9 +28,9 @@ def test_table_covers_the_reported_cases_and_more():
     assert sum(c[2] == 0.0 for c in table.CASES) >= 10  # negatives too: a reward that says 1 always fails
 
 
-def test_readme_shows_the_table():
-    readme = (REPO / "docs" / "math-rewards.md").read_text()
-    section = readme.split("## Math rewards", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_show_the_table():
+    page = (REPO / "docs" / "math-rewards.md").read_text()
+    section = page.split("## Math rewards", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     assert len(rows) == len(table.CASES)
     for row, (_, _, expected, note) in zip(rows, table.CASES):

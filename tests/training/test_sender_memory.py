@@ -1,6 +1,6 @@
 """Host memory of the rank that sends the weights: weight sync and export (a world of one).
 
-The README's bounds: beyond its own shards, the weight-sync sender holds about two buckets
+The bounds in docs/weight-sync.md: beyond its own shards, the weight-sync sender holds about two buckets
 (or the largest tensor), and export holds one safetensors shard at a time, never the model.
 Each global tensor reaches the stream as a fresh copy, as a TP/EP gather delivers it on rank 0,
 so whatever the sender keeps is seen by the meter; a bucket or a shard as large as the model is
