@@ -225,24 +225,45 @@ H100_USABLE_GIB = 79.1
 """An H100 80GB's capacity as torch reports it ("total capacity of 79.10 GiB"): 80 GB is not 80 GiB."""
 
 
+def _at_least(kind: type, low: float, what: str):
+    """An argparse type: `kind` of `text`, refused (exit 2, naming the option) below `low`."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not value >= low:  # also refuses NaN
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" error
+    return parse
+
+
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
     """Arguments of `megatron-gspo plan`."""
     parser.add_argument("--config", required=True, help="run config YAML")
-    parser.add_argument("--world-size", type=int, required=True, help="training ranks (GPUs)")
+    parser.add_argument(
+        "--world-size",
+        type=_at_least(int, 1, "a whole number >= 1"),
+        required=True,
+        help="training ranks (GPUs)",
+    )
     parser.add_argument(
         "--gpu-memory-gb",
-        type=float,
+        type=_at_least(float, 1e-9, "> 0"),
         default=H100_USABLE_GIB,
         help=f"memory per GPU in GiB (default {H100_USABLE_GIB:g}: what an H100 80GB gives torch)",
     )
     parser.add_argument(
         "--reserve-gb",
-        type=float,
+        type=_at_least(float, 0.0, ">= 0"),
         default=6.0,
         help="kept free for the CUDA context, NCCL buffers and allocator fragmentation",
     )
     parser.add_argument(
-        "--gpus-per-node", type=int, default=8, help="ranks per node, for the host memory of a save"
+        "--gpus-per-node",
+        type=_at_least(int, 1, "a whole number >= 1"),
+        default=8,
+        help="ranks per node, for the host memory of a save",
     )
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. parallel.expert_parallel=8")
 

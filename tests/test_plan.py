@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_gspo.cli import main as cli
 from megatron_gspo.model import config as presets
 from megatron_gspo.model.distributed import ParallelConfig
 from megatron_gspo.model.engine import EngineConfig
@@ -251,6 +252,19 @@ def test_plan_names_an_impossible_world_size(math_data):
     )
     assert result.returncode == 2
     assert "config error: parallel: impossible layout for 12 process(es)" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [("--world-size", "-8"), ("--world-size", "0"), ("--gpus-per-node", "0"), ("--gpu-memory-gb", "nan")],
+)
+def test_plan_refuses_a_size_that_cannot_be(option, value, capsys):
+    """Not a plan with negative memory that "fits", nor a ZeroDivisionError: one line naming the option."""
+    args = ["plan", "--config", "configs/qwen3_30b_a3b_gspo.yaml", "--world-size", "16", option, value]
+    with pytest.raises(SystemExit) as exited:
+        cli(args)
+    assert exited.value.code == 2
+    assert f"argument {option}: must be" in capsys.readouterr().err
 
 
 def test_train_launcher_dry_run(math_data):
