@@ -254,6 +254,7 @@ class HFCheckpointWriter:
         tokenizer: PreTrainedTokenizerBase | None = None,
         *,
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        overwrite: bool = False,
     ):
         if tokenizer is not None and len(tokenizer) > model_cfg.vocab_size:
             raise ValueError(
@@ -263,6 +264,7 @@ class HFCheckpointWriter:
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
         self.max_shard_bytes = max_shard_bytes
+        self.overwrite = overwrite
         self.ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.ckpt_dir.name}.tmp-", dir=self.ckpt_dir.parent))
         self._shard: dict[str, torch.Tensor] = {}
@@ -309,11 +311,12 @@ class HFCheckpointWriter:
                 self._flush()
             self._name_shards()
             self._write_config()
+            _write_export_marker(self.tmp)
             for f in self.tmp.iterdir():  # make the data durable before the rename publishes it
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
             os.chmod(self.tmp, 0o755)
-            _replace_dir(self.tmp, self.ckpt_dir)
+            _replace_dir(self.tmp, self.ckpt_dir, overwrite=self.overwrite)
         except BaseException:
             self.abort()
             raise
@@ -360,13 +363,16 @@ def save_hf_state_dict(
     tokenizer: PreTrainedTokenizerBase | None = None,
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
 ) -> Path:
     """Write a whole state dict (on-disk HF names) as an HF checkpoint directory, atomically.
 
     `module_state_to_hf` converts a module's state; see `HFCheckpointWriter` for the layout.
     Tensors go into shards in name order.
     """
-    with HFCheckpointWriter(ckpt_dir, model_cfg, tokenizer, max_shard_bytes=max_shard_bytes) as writer:
+    with HFCheckpointWriter(
+        ckpt_dir, model_cfg, tokenizer, max_shard_bytes=max_shard_bytes, overwrite=overwrite
+    ) as writer:
         for name in sorted(state_dict):
             writer.add(name, state_dict[name])
         return writer.finish()
@@ -380,15 +386,36 @@ _EXPORT_FILE = re.compile(
 )
 
 
+EXPORT_MARKER = "megatron_gspo_export.json"
+"""Written into every export (last, listing the export's files): what makes a directory an
+earlier export that the next one may replace. An HF model saved by another tool has the same
+file names, so names alone cannot tell a user's base model from an export."""
+
+
 class ExportTargetError(ValueError):
     """An export's target directory holds something an export did not write: it is not replaced."""
 
 
-def check_export_target(path: str | os.PathLike) -> None:
-    """Refuse a target that is neither absent, empty, nor an earlier HF checkpoint export.
+def _write_export_marker(directory: Path) -> None:
+    files = sorted(p.name for p in directory.iterdir())
+    (directory / EXPORT_MARKER).write_text(json.dumps({"written_by": "megatron-gspo", "files": files}) + "\n")
+
+
+def _written_by_an_export(path: Path, names: set[str]) -> bool:
+    """`path` holds an export marker that lists every file there."""
+    try:
+        marker = json.loads((path / EXPORT_MARKER).read_text())
+        return marker.get("written_by") == "megatron-gspo" and names - {EXPORT_MARKER} <= set(marker["files"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return False
+
+
+def check_export_target(path: str | os.PathLike, *, overwrite: bool = False) -> None:
+    """Refuse a target that is neither absent, empty, nor an earlier export of this project.
 
     An export replaces its target whole, so anything else in it (a run directory's checkpoints
-    and metrics, a user's files) would be deleted.
+    and metrics, a user's files, an HF model another tool saved) would be deleted. With
+    `overwrite`, an HF model directory (HF file names only) is replaced too; anything else never.
 
     Raises:
         ExportTargetError: naming what the directory holds that an export does not write.
@@ -402,21 +429,28 @@ def check_export_target(path: str | os.PathLike) -> None:
     foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in entries if not (
         p.is_file() and not p.is_symlink() and _EXPORT_FILE.match(p.name)
     ))  # fmt: skip
+    foreign = [name for name in foreign if name != EXPORT_MARKER]
     if foreign or (entries and not (path / "config.json").is_file()):
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise ExportTargetError(
             f"{path} is not an earlier HF export (it holds {shown or 'no config.json'}); an export "
             "replaces its whole directory, so it refuses this one: give a new or empty directory"
         )
+    if entries and not overwrite and not _written_by_an_export(path, {p.name for p in entries}):
+        raise ExportTargetError(
+            f"{path} holds an HF model that megatron-gspo did not write (no {EXPORT_MARKER} listing its "
+            "files); an export replaces its whole directory: give a new or empty directory, or pass "
+            "--overwrite to replace that model"
+        )
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
+def _replace_dir(src: Path, dst: Path, *, overwrite: bool = False) -> None:
     """Rename `src` to `dst`; an earlier export at `dst` is moved aside first and deleted after.
 
     Raises:
         ExportTargetError: `dst` holds anything but an earlier export (nothing is touched).
     """
-    check_export_target(dst)
+    check_export_target(dst, overwrite=overwrite)
     if not dst.exists() or not any(dst.iterdir()):
         os.replace(src, dst)  # an empty directory is replaced by the rename itself
         return

@@ -27,6 +27,7 @@ def export_hf_checkpoint(
     tokenizer=None,
     *,
     max_shard_bytes: int | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write the model as an HF checkpoint directory (collective; rank 0 writes, atomically).
 
@@ -43,6 +44,7 @@ def export_hf_checkpoint(
         model_cfg: Architecture (written to config.json; checked against the model).
         tokenizer: Optional tokenizer saved alongside.
         max_shard_bytes: Safetensors shard size limit (default: `HFCheckpointWriter`'s).
+        overwrite: replace an HF model at `out_dir` that was not written by an export.
 
     Returns:
         The checkpoint path, on every rank, once it is published.
@@ -53,7 +55,11 @@ def export_hf_checkpoint(
     """
     model = unwrap_model(model)
     check_same_architecture(built_architecture(model, model_cfg), model_cfg, "model_cfg")
-    kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+    kwargs = (
+        {"overwrite": overwrite}
+        if max_shard_bytes is None
+        else {"max_shard_bytes": max_shard_bytes, "overwrite": overwrite}
+    )
     refuse_non_finite(model, f"export to {out_dir}")
 
     def write(stream) -> Path:

@@ -38,6 +38,11 @@ def add_export_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ep", type=int, default=None, help="expert-parallel size (default: world / (TP x PP))"
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an HF model at --out that another tool saved (never a directory with other files)",
+    )
     parser.add_argument("--max-shard-bytes", type=int, default=None, help="safetensors shard size limit")
     parser.add_argument("--nproc", type=int, default=1, help="re-launch under torchrun with N CPU workers")
 
@@ -96,7 +101,9 @@ def run_export(args: argparse.Namespace) -> int:
     from megatron_gspo.model.hf_checkpoint import ExportTargetError, check_export_target
 
     try:
-        check_export_target(args.out)  # before any work; the writer checks again before replacing
+        check_export_target(
+            args.out, overwrite=args.overwrite
+        )  # before any work; the writer checks again before replacing
     except ExportTargetError as err:
         raise ConfigError(f"--out {err}") from None
     meta, model_cfg, tokenizer = _model_description(checkpoint)
@@ -110,7 +117,7 @@ def run_export(args: argparse.Namespace) -> int:
 
     try:
         path = export_training_checkpoint(
-            checkpoint, args.out, parallel, model_cfg, tokenizer, args.max_shard_bytes
+            checkpoint, args.out, parallel, model_cfg, tokenizer, args.max_shard_bytes, args.overwrite
         )
     except CheckpointError as err:  # damaged or not this model: the user's to fix, named
         raise ConfigError(f"--checkpoint {checkpoint}: {err}") from None
@@ -120,7 +127,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def export_training_checkpoint(
-    checkpoint: Path, out: str | os.PathLike, parallel, model_cfg, tokenizer, max_shard_bytes
+    checkpoint: Path, out: str | os.PathLike, parallel, model_cfg, tokenizer, max_shard_bytes, overwrite=False
 ):
     """Build the model at `parallel`, load the checkpoint's weights, write HF (collective)."""
     from megatron_gspo.checkpoint.load import load_weights
@@ -132,6 +139,8 @@ def export_training_checkpoint(
     try:
         model = build_model(model_cfg, parallel)
         load_weights(checkpoint, model)
-        return export_hf_checkpoint(model, out, model_cfg, tokenizer, max_shard_bytes=max_shard_bytes)
+        return export_hf_checkpoint(
+            model, out, model_cfg, tokenizer, max_shard_bytes=max_shard_bytes, overwrite=overwrite
+        )
     finally:
         destroy_distributed()

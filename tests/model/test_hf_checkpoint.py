@@ -104,6 +104,23 @@ def test_a_directory_that_is_not_an_export_is_never_replaced(tmp_path):
     assert torch.equal(load_hf_state_dict(empty)["lm_head.weight"], state["lm_head.weight"])
 
 
+def test_an_hf_model_another_tool_saved_is_replaced_only_when_asked(tmp_path):
+    """Same file names as an export (config.json, model.safetensors, tokenizer): told apart by
+    the export's marker, so a base model given as the target by mistake is not overwritten."""
+    base = tmp_path / "base"
+    build_hf_model(CFG, seed=1).save_pretrained(base)  # transformers' own writer
+    TOKENIZER.save_pretrained(base)
+    before = {p.name: p.read_bytes() for p in base.iterdir()}
+    state = module_state_to_hf(build_hf_model(CFG, seed=2).state_dict())
+    with pytest.raises(ExportTargetError, match="holds an HF model that megatron-gspo did not write"):
+        save_hf_state_dict(base, state, CFG, TOKENIZER)
+    assert {p.name: p.read_bytes() for p in base.iterdir()} == before  # untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]  # no temporary directory left
+    save_hf_state_dict(base, state, CFG, TOKENIZER, overwrite=True)
+    assert torch.equal(load_hf_state_dict(base)["lm_head.weight"], state["lm_head.weight"])
+    save_hf_state_dict(base, state, CFG, TOKENIZER)  # now an export: replaced without being asked
+
+
 def test_vocab_smaller_than_tokenizer_is_refused(tmp_path):
     with pytest.raises(ValueError, match="vocab_size=32 is smaller than the tokenizer"):
         make_tiny_hf_checkpoint(tmp_path / "x", tiny(), TOKENIZER)

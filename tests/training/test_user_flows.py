@@ -117,7 +117,7 @@ def test_zero_steps_saves_the_cold_start(tmp_path):
     assert latest_step(tmp_path / "run" / "checkpoints") == 0
 
 
-def export(checkpoint, out):
+def export(checkpoint, out, *extra):
     cmd = [
         sys.executable,
         "-m",
@@ -127,6 +127,7 @@ def export(checkpoint, out):
         str(checkpoint),
         "--out",
         str(out),
+        *extra,
     ]
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
 
@@ -148,6 +149,18 @@ def test_export_never_replaces_what_it_did_not_write(run5, tmp_path):
     (out / "notes.txt").write_text("mine")
     assert_one_named_line(export(run_dir / "checkpoints" / "step_00000004", out), "notes.txt")
     assert (out / "notes.txt").read_text() == "mine" and (out / "model.safetensors").is_file()
+
+    # a base model saved by transformers (the same file names as an export) given by mistake
+    base = tmp_path / "base"
+    shutil.copytree(out, base)
+    (base / "notes.txt").unlink()
+    (base / "megatron_gspo_export.json").unlink()
+    weights = (base / "model.safetensors").read_bytes()
+    step5 = run_dir / "checkpoints" / "step_00000005"
+    assert_one_named_line(export(step5, base), "megatron-gspo did not write", "--overwrite")
+    assert (base / "model.safetensors").read_bytes() == weights
+    done = export(step5, base, "--overwrite")
+    assert done.returncode == 0 and "exported step 5" in done.stdout, done.stderr[-3000:]
 
 
 @pytest.mark.slow
