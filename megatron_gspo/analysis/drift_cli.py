@@ -41,7 +41,14 @@ def run_drift(args: argparse.Namespace) -> int:
     """Entry point: compute, plot, summarise; prints the summary JSON."""
     from transformers import AutoTokenizer
 
-    from megatron_gspo.analysis.drift_report import compare, greedy_samples, load_dump, load_hf, write_report
+    from megatron_gspo.analysis.drift_report import (
+        check_same_routing,
+        compare,
+        greedy_samples,
+        load_dump,
+        load_hf,
+        write_report,
+    )
 
     if (args.b is None) == (args.dump is None):
         raise ConfigError("drift: give exactly one of --b (second checkpoint) or --dump (rollout dump)")
@@ -53,15 +60,25 @@ def run_drift(args: argparse.Namespace) -> int:
         except ValueError as err:
             raise ConfigError(str(err)) from None
     prompts = prompt_source(args) if args.b else None  # bad prompt options fail before any export
+    try:
+        dump = load_dump(args.dump) if args.dump else None  # before any export or model load
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--dump: {err}") from None
     with contextlib.ExitStack() as stack:  # training checkpoints are exported to HF first
         dir_a = stack.enter_context(hf_checkpoint_dir(args.a, "--a"))
         model_a = load_hf(dir_a)
-        if args.dump:
-            report = compare(model_a, load_dump(args.dump), label="inference (dump) -> checkpoint")
-        else:
+        against = "--dump" if dump is not None else "--b"
+        try:  # checkpoints or a dump that cannot be compared, named
+            if dump is not None:
+                report = compare(model_a, dump, label="inference (dump) -> checkpoint")
+            else:
+                model_b = load_hf(stack.enter_context(hf_checkpoint_dir(args.b, "--b")))
+                check_same_routing(model_a, model_b)
+        except ValueError as err:
+            raise ConfigError(f"drift --a {args.a} {against}: {err}") from None
+        if dump is None:
             tokenizer = AutoTokenizer.from_pretrained(dir_a)
             samples = greedy_samples(model_a, prompts.encode(tokenizer), args.max_new_tokens)
-            model_b = load_hf(stack.enter_context(hf_checkpoint_dir(args.b, "--b")))
             report = compare(model_a, samples, model_b=model_b, label="checkpoint a -> b")
     summary = write_report(report, args.out, metrics=args.metrics)
     print(json.dumps(summary, indent=2))

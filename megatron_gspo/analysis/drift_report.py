@@ -60,8 +60,11 @@ def load_dump(path: str | os.PathLike) -> list[Sample]:
     for i, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
-        row = json.loads(line)
-        if "tokens" not in row or "prompt_length" not in row:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{i}: not a JSON line ({err.msg})") from None
+        if not isinstance(row, dict) or "tokens" not in row or "prompt_length" not in row:
             raise ValueError(f"{path}:{i}: a dump line needs 'tokens' and 'prompt_length'")
         tokens = torch.tensor(row["tokens"], dtype=torch.long)
         routes = row.get("routed_experts")
@@ -75,6 +78,24 @@ def load_dump(path: str | os.PathLike) -> list[Sample]:
     if not samples:
         raise ValueError(f"{path}: no samples")
     return samples
+
+
+ROUTING_FIELDS = ("num_hidden_layers", "num_experts", "num_experts_per_tok")
+"""What two models' routings must share to be compared expert by expert."""
+
+
+def check_same_routing(model_a, model_b) -> None:
+    """Refuse two models whose routings cannot be compared, naming what differs."""
+    differ = [
+        f"{field} {getattr(model_a.config, field)} vs {getattr(model_b.config, field)}"
+        for field in ROUTING_FIELDS
+        if getattr(model_a.config, field) != getattr(model_b.config, field)
+    ]
+    if differ:
+        raise ValueError(
+            f"the checkpoints route differently ({', '.join(differ)}): drift compares the same experts "
+            "of the same layers; give two checkpoints of one architecture"
+        )
 
 
 def load_hf(path: str | os.PathLike):
@@ -170,6 +191,12 @@ def compare(model_a, samples: Sequence[Sample], *, model_b=None, label: str = ""
                 raise ValueError(
                     f"sample {i}: routed_experts {tuple(s.routed_experts.shape)} vs the checkpoint's "
                     f"{tuple(routing_a.shape)} (layers or k differ)"
+                )
+            ids = s.routed_experts
+            if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < num_experts:
+                raise ValueError(
+                    f"sample {i}: routed_experts ids {int(ids.min())}..{int(ids.max())} are not experts "
+                    f"of the checkpoint's {num_experts}"
                 )
             reference, other = s.routed_experts, routing_a
         counts = drift_counts(reference, other, num_experts=num_experts)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,20 +68,25 @@ def _task_options(pairs: list[str]) -> dict[str, Any]:
     return options
 
 
-def task_spec(args: argparse.Namespace) -> tuple[str, dict[str, Any], bool | None]:
-    """(task name, options, add_bos or None) from `--config`, then `--task` / `--task-option`."""
-    name, options, add_bos = DEFAULT_TASK, {}, None
+def task_spec(args: argparse.Namespace) -> tuple[str, dict[str, Any], bool | None, str]:
+    """(task name, options, add_bos or None, eval file or "") from `--config`, `--task`, `--task-option`.
+
+    A run's `eval.path` is where its held-out prompts come from: with it set the run trained on
+    every row of its training file, so the training file's hash split would not be held out.
+    """
+    name, options, add_bos, eval_path = DEFAULT_TASK, {}, None, ""
     if args.config:
         from megatron_gspo.config import load_config
 
         cfg = load_config(args.config)
         name, options, add_bos = cfg.task.name, dict(cfg.task.options), cfg.task.add_bos
+        eval_path = cfg.eval.path or ""
     if args.task:
         if args.config and args.task != name:
-            options = {}  # another task's options would not fit
+            options, eval_path = {}, ""  # another task's options would not fit
         name = args.task
     options.update(_task_options(args.task_option))
-    return name, options, args.add_bos if args.add_bos is not None else add_bos
+    return name, options, args.add_bos if args.add_bos is not None else add_bos, eval_path
 
 
 def _build_task(name: str, options: dict[str, Any]):
@@ -172,15 +178,23 @@ def prompt_source(args: argparse.Namespace) -> PromptSource:
     """Up to `--num-prompts` prompts from the configured source (module docstring)."""
     if args.num_prompts < 1:
         raise ConfigError(f"--num-prompts must be >= 1, got {args.num_prompts}")
-    name, options, add_bos = task_spec(args)
+    name, options, add_bos, eval_path = task_spec(args)
     if args.prompts:
         rows = _file_prompts(Path(args.prompts), args.prompt_key)[: args.num_prompts]
         if not rows:
             raise ConfigError(f"--prompts {args.prompts}: no prompts")
         return PromptSource(rows, add_bos, None)
     task = _build_task(name, options)
+    where = f"task {name}'s held-out split"
+    if eval_path and hasattr(task, "use_eval_file"):
+        try:
+            task.use_eval_file(eval_path)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"--config {args.config}: eval.path {eval_path}: {err}") from None
+        where = f"eval.path {eval_path} (the run trained on every row of its training file)"
     try:
         rows = [p.prompt for p in task.heldout(args.num_prompts)]
     except ValueError as err:
         raise ConfigError(f"--num-prompts {args.num_prompts}: {err}") from None
+    print(f"prompts: {len(rows)} from {where}", file=sys.stderr, flush=True)
     return PromptSource(rows, add_bos, task.chat_template)

@@ -75,3 +75,39 @@ def test_dump_round_trip_and_dump_vs_checkpoint(checkpoints, tmp_path):
                                                     "routed_experts": [[[0, 1]]]}))  # fmt: skip
     with pytest.raises(ValueError, match=r"bad.jsonl:1: routed_experts shape \(1, 1, 2\), expected \[T-1=2"):
         load_dump(tmp_path / "bad.jsonl")
+
+
+@pytest.mark.parametrize(
+    "other, named",
+    [
+        (dict(num_experts=16), "num_experts 8 vs 16"),
+        (dict(num_layers=3), "num_hidden_layers 2 vs 3"),
+    ],
+)
+def test_checkpoints_that_route_differently_are_refused_in_one_line(
+    checkpoints, tmp_path, capsys, other, named
+):
+    """Not a full report of drift between unrelated experts, nor a shape ValueError traceback."""
+    from megatron_gspo.cli import main as cli
+
+    a, _ = checkpoints
+    b = make_tiny_hf_checkpoint(tmp_path / "b", CFG.replace(**other), seed=0)
+    out = tmp_path / "report"
+    assert cli(["drift", "--a", str(a), "--b", str(b), "--num-prompts", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "config error: drift --a" in err and named in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_a_file_that_is_not_a_dump_is_refused_in_one_line(checkpoints, tmp_path, capsys):
+    from megatron_gspo.cli import main as cli
+
+    a, _ = checkpoints
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 1, "actor/pg_loss": 0.1}) + "\n{truncated\n")
+    assert cli(["drift", "--a", str(a), "--dump", str(metrics), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert f"--dump: {metrics}:1: a dump line needs 'tokens' and 'prompt_length'" in err
+    metrics.write_text("{truncated\n")
+    assert cli(["drift", "--a", str(a), "--dump", str(metrics), "--out", str(tmp_path / "r")]) == 2
+    assert f"{metrics}:1: not a JSON line" in capsys.readouterr().err

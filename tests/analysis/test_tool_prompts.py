@@ -83,6 +83,24 @@ def test_a_runs_config_gives_the_task_and_add_bos(gsm8k, tmp_path):
     assert encoded[0] == by_hand(tok, tok.decode(encoded[0]), bos=False)
 
 
+def test_a_run_with_an_eval_file_gives_its_prompts_not_its_training_rows(gsm8k, tmp_path, capsys):
+    """With eval.path the run trained on every training row: a hash split of them is not held out."""
+    path, questions = gsm8k
+    held = tmp_path / "test.jsonl"
+    held.write_text(
+        "".join(json.dumps({"question": f"held out {i}?", "answer": "1"}) + "\n" for i in range(3))
+    )
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"task:\n  name: math_jsonl\n  add_bos: false\n  options: {{path: {path}, prompt_key: question, "
+        f"template: '{{problem}}', chat_template: false}}\neval:\n  path: {held}\n"
+    )
+    tok = tokenizer(chat=True)
+    encoded = prompt_source(parse("--config", str(config), "--num-prompts", "2")).encode(tok)
+    assert [tok.decode(ids) for ids in encoded] == ["held out 0?", "held out 1?"]
+    assert f"prompts: 2 from eval.path {held}" in capsys.readouterr().err
+
+
 def test_prompt_file_rows(tmp_path):
     path = tmp_path / "prompts.jsonl"
     rows = [
