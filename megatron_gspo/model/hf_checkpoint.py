@@ -255,6 +255,7 @@ class HFCheckpointWriter:
         *,
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
         overwrite: bool = False,
+        checksums: bool = False,
     ):
         if tokenizer is not None and len(tokenizer) > model_cfg.vocab_size:
             raise ValueError(
@@ -265,6 +266,7 @@ class HFCheckpointWriter:
         self.tokenizer = tokenizer
         self.max_shard_bytes = max_shard_bytes
         self.overwrite = overwrite
+        self.checksums = checksums
         self.ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.ckpt_dir.name}.tmp-", dir=self.ckpt_dir.parent))
         self._shard: dict[str, torch.Tensor] = {}
@@ -311,7 +313,7 @@ class HFCheckpointWriter:
                 self._flush()
             self._name_shards()
             self._write_config()
-            _write_export_marker(self.tmp)
+            _write_export_marker(self.tmp, checksums=self.checksums)
             for f in self.tmp.iterdir():  # make the data durable before the rename publishes it
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
@@ -396,9 +398,42 @@ class ExportTargetError(ValueError):
     """An export's target directory holds something an export did not write: it is not replaced."""
 
 
-def _write_export_marker(directory: Path) -> None:
+def _write_export_marker(directory: Path, *, checksums: bool = False) -> None:
+    """List the export's files (and, asked for, their SHA-256: an export kept to be read back)."""
     files = sorted(p.name for p in directory.iterdir())
-    (directory / EXPORT_MARKER).write_text(json.dumps({"written_by": "megatron-gspo", "files": files}) + "\n")
+    marker: dict = {"written_by": "megatron-gspo", "files": files}
+    if checksums:
+        from megatron_gspo.checkpoint.files import file_checksum
+
+        marker["sha256"] = {name: file_checksum(directory / name) for name in files}
+    (directory / EXPORT_MARKER).write_text(json.dumps(marker) + "\n")
+
+
+class ExportDamagedError(ValueError):
+    """A checksummed export whose files are missing or differ from what was written (named)."""
+
+
+def verify_export(path: str | os.PathLike) -> bool:
+    """Check a checksummed export's files; False when it carries no checksums (written without).
+
+    Raises:
+        ExportDamagedError: naming the first file that is missing or whose bytes changed.
+    """
+    from megatron_gspo.checkpoint.files import file_checksum
+
+    path = Path(path)
+    try:
+        expected = json.loads((path / EXPORT_MARKER).read_text()).get("sha256")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ExportDamagedError(f"{path}: unreadable {EXPORT_MARKER} ({err})") from None
+    if expected is None:
+        return False
+    for name, digest in sorted(expected.items()):
+        if not (path / name).is_file():
+            raise ExportDamagedError(f"{path / name} is missing")
+        if file_checksum(path / name) != digest:
+            raise ExportDamagedError(f"{path / name} differs from what was written (SHA-256 mismatch)")
+    return True
 
 
 def _written_by_an_export(path: Path, names: set[str]) -> bool:

@@ -28,6 +28,7 @@ def export_hf_checkpoint(
     *,
     max_shard_bytes: int | None = None,
     overwrite: bool = False,
+    checksums: bool = False,
 ) -> Path:
     """Write the model as an HF checkpoint directory (collective; rank 0 writes, atomically).
 
@@ -45,6 +46,7 @@ def export_hf_checkpoint(
         tokenizer: Optional tokenizer saved alongside.
         max_shard_bytes: Safetensors shard size limit (default: `HFCheckpointWriter`'s).
         overwrite: replace an HF model at `out_dir` that was not written by an export.
+        checksums: record each file's SHA-256 (`hf_checkpoint.verify_export` checks them).
 
     Returns:
         The checkpoint path, on every rank, once it is published.
@@ -55,11 +57,9 @@ def export_hf_checkpoint(
     """
     model = unwrap_model(model)
     check_same_architecture(built_architecture(model, model_cfg), model_cfg, "model_cfg")
-    kwargs = (
-        {"overwrite": overwrite}
-        if max_shard_bytes is None
-        else {"max_shard_bytes": max_shard_bytes, "overwrite": overwrite}
-    )
+    kwargs = {"overwrite": overwrite, "checksums": checksums}
+    if max_shard_bytes is not None:
+        kwargs["max_shard_bytes"] = max_shard_bytes
     refuse_non_finite(model, f"export to {out_dir}")
 
     def write(stream) -> Path:

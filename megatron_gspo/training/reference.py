@@ -32,8 +32,11 @@ from pathlib import Path
 
 import torch
 
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.model.builder import build_model
+from megatron_gspo.model.control_plane import on_rank0
 from megatron_gspo.model.convert import load_hf_checkpoint
+from megatron_gspo.model.hf_checkpoint import ExportDamagedError, verify_export
 from megatron_gspo.model.hf_export import export_hf_checkpoint
 from megatron_gspo.model.pipeline import run_micro_batches
 from megatron_gspo.training.step.forward import MicroBatch
@@ -42,6 +45,28 @@ logger = logging.getLogger(__name__)
 
 REFERENCE_DIR = "reference"
 """Sub-directory of the run dir holding the reference's weights when no file had them."""
+
+
+class ReferenceDamagedError(ConfigError):
+    """The run's saved reference (`run_dir/reference`) is not what was written: never loaded."""
+
+
+def _verify_saved_reference(saved: Path) -> None:
+    """Rank 0 checks the saved reference's checksums (collective); a damaged one is refused by name."""
+
+    def verify() -> None:
+        try:
+            if not verify_export(saved):
+                logger.warning(
+                    "%s carries no checksums (saved by an earlier version): loaded unchecked", saved
+                )
+        except ExportDamagedError as err:
+            raise ReferenceDamagedError(
+                f"the run's reference model (KL loss) is damaged: {err}; restore {saved} from a copy, or set "
+                "model.ref_hf_path to the checkpoint the KL loss should stay near"
+            ) from None
+
+    on_rank0(verify)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -121,6 +146,7 @@ class ReferencePolicy:
             source = ref_hf_path
         elif resumed and (saved / "config.json").is_file():
             source = str(saved)
+            _verify_saved_reference(saved)
         elif resumed and on_disk and policy_hf_path:
             source = policy_hf_path
         elif resumed:
@@ -131,7 +157,7 @@ class ReferencePolicy:
         else:
             self.copy_from(policy)
             if not on_disk:  # kept for a resume: after SFT or from a random init no file holds them
-                export_hf_checkpoint(self.model, saved, self.model_cfg, tokenizer)
+                export_hf_checkpoint(self.model, saved, self.model_cfg, tokenizer, checksums=True)
             return "the policy's starting weights"
         self.load(source)
         return source

@@ -19,7 +19,7 @@ from megatron_gspo.model.engine import EngineConfig
 from megatron_gspo.model.logprobs import sequence_logprobs
 from megatron_gspo.model.optim import OptimConfig, build_optimizer, wrap_ddp
 from megatron_gspo.rollout import RolloutBatch, RolloutSample
-from megatron_gspo.training.reference import ReferencePolicy
+from megatron_gspo.training.reference import ReferenceDamagedError, ReferencePolicy
 from megatron_gspo.training.step.update import (
     DataLayout,
     plan_mini_batches,
@@ -173,6 +173,24 @@ def test_a_reference_exported_for_resume_gives_the_same_logprobs(models, tmp_pat
     with pytest.raises(FileNotFoundError, match="model.ref_hf_path"):
         ReferencePolicy(MODEL, ParallelConfig(), EngineConfig()).initialise(
             policy, ref_hf_path=None, policy_hf_path=None, run_dir=tmp_path / "x", resumed=True, on_disk=False
+        )
+
+
+def test_a_damaged_saved_reference_is_refused_by_name(models, tmp_path):
+    """Flipped bytes in the run's saved reference never load silently (actor/kl_ref would jump)."""
+    policy, reference = models
+    reference.initialise(
+        policy, ref_hf_path=None, policy_hf_path=None, run_dir=tmp_path, resumed=False, on_disk=False
+    )
+    weights = tmp_path / "reference" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1000:] = bytes(b ^ 0xFF for b in data[-1000:])
+    weights.write_bytes(bytes(data))
+    with pytest.raises(
+        ReferenceDamagedError, match=r"reference model \(KL loss\) is damaged: .*model.safetensors differs"
+    ):
+        ReferencePolicy(MODEL, ParallelConfig(), EngineConfig()).initialise(
+            policy, ref_hf_path=None, policy_hf_path=None, run_dir=tmp_path, resumed=True, on_disk=False
         )
 
 
