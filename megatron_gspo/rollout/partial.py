@@ -47,6 +47,7 @@ class _Row:
         self.segments: list[Segment] = []
         self.last: dict[str, Any] | None = None
         self.parts = 0  # responses received
+        self.dropped_tokens = 0  # tokens of route-less aborted tries, generated again
 
     def request(self) -> dict[str, Any]:
         """The body that generates what is left: prompt + tokens so far, the remaining budget."""
@@ -67,11 +68,28 @@ class _Row:
         return body
 
     def add(self, response: dict[str, Any]) -> None:
-        """Append one segment's tokens, log-probs and routes."""
+        """Append one segment's tokens, log-probs and routes (a route-less abort's are dropped)."""
         meta = response.get("meta_info") or {}
         ids = list(response.get("output_ids") or [])
-        if ids:
-            self.segments.append(Segment(len(self.output_ids), len(ids), meta.get("weight_version")))
+        aborted = (meta.get("finish_reason") or {}).get("type") == "abort"
+        if ids and aborted and self.body.get("return_routed_experts") and not meta.get("routed_experts"):
+            # SGLang answers a request aborted after a retract (pause mode retract, or memory
+            # pressure) from its waiting queue: its tokens and log-probs, but no routes. Kept, they
+            # would leave the merged routes short; dropped, the row resumes from where it was
+            # before this try, and those tokens are generated again (with their routes).
+            self.dropped_tokens += len(ids)
+            meta = {**meta, "output_token_logprobs": [], "completion_tokens": 0}
+            meta.pop("weight_versions", None)
+            if "output_token_logprobs_length" in meta:
+                meta["output_token_logprobs_length"] = 0
+            response = {**response, "output_ids": [], "meta_info": meta}
+            ids = []
+        start = len(self.output_ids)
+        spans = _spans(meta, len(ids)) if ids else []
+        for span in spans:  # a weight update landed while the request was held (pause modes)
+            self.segments.append(Segment(start + span["start"], span["end"] - span["start"], span["version"]))
+        if ids and not spans:
+            self.segments.append(Segment(start, len(ids), meta.get("weight_version")))
         self.output_ids += ids
         self.logprobs += list(meta.get("output_token_logprobs") or [])
         if ids and meta.get("routed_experts"):  # a tokenless try is retried from the same start
@@ -98,6 +116,7 @@ class _Row:
             meta["id"] = self.body["rid"]
         if self.routed:
             meta["routed_experts"] = base64.b64encode(self.routed).decode("ascii")
+        meta.pop("weight_versions", None)  # the last segment's spans; the merged ones are `segments`
         if meta.get("finish_reason", {}).get("type") == "length":
             meta["finish_reason"] = {"type": "length", "length": self.max_new}
         meta.pop("input_token_logprobs", None)  # a later segment's prompt is not the request's
@@ -162,6 +181,25 @@ class PartialRollouts:
             # Only a sync's abort is resumed; any other abort stays one (validation refuses it).
             todo = [i for i in todo if synced and rows[i].aborted]
         return [row.merged() for row in rows]
+
+
+def _spans(meta: Mapping[str, Any], count: int) -> list[dict[str, Any]]:
+    """A segment response's own `meta_info.weight_versions` spans when they cover its `count` tokens.
+
+    SGLang (0.5.23) reports them (a weight update can land while a request is held by a pause);
+    without them, or when they do not tile the tokens, the segment is one version (its
+    `weight_version`).
+    """
+    spans = meta.get("weight_versions")
+    if not isinstance(spans, list) or not spans:
+        return []
+    spans = [s for s in spans if isinstance(s, dict) and s.get("end", 0) > s.get("start", 0)]
+    at = 0
+    for span in spans:
+        if span.get("start") != at or not isinstance(span.get("end"), int):
+            return []
+        at = span["end"]
+    return spans if at == count else []
 
 
 def segments_of(response: Mapping[str, Any]) -> list[Segment] | None:

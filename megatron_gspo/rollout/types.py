@@ -77,8 +77,9 @@ class RolloutSample:
         group_index: which prompt group the sample belongs to (None: consecutive groups of G).
         reward: the scalar reward, once scored.
         rid: the request id, used to name the sample in errors.
-        segments: with partial rollouts, the stretches of the response each weight version
-            generated, in order and covering it (None: one version, `weight_version`).
+        segments: the stretches of the response each weight version generated, in order and
+            covering it: a partial rollout's segments, else the server's `weight_versions` spans
+            (None: none reported; one version, `weight_version`).
     """
 
     prompt_ids: torch.Tensor

@@ -113,3 +113,53 @@ def test_sync_mid_generation_gives_segments_with_their_versions_logprobs_and_rou
         positions = torch.arange(p - 1 + cut, len(seq) - 1)
         ref_a = logprobs_a[positions].gather(1, torch.tensor(seq)[positions + 1, None])[:, 0].double()
         assert (got[cut:] - ref_a).abs().max() > 1e-2
+
+
+@pytest.mark.slow  # ~15 s: one 480-token generation cut and regenerated, one teacher-forced pass
+def test_a_retracted_then_aborted_segment_is_regenerated_never_merged_short_of_routes(
+    checkpoints, monkeypatch
+):
+    """SGLang 0.5.23 answers a request aborted after a retract (pause mode retract here; memory
+    pressure in production) from its waiting queue: tokens and log-probs, no routed experts
+    (`TokenizerManager._handle_abort_req`). Such a segment must be dropped and its tokens
+    generated again, never merged into a response whose routes come up short.
+
+    Red before the fix: the route-less tokens were kept, the merged routes lacked their rows
+    and `parse_generate_response` refused the response (RoutedExpertsError)."""
+    a, b = checkpoints
+    # Every token reaches SGLang's tokenizer manager at once (its default, 50, streams a
+    # non-streamed request's tokens in fifties): the aborted request returns all its tokens.
+    monkeypatch.setenv("SGLANG_FORCE_STREAM_INTERVAL", "1")
+    with (
+        launch_embedded_server(a, extra_args=["--check-responses", "--weight-version", "0"]) as server,
+        SGLangClient([server.url]) as client,
+    ):
+        partial = PartialRollouts(client)
+        params = {"max_new_tokens": LONG, "temperature": TEMPERATURE, "ignore_eos": True, "sampling_seed": 3}
+        body = build_generate_request(PROMPTS[0], params, rid="row0", return_routed_experts=True)
+        holder = {}
+        thread = threading.Thread(target=lambda: holder.setdefault("r", partial.generate([body])))
+        before = server.generated_tokens()
+        thread.start()
+        server.wait_for_tokens(before + TOKENS_IN)
+        client.pause_generation("retract")  # the request goes back to the waiting queue
+        with partial.sync():  # aborts it there: tokens without routes
+            client.update_weights_from_disk(str(b), weight_version=1)
+        thread.join(300)
+        (response,) = holder["r"]
+
+    segments = segments_of(response)
+    assert [(s.start, s.length, s.weight_version) for s in segments] == [(0, LONG, "1")]  # all regenerated
+    sample = parse_generate_response(
+        PROMPTS[0], response, rid="row0", expect_routed_experts=True, vocab_size=CFG.vocab_size,
+        num_layers=CFG.num_layers, topk=CFG.moe_topk, num_experts=CFG.num_experts,
+    )  # fmt: skip
+    assert sample.response_length == LONG and sample.routed_experts.shape[0] == len(PROMPTS[0]) + LONG - 1
+    seq = PROMPTS[0] + response["output_ids"]
+    logprobs, router = teacher_forced(b, seq)
+    p = len(PROMPTS[0])
+    positions = torch.arange(p - 1, len(seq) - 1)
+    ref = logprobs[positions].gather(1, torch.tensor(seq)[positions + 1, None])[:, 0].double()
+    assert (sample.rollout_logprobs.double() - ref).abs().max() < DECODE_TOL  # b's, every token
+    routed = np.frombuffer(base64.b64decode(response["meta_info"]["routed_experts"]), "<i4")
+    assert routes_agree(routed.reshape(len(seq) - 1, CFG.num_layers, CFG.moe_topk), router[:-1])

@@ -12,6 +12,7 @@ A pause or abort lands once the server reports TOKENS_IN output tokens of the ge
 that many, and LONG leaves the generation far from its end.
 """
 
+import base64
 import threading
 
 import httpx
@@ -59,11 +60,12 @@ def teacher_forced_logprobs(path, output_ids, temperature=1.0):
     return lp.gather(1, torch.tensor(output_ids)[:, None])[:, 0]
 
 
-def start_generation(server, rid):
+def start_generation(server, rid, **extra):
     """A long seeded generation in a thread, TOKENS_IN tokens in; returns (thread, holder of its response)."""
     url = server.url
     holder = {}
     body = {
+        **extra,
         "input_ids": PROMPT,
         "rid": rid,
         "sampling_params": {
@@ -122,6 +124,11 @@ def test_weight_update_while_paused_mid_generation(server, checkpoints, mode):
     ref_b = teacher_forced_logprobs(b, ids)
     n = first_mismatch(got, ref_a)
     assert TOKENS_IN <= n < LONG  # the update landed mid-generation, after the tokens seen
+    # SGLang 0.5.23's spans (srt/utils/weight_versions.py): the tokens each version generated.
+    assert response["meta_info"]["weight_versions"] == [
+        {"version": "0", "start": 0, "end": n},
+        {"version": "1", "start": n, "end": LONG},
+    ]
     assert (got[:n] - ref_a[:n]).abs().max() < DECODE_TOL  # before the pause: the old weights
     after = (got[n:] - ref_b[n:]).abs().max()
     if mode == "retract":  # cache recomputed with b: exactly b's teacher-forced log-probs
@@ -134,13 +141,16 @@ def test_abort_mode_returns_the_tokens_so_far_and_holds_new_requests(server, che
     a, _ = checkpoints
     url = server.url
     httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(a), "weight_version": "0"})
-    thread, holder = start_generation(server, "aborted-by-pause")
+    thread, holder = start_generation(server, "aborted-by-pause", return_routed_experts=True)
     httpx.post(f"{url}/pause_generation", json={"mode": "abort"}, timeout=60)
     thread.join(60)
     response = holder["r"]
     ids = response["output_ids"]
     assert response["meta_info"]["finish_reason"]["type"] == "abort"
     assert TOKENS_IN <= len(ids) < LONG and response["meta_info"]["weight_version"] == "0"
+    # Aborted while running, it finishes through SGLang's output stream: routes of every position.
+    routed = base64.b64decode(response["meta_info"]["routed_experts"])
+    assert len(routed) == (len(PROMPT) + len(ids) - 1) * CFG.num_layers * CFG.moe_topk * 4
     assert (logprobs_of(response) - teacher_forced_logprobs(a, ids)).abs().max() < DECODE_TOL
     later, held = start_generation_while_paused(url)
     later.join(0.5)
@@ -148,6 +158,28 @@ def test_abort_mode_returns_the_tokens_so_far_and_holds_new_requests(server, che
     httpx.post(f"{url}/continue_generation", json={})
     later.join(60)
     assert held["r"]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_a_retracted_request_aborted_is_answered_from_the_waiting_queue_without_routes(server, checkpoints):
+    """SGLang 0.5.23: a retracted request waits in the scheduler's queue; aborted there
+    (`Scheduler.abort_request` -> `TokenizerManager._handle_abort_req`) it returns only the tokens
+    already streamed to the tokenizer manager (a multiple of SGLANG_FORCE_STREAM_INTERVAL, 50
+    for a non-streamed request), their log-probs, and no routed experts nor prompt/cached counts."""
+    a, _ = checkpoints
+    url = server.url
+    httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(a), "weight_version": "0"})
+    thread, holder = start_generation(server, "retracted-then-aborted", return_routed_experts=True)
+    httpx.post(f"{url}/pause_generation", json={"mode": "retract"}, timeout=60)
+    httpx.post(f"{url}/pause_generation", json={"mode": "abort"}, timeout=60)
+    thread.join(60)
+    httpx.post(f"{url}/continue_generation", json={})
+    response = holder["r"]
+    meta, ids = response["meta_info"], response["output_ids"]
+    assert meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    assert "routed_experts" not in meta and "prompt_tokens" not in meta and "cached_tokens" not in meta
+    assert len(ids) % 50 == 0 and len(ids) < LONG and meta["completion_tokens"] == len(ids)
+    assert len(meta["output_token_logprobs"]) == len(ids) == meta["output_token_logprobs_length"]
+    assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": len(ids)}]
 
 
 def start_generation_while_paused(url):

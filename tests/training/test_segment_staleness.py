@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from megatron_gspo.rollout import RolloutBatch, RolloutSample, StaleRolloutError
+from megatron_gspo.rollout import RolloutBatch, RolloutSample, StaleRolloutError, parse_generate_response
+from megatron_gspo.rollout.errors import WeightVersionError
 from megatron_gspo.rollout.types import Segment
 from megatron_gspo.training.ahead.staleness import (
     check_not_older,
@@ -33,11 +34,58 @@ def batch():
     return RolloutBatch.from_samples([a, b], 2)
 
 
-def test_token_versions_follow_segments_partial_and_the_start_under_pause():
+def test_token_versions_follow_segments_partial_and_pause_and_the_start_without_spans():
     a = batch().samples[0]
     assert token_versions(a, 3, "partial").tolist() == [3, 3, 4, 5, 5, 5]
-    assert token_versions(a, 3, "pause").tolist() == [3] * 6  # unobservable: the oldest it can be
+    assert token_versions(a, 3, "pause").tolist() == [3, 3, 4, 5, 5, 5]  # SGLang's weight_versions spans
     assert token_versions(a, 3, "drain").tolist() == [5] * 6  # the reported version
+    a.segments = None  # a server that reports no spans: the oldest each token can be
+    assert token_versions(a, 3, "pause").tolist() == [3] * 6
+
+
+def pause_response(spans, n):
+    """An SGLang 0.5.23 /generate response held by a pause while weights moved on."""
+    return {
+        "text": "",
+        "output_ids": list(range(10, 10 + n)),
+        "meta_info": {
+            "id": "r",
+            "prompt_tokens": 2,
+            "completion_tokens": n,
+            "finish_reason": {"type": "length", "length": n},
+            "weight_version": spans[-1]["version"],
+            "weight_versions": spans,
+            "output_token_logprobs": [[-0.5, t, None] for t in range(10, 10 + n)],
+        },
+    }
+
+
+def test_pause_mode_reads_the_spans_and_keeps_a_batch_the_start_version_would_drop():
+    """Red before the fix: pause mode charged every token its batch's start version (3), so at
+    trainer version 6 with max_staleness 2 (bound 4) the batch was dropped; its tokens are 4 and 5."""
+    a = parse_generate_response(
+        [1, 2],
+        pause_response([{"version": "4", "start": 0, "end": 2}, {"version": "5", "start": 2, "end": 5}], 5),
+        allow_mixed_versions=True,
+    )
+    b = parse_generate_response([1, 2], pause_response([{"version": "4", "start": 0, "end": 3}], 3))
+    assert [(s.start, s.length, s.weight_version) for s in a.segments] == [(0, 2, "4"), (2, 3, "5")]
+    rb = RolloutBatch.from_samples([a, b], 2)
+    assert token_versions(a, 3, "pause").tolist() == [4, 4, 5, 5, 5]
+    assert trainable_version(rb, 3, "pause", mask_stale=False) == 4  # within 6 - 2
+    assert staleness_metrics(rb, 3, 6, "pause")["rollout/staleness_max"] == 2
+
+
+def test_spans_that_do_not_tile_the_response_are_refused():
+    gap = [{"version": "4", "start": 0, "end": 2}, {"version": "5", "start": 3, "end": 5}]
+    with pytest.raises(WeightVersionError, match=r"weight_versions\[1\]"):
+        parse_generate_response([1, 2], pause_response(gap, 5), allow_mixed_versions=True)
+    short = [{"version": "4", "start": 0, "end": 4}]
+    with pytest.raises(WeightVersionError, match="cover 4 tokens, the response has 5"):
+        parse_generate_response([1, 2], pause_response(short, 5))
+    mixed = [{"version": "4", "start": 0, "end": 2}, {"version": "5", "start": 2, "end": 5}]
+    with pytest.raises(WeightVersionError, match="several weight versions"):  # drain: one policy per batch
+        parse_generate_response([1, 2], pause_response(mixed, 5))
 
 
 def test_the_bound_is_on_the_oldest_token_or_with_masking_on_each_response_newest():

@@ -107,6 +107,14 @@ class GenerationOutput:
     """SGLang finish reason: {"type": "length", "length": N} / {"type": "stop", "matched": id} / abort."""
     weight_version: str
     """Weights the row was generated with."""
+    weight_version_events: list[tuple[str, int]] = field(default_factory=list)
+    """(old version, output tokens then) per weight update that landed while the row was held
+    with tokens out: SGLang's `Req.weight_version_events`, from which `meta_info.weight_versions`
+    spans are computed (`protocol.weight_version_spans`)."""
+    aborted_waiting: bool = False
+    """Aborted while in SGLang's waiting queue (never started, or retracted by a `retract` pause):
+    SGLang answers it from the tokenizer manager (`_handle_abort_req`), without routed experts,
+    prompt/cached token counts, and with only the tokens already streamed to it."""
 
 
 class GenerationEngine:
@@ -343,6 +351,8 @@ class GenerationEngine:
             mask = mask[rows]
         next_logits = logits[rows, -1]
         decode_routing: list[list[torch.Tensor]] = [[] for _ in items]  # per row, per step [L, k]
+        events: list[list[tuple[str, int]]] = [[] for _ in items]  # per row, SGLang's weight_version_events
+        waiting = [False] * bsz  # aborted while retracted (SGLang: in the waiting queue)
         prefix: list[torch.Tensor | None] = [None] * bsz  # per row [positions, L, k] of a retract's prefill
         want_routing = any(it.return_routed_experts for it in items)
         while rows:
@@ -366,13 +376,22 @@ class GenerationEngine:
                 mask, tokens = mask[keep], tokens[keep]
                 rows = [rows[i] for i in going]
             going_rows = list(rows)
+            version_before = self.weight_version
             held = self._hold_while_paused(items, rows)
             if held is not None:
+                if self.weight_version != version_before:  # SGLang's record_weight_version_events
+                    for b in going_rows:
+                        events[b].append((version_before, len(outputs[b])))
                 rows = [b for b in rows if not items[b].abort.is_set()]
-                for b in set(range(bsz)) - set(rows):
-                    finish[b] = finish[b] or {
+                for b in set(going_rows) - set(rows):
+                    # A retracted request waits in SGLang's queue; aborted there, it is answered
+                    # without its routes (see GenerationOutput.aborted_waiting).
+                    waiting[b] = held == "retract"
+                    finish[b] = {
                         "type": "abort",
-                        "message": "Aborted while generation was paused.",
+                        "message": "Abort in waiting queue"
+                        if waiting[b]
+                        else "Aborted while generation was paused.",
                     }
                 if not rows:
                     break
@@ -400,7 +419,7 @@ class GenerationEngine:
         results = []
         for b, it in enumerate(items):
             routed = None
-            if it.return_routed_experts:
+            if it.return_routed_experts and not waiting[b]:
                 if prefix[b] is None:
                     prefix[b] = prefill_routing[b, :, pad[b] :].permute(1, 0, 2)  # [P, L, k]
                 per_token = [prefix[b]] + [r.unsqueeze(0) for r in decode_routing[b]]
@@ -414,6 +433,8 @@ class GenerationEngine:
                     routed_experts=routed,
                     finish_reason=finish[b],
                     weight_version=self.weight_version,
+                    weight_version_events=events[b],
+                    aborted_waiting=waiting[b],
                 )
             )
         return results

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import math
+import os
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any
@@ -308,35 +309,95 @@ def _sampling_options(sp: Any, name: str) -> tuple[SamplingOptions, dict[str, bo
     return options, values
 
 
+FORCE_STREAM_INTERVAL_ENV = "SGLANG_FORCE_STREAM_INTERVAL"
+"""SGLang's env var (default 50): a non-streamed request's tokens reach its tokenizer manager every
+that many tokens, so a request aborted in the waiting queue returns only those (`build_response`)."""
+
+
+def force_stream_interval() -> int:
+    """SGLang's `SGLANG_FORCE_STREAM_INTERVAL` (50 unless set), read as SGLang reads it."""
+    return int(os.environ.get(FORCE_STREAM_INTERVAL_ENV, "50"))
+
+
+def weight_version_spans(
+    events: list[tuple[str, int]], current: str, total: int, visible: int
+) -> list[dict[str, Any]]:
+    """SGLang's `meta_info.weight_versions` of a response.
+
+    `compute_weight_version_spans` (srt/utils/weight_versions.py) over the row's events
+    `(old version, output tokens then)` and the version at its end, for `total` tokens, then
+    `add_weight_versions_to_meta_info`'s cut to the `visible` tokens the response returns.
+    """
+    spans: list[dict[str, Any]] = []
+    for version, end in [*events, (current, total)]:
+        end = min(end, total)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return [
+        {**span, "end": min(span["end"], visible)}
+        for span in spans
+        if span["start"] < visible or span["start"] == 0
+    ]
+
+
 def build_response(
     parsed: ParsedGenerate, i: int, out: GenerationOutput, tokenizer, e2e_latency: float
 ) -> dict[str, Any]:
-    """SGLang's `{"text", "output_ids", "meta_info"}` for row `i`."""
+    """SGLang's `{"text", "output_ids", "meta_info"}` for row `i`.
+
+    A row aborted in the waiting queue (`out.aborted_waiting`) is answered as SGLang's
+    `TokenizerManager._handle_abort_req` answers it: only the tokens streamed to the tokenizer
+    manager (a multiple of `force_stream_interval()`), their log-probs, no routed experts and no
+    prompt/cached token counts.
+    """
     row = parsed.rows[i]
     ids = out.output_ids
+    logprobs = out.output_logprobs
+    if out.aborted_waiting:
+        streamed = len(ids) - len(ids) % force_stream_interval()
+        ids, logprobs = ids[:streamed], logprobs[:streamed]
     shown = (
         ids[:-1] if out.finish_reason.get("type") == "stop" and not parsed.no_stop_trim[i] and ids else ids
     )
-    meta: dict[str, Any] = {
-        "id": parsed.rids[i],
-        "prompt_tokens": len(row.input_ids),
-        "completion_tokens": len(ids),
-        "cached_tokens": 0,
-        "finish_reason": out.finish_reason,
-        "weight_version": out.weight_version,
-        "e2e_latency": e2e_latency,
-    }
+    spans = weight_version_spans(out.weight_version_events, out.weight_version, len(out.output_ids), len(ids))
+    if out.aborted_waiting:
+        meta: dict[str, Any] = {
+            "id": parsed.rids[i],
+            "finish_reason": out.finish_reason,
+            "weight_version": out.weight_version,
+            "e2e_latency": e2e_latency,
+        }
+    else:
+        meta = {
+            "id": parsed.rids[i],
+            "prompt_tokens": len(row.input_ids),
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
+            "finish_reason": out.finish_reason,
+            "weight_version": out.weight_version,
+            "e2e_latency": e2e_latency,
+        }
+    meta["weight_versions"] = spans
+    meta["weight_version"] = spans[-1]["version"]  # SGLang: the last visible span's
     if parsed.return_logprob[i]:
 
         def text_of(tok: int) -> str | None:
             return tokenizer.decode([tok]) if parsed.return_text_in_logprobs else None
 
-        meta["output_token_logprobs"] = [[lp, t, text_of(t)] for lp, t in zip(out.output_logprobs, ids)]
+        meta["output_token_logprobs"] = [[lp, t, text_of(t)] for lp, t in zip(logprobs, ids)]
         meta["output_token_logprobs_length"] = len(ids)
-        if out.input_logprobs is not None:
+        if out.input_logprobs is not None and not (out.aborted_waiting and not ids):
             prompt = row.input_ids[row.logprob_start_len :] if row.logprob_start_len >= 0 else []
             meta["input_token_logprobs"] = [[lp, t, text_of(t)] for lp, t in zip(out.input_logprobs, prompt)]
-    if row.return_routed_experts and out.routed_experts is not None:
+        elif out.aborted_waiting:
+            meta["input_token_logprobs"] = []  # nothing streamed yet
+    if out.aborted_waiting:
+        meta["completion_tokens"] = len(ids)
+    elif row.return_routed_experts and out.routed_experts is not None:
         meta["routed_experts"] = encode_routed_experts(out.routed_experts)
     text = tokenizer.decode(shown, skip_special_tokens=parsed.skip_special_tokens[i])
     return {"text": text, "output_ids": ids, "meta_info": meta}

@@ -119,6 +119,7 @@ class BatchScheduler:
                     routed_experts=None,
                     finish_reason={"type": "abort", "message": "Abort in waiting queue"},
                     weight_version=self.engine.weight_version,
+                    aborted_waiting=True,  # SGLang answers it from its tokenizer manager
                 )
             )
         return len(queued) + len(running)

@@ -162,9 +162,11 @@ class RolloutEngine:
                     vocab_size=self.vocab_size,
                     rid=body["rid"],
                     expect_routed_experts=bool(routing),
+                    allow_mixed_versions=self.cfg.update_mode != "drain",  # a sync can land mid-response
                     **layout,
                 )
-                sample.segments = segments_of(response)
+                if "segments" in response:  # partial: the merged response's; else the server's spans
+                    sample.segments = segments_of(response)
                 if self.cfg.update_mode != "drain" and self.cfg.check_weight_version:
                     check_not_older(sample, weight_version)  # versions span syncs, never go back
             except RolloutValidationError:
@@ -178,7 +180,9 @@ class RolloutEngine:
             sample.reward = float(self.task.reward(problem, text))
             no_answer += not self.task.has_answer(text)
             samples.append(sample)
-            extra = {"segments": response["segments"]} if sample.segments is not None else {}
+            extra = {"segments": response["segments"]} if "segments" in response else {}
+            if not extra and sample.segments is not None and len(sample.segments) > 1:
+                extra = {"segments": [s.to_json() for s in sample.segments]}  # pause: spans a sync
             rows.append((problem, text, sample.reward, extra))
         one_version = self.cfg.check_weight_version and self.cfg.update_mode == "drain"  # else spans syncs
         batch = RolloutBatch.from_samples(
