@@ -18,6 +18,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from megatron_gspo.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 # Key numbers shown on the progress bar: metric key -> short label.
@@ -36,10 +38,34 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a metrics.jsonl file."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+def read_metrics(path: str | Path, *, drop_torn_tail: bool = False) -> list[dict[str, Any]]:
+    """All records of a metrics.jsonl file (or samples.jsonl).
+
+    Args:
+        path: the file.
+        drop_torn_tail: skip, with a warning, a last line that is not JSON: a run killed while
+            appending a record leaves it torn (a resume re-runs that step).
+
+    Raises:
+        ValueError: naming the line (1-based) that is not a JSON record.
+    """
+    lines = Path(path).read_text().splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if drop_torn_tail and i == last:
+                logger.warning("%s line %d is torn (a run stopped while writing it): dropped", path, i + 1)
+                continue
+            raise ValueError(f"{path} line {i + 1} is not a JSON record ({err.msg})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path} line {i + 1} is not a JSON record (an object)")
+        records.append(record)
+    return records
 
 
 WANDB_ID_FILE = "wandb_run_id"
@@ -102,7 +128,11 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for path in (self.path, self.samples_path):
             if path.exists():
-                kept = [r for r in read_metrics(path) if r.get("step", -1) < first_step]
+                try:
+                    records = read_metrics(path, drop_torn_tail=True)
+                except ValueError as err:  # a damaged record before the last: the user's to fix
+                    raise ConfigError(f"{err}; repair or delete that line, then resume") from None
+                kept = [r for r in records if r.get("step", -1) < first_step]
                 path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

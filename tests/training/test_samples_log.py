@@ -3,8 +3,11 @@
 import json
 import logging
 
+import pytest
+
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.tasks import Problem
-from megatron_gspo.training.metrics import MetricsLogger, ZeroRewardWatch
+from megatron_gspo.training.metrics import MetricsLogger, ZeroRewardWatch, read_metrics
 from megatron_gspo.training.step.rollouts import sample_rows
 
 
@@ -35,6 +38,25 @@ def test_samples_jsonl_and_tensorboard_text_survive_a_resume(tmp_path):
     MetricsLogger(tmp_path, total_steps=3, first_step=3, progress_bar=False, tensorboard=False).close()
     steps = [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert steps == [1, 2]  # the resumed run rewrites step 3
+
+
+def test_a_resume_drops_a_torn_last_record_and_names_a_damaged_one(tmp_path, caplog):
+    """A run killed mid-append leaves a torn last line: the resume drops it (that step re-runs);
+    a damaged line before it is named by its number, not a JSONDecodeError traceback."""
+    metrics = tmp_path / "metrics.jsonl"
+    records = "".join(json.dumps({"step": s, "actor/pg_loss": 0.1}) + "\n" for s in range(4))
+    metrics.write_text(records + '{"step": 4, "actor/pg_')
+    with caplog.at_level(logging.WARNING):
+        MetricsLogger(tmp_path, total_steps=5, first_step=4, progress_bar=False, tensorboard=False).close()
+    assert "metrics.jsonl line 5 is torn" in caplog.text
+    assert [r["step"] for r in read_metrics(metrics)] == [0, 1, 2, 3]
+    metrics.write_text(records.replace('{"step": 2', '{"step: 2') + json.dumps({"step": 4}) + "\n")
+    with pytest.raises(
+        ConfigError, match=r"metrics.jsonl line 3 is not a JSON record .*repair or delete that line"
+    ):
+        MetricsLogger(tmp_path, total_steps=5, first_step=4, progress_bar=False, tensorboard=False)
+    with pytest.raises(ValueError, match=r"line 3 is not a JSON record"):
+        read_metrics(metrics)
 
 
 def test_zero_reward_warning_after_k_steps(caplog):
