@@ -45,6 +45,7 @@ def test_dotlist_overrides_are_typed():
         (["trainer.steps=three"], "config key 'steps' in section 'trainer'"),
         (["rollout.on_invalid=ignore"], "config key 'on_invalid' in section 'rollout'"),
         (["trainer.steps"], "overrides must look like section.key=value"),
+        (["=3"], "overrides must look like section.key=value, got ['=3']"),  # was "Key '' not in RunConfig"
         (["optim.lr=-1"], "lr > 0"),
         (["parallel.token_dispatcher=flex"], "config key 'token_dispatcher' in section 'parallel'"),
         (["rollout.dtype=fp16"], "config key 'dtype' in section 'rollout'"),

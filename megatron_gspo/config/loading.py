@@ -33,7 +33,7 @@ def load_config(
         layers = [schema]
         if path is not None:
             layers.append(_load_yaml(Path(path)))
-        bad = [o for o in overrides if "=" not in o]
+        bad = [o for o in overrides if "=" not in o or not o.split("=", 1)[0].strip()]
         if bad:
             raise ConfigError(f"overrides must look like section.key=value, got {bad}")
         merged = OmegaConf.merge(*layers)
