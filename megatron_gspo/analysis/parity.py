@@ -2,12 +2,19 @@
 
 In one world of N ranks, first every rank builds the tiny policy at TP=1, EP=1 (a pure
 data-parallel replica fed the whole batch), records per-token log-probs and the weights
-after one Adam step on a fixed batch; then megatron's groups are rebuilt for the requested
+after one optimizer step on a fixed batch; then megatron's groups are rebuilt for the requested
 TP x EP x PP layout, the same global weights are loaded, the batch is split over
 data-parallel ranks with a globally normalised loss, and the same step is taken. Both runs
 go through megatron's forward-backward schedule in micro-batches (1F1B under PP), as
 training does; `--recompute` turns on full activation recompute in both. Rank 0 prints the max
 absolute differences; the exit status is non-zero above the tolerance.
+
+In fp32 the Adam step is made linear in the gradient: with eps far above every gradient (and lr
+= eps) Adam's first step lr x g / (|g| + eps) is g to 1e-6, so the step compares the gradients,
+relative to the largest one, through the same optimizer (and distributed optimizer) training
+uses. With its usual eps Adam's first step moves each weight by ~lr x sign(grad) whatever the
+gradient's size: a gradient of ~0 whose last bits differ under another reduction order flips
+its weight by 2 lr on a healthy layout (seen on users' checkpoints: max|d weight| 2e-3 = 2 lr).
 
 With `--dtype bf16` both runs train in megatron's bf16 mixed precision. The layout then
 rounds its partial sums to bf16 in another order than TP=1, so it differs from TP=1 by about
@@ -45,6 +52,10 @@ DEFAULT_TOLERANCE = 1e-5
 MICRO_BATCH_SIZE = 2
 """Samples per micro-batch: several micro-batches per rank, so a pipeline has some in flight."""
 LR = 1e-3
+LINEAR_ADAM_EPS = 1e6
+"""fp32: Adam's eps (and lr): the first step is g / (1 + |g| / eps), the gradient to 1e-6 (clipped
+gradients are at most 1), and large enough against the weights that updated - initial resolves
+it to fp32 precision (at lr 1e-3 the step is ~1e-5 of the weights, their rounding 1e-4 of it)."""
 BF16_INIT_STD = 0.05
 BF16_FACTOR = 2.0
 """bf16: layout vs TP=1 |d log-prob| (mean and max) <= this x the bf16-vs-fp32 distance at TP=1."""
@@ -233,7 +244,10 @@ def _schedule_logprobs(ddp, seqs: list[torch.Tensor], tp: int) -> torch.Tensor:
 
 
 def _one_step(model_cfg, parallel, seqs, masks, weights, args, source=None):
-    """Build, load weights, log-probs of every sample, one Adam step on this DP rank's share.
+    """Build, load weights, log-probs of every sample, one optimizer step on this DP rank's share.
+
+    The step is Adam made linear in the gradient in fp32 (it compares gradients), plain Adam in
+    bf16 (its mean is bounded).
 
     Both go through megatron's schedule (`model/pipeline.py`) in micro-batches of
     `MICRO_BATCH_SIZE`, so a pipeline has several micro-batches in flight. The weights are
@@ -245,7 +259,6 @@ def _one_step(model_cfg, parallel, seqs, masks, weights, args, source=None):
     from megatron_gspo.model.distributed import compute_device, init_distributed
     from megatron_gspo.model.engine import EngineConfig
     from megatron_gspo.model.optim import (
-        OptimConfig,
         build_optimizer,
         dp_loss_scale,
         optimizer_step,
@@ -265,7 +278,9 @@ def _one_step(model_cfg, parallel, seqs, masks, weights, args, source=None):
     initial = gather_global_state_dict(model)
     ddp = wrap_ddp(model, distributed_optimizer=parallel.distributed_optimizer)
     optimizer, scheduler = build_optimizer(
-        ddp, OptimConfig(lr=LR, clip_grad=1.0), distributed_optimizer=parallel.distributed_optimizer
+        ddp,
+        _optim_config(args),
+        distributed_optimizer=parallel.distributed_optimizer,
     )
     tp = parallel.tensor_parallel
     logprobs = _schedule_logprobs(ddp, seqs, tp)
@@ -286,6 +301,14 @@ def _one_step(model_cfg, parallel, seqs, masks, weights, args, source=None):
     if not stepped:
         raise RuntimeError("parity: the optimizer step was skipped (non-finite gradients)")
     return initial, logprobs, gather_global_state_dict(model), grad_norm
+
+
+def _optim_config(args: argparse.Namespace):
+    from megatron_gspo.model.optim import OptimConfig
+
+    if args.dtype == "bf16":
+        return OptimConfig(lr=LR, clip_grad=1.0)
+    return OptimConfig(lr=LINEAR_ADAM_EPS, adam_eps=LINEAR_ADAM_EPS, clip_grad=1.0)
 
 
 def _fp32_logprobs(model_cfg, parallel, seqs, weights, args) -> torch.Tensor:
@@ -319,26 +342,34 @@ def _stages_text(layout, num_layers: int) -> str:
 
 @dataclass
 class _Diffs:
-    """|layout - TP=1| of the log-probs (over predicted tokens) and of the stepped weights."""
+    """|layout - TP=1| of the log-probs (over predicted tokens) and of the stepped weights.
+
+    `step_rel`: the largest difference of the two steps (updated - initial weights) over the
+    largest step, i.e. for SGD the gradients' largest difference relative to the largest gradient.
+    """
 
     logprob_max: float
     logprob_mean: float
     weight_max: float
     weight_mean: float
+    step_rel: float = 0.0
 
     @classmethod
-    def of(cls, logprobs, ref_logprobs, seqs, updated=None, ref_updated=None) -> _Diffs:
+    def of(cls, logprobs, ref_logprobs, seqs, updated=None, ref_updated=None, initial=None) -> _Diffs:
         predicted = torch.zeros_like(logprobs, dtype=torch.bool)
         for i, seq in enumerate(seqs):
             predicted[i, 1 : len(seq)] = True
         d = (logprobs - ref_logprobs).abs()[predicted]
-        w_max = w_mean = 0.0
+        w_max = w_mean = step_rel = 0.0
         if updated is not None:
             w = torch.cat(
                 [(updated[k].float() - ref_updated[k].float()).abs().flatten() for k in ref_updated]
             )
             w_max, w_mean = w.max().item(), w.mean().item()
-        return cls(d.max().item(), d.mean().item(), w_max, w_mean)
+        if initial is not None:
+            largest = max((ref_updated[k].float() - initial[k].float()).abs().max().item() for k in initial)
+            step_rel = w_max / largest if largest > 0 else math.inf
+        return cls(d.max().item(), d.mean().item(), w_max, w_mean, step_rel)
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -363,7 +394,7 @@ def _check(args: argparse.Namespace) -> int:
         rounding = _Diffs.of(_fp32_logprobs(model_cfg, reference, seqs, weights, args), ref_logprobs, seqs)
     layout = _layout(args)
     _, logprobs, updated, grad_norm = _one_step(model_cfg, layout, seqs, masks, weights, args)
-    diffs = _Diffs.of(logprobs, ref_logprobs, seqs, updated, ref_updated)
+    diffs = _Diffs.of(logprobs, ref_logprobs, seqs, updated, ref_updated, None if bf16 else weights)
     model = "tiny random model" if source is None else f"{source.path}"
     model += (
         f" ({model_cfg.num_layers} layers, {model_cfg.num_experts} experts top-{model_cfg.moe_topk}, "
@@ -373,7 +404,8 @@ def _check(args: argparse.Namespace) -> int:
         f"parity tp={args.tp} ep={args.ep} pp={args.pp}{_stages_text(layout, model_cfg.num_layers)} "
         f"dispatcher={args.dispatcher} dtype={args.dtype} "
         f"world={dist.get_world_size()} on {model} vs tp=1 ep=1: max|dlogprob|={diffs.logprob_max:.3e} "
-        f"max|dweight| after one Adam step={diffs.weight_max:.3e} grad_norm {grad_norm:.6f} vs {ref_norm:.6f}"
+        f"max|dweight| after one {'Adam' if bf16 else 'linear Adam'} step={diffs.weight_max:.3e} "
+        f"grad_norm {grad_norm:.6f} vs {ref_norm:.6f}"
     )
     if bf16:
         grad_norm_rel = abs(grad_norm - ref_norm) / ref_norm
@@ -392,8 +424,20 @@ def _check(args: argparse.Namespace) -> int:
         )
     else:
         tolerance = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
-        ok = max(diffs.logprob_max, diffs.weight_max, abs(grad_norm - ref_norm)) <= tolerance
-        line = f"{head} -> {'OK' if ok else 'FAIL'} (tolerance {tolerance:g})"
+        failed = [
+            what
+            for what, value in (
+                ("log-probs", diffs.logprob_max),
+                ("grad norm", abs(grad_norm - ref_norm)),
+                ("gradients (the linear Adam step, relative to its largest)", diffs.step_rel),
+            )
+            if not value <= tolerance
+        ]
+        ok = not failed
+        verdict = (
+            "OK" if ok else f"FAIL: {', '.join(failed)} differ from tp=1 ep=1 by more than {tolerance:g}"
+        )
+        line = f"{head} step rel {diffs.step_rel:.3e} -> {verdict} (tolerance {tolerance:g})"
     if dist.get_rank() == 0:
         print(line, flush=True)
     destroy_distributed()

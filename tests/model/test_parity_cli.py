@@ -25,7 +25,9 @@ from megatron_gspo.analysis.parity import BF16_FACTOR, BF16_GRAD_NORM_REL, BF16_
 
 pytestmark = pytest.mark.multiprocess
 
-LINE = re.compile(r"max\|dlogprob\|=(\S+) max\|dweight\| after one Adam step=(\S+) grad_norm (\S+) vs (\S+)")
+LINE = re.compile(
+    r"max\|dlogprob\|=(\S+) max\|dweight\| after one (?:linear )?Adam step=(\S+) grad_norm (\S+) vs (\S+)"
+)
 BF16 = re.compile(
     r"\(rel (\S+)\) mean\|dlogprob\|=(\S+) mean\|dweight\|=(\S+); "
     r"bf16 vs fp32 at tp=1: max\|dlogprob\|=(\S+) mean\|dlogprob\|=(\S+)"
@@ -128,6 +130,18 @@ def test_bf16_layout_matches_world_one_within_bf16_rounding(layout):
         assert f["logprob_max"] == 0.0
 
 
+def test_fp32_gradients_catch_a_sharding_bug():
+    """The fp32 check compares a linear Adam step (the gradients): a swapped expert still fails it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(BUG_WORKER), "expert_swap", "--tp", "1", "--ep", "2"]
+    result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert (
+        "FAIL: log-probs, grad norm, gradients (the linear Adam step, relative to its largest)"
+        in result.stdout
+    )
+
+
 @pytest.mark.parametrize(
     "bug,layout",
     [("expert_swap", ("--tp", "1", "--ep", "2")), ("tp_slice_swap", ("--tp", "2", "--ep", "1"))],
@@ -179,3 +193,16 @@ def test_layout_on_the_users_own_checkpoint(tmp_path):
     assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
         f"megatron-gspo parity: config error: --ep 4 does not divide the 6 experts of --hf-path {hf}"
     )
+
+
+def test_a_healthy_layout_passes_on_a_user_like_checkpoint(tmp_path):
+    """An untied 600-token vocabulary at TP2 x EP2: an Adam step flipped near-zero gradients'
+    weights by 2 lr under the layout's reduction order (max|dweight| 1.07e-5 > 1e-5: a false
+    FAIL); the linear Adam step compares the gradients themselves."""
+    from megatron_gspo.model.config import tiny
+    from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+
+    hf = make_tiny_hf_checkpoint(tmp_path / "hf", tiny(vocab_size=600, tie_word_embeddings=False), seed=3)
+    result = parity("--tp", "2", "--ep", "2", "--hf-path", str(hf))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "after one linear Adam step" in result.stdout and "-> OK" in result.stdout
