@@ -54,8 +54,8 @@ def relaunch(nproc: int) -> int:
             skip = True
             continue
         argv.append(arg)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "megatron_gspo.cli", *argv]  # fmt: skip
+    cmd = [sys.executable, "-m", "megatron_gspo.training.torchrun", "--standalone",
+           f"--nproc_per_node={nproc}", "-m", "megatron_gspo.cli", *argv]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="megatron-gspo-launch-") as tmp:
         error_file = os.path.join(tmp, "user_error")
         env = {
@@ -154,8 +154,37 @@ def run_train(args: argparse.Namespace) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from megatron_gspo.training.trainer import train
 
-    result = train(cfg)  # a ConfigError raised after start-up is reported by the CLI (exit 2)
+    try:
+        result = train(cfg)  # a ConfigError raised after start-up is reported by the CLI (exit 2)
+    except (KeyboardInterrupt, SystemExit) as stop:
+        code = 130 if isinstance(stop, KeyboardInterrupt) else stop.code
+        if code not in (130, 143):  # only SIGINT (Ctrl-C) and SIGTERM are a stop, not a failure
+            raise
+        if rank0:
+            print(stopped_message(cfg.trainer.run_dir, code), file=sys.stderr, flush=True)
+        return code
     if rank0:
         for record in result["evals"]:
             print(f"step {record['step']}: held-out accuracy {record['eval/accuracy']:.3f}", flush=True)
     return 0
+
+
+def stopped_message(run_dir: str, code: int) -> str:
+    """One line for a run stopped by Ctrl-C or SIGTERM: what was saved, what is lost, how to go on."""
+    from megatron_gspo.checkpoint.source import CHECKPOINTS_DIR
+    from megatron_gspo.checkpoint.steps import latest_step
+
+    signal_name = "Ctrl-C" if code == 130 else "SIGTERM"
+    root = Path(run_dir, CHECKPOINTS_DIR)
+    try:
+        step = latest_step(root)
+    except Exception:  # noqa: BLE001 - a damaged `latest` is for --resume to sort out, not this line
+        step = None
+    if step is None:
+        return (
+            f"megatron-gspo train: stopped by {signal_name}; no checkpoint was saved: a new run starts over"
+        )
+    return (
+        f"megatron-gspo train: stopped by {signal_name}; saved: {root} up to step {step} (resume with "
+        "--resume); lost: the steps after it"
+    )
