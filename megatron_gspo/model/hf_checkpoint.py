@@ -16,6 +16,7 @@ renamed into place, so a reader (the rollout server) never sees a half-written c
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -403,10 +404,13 @@ def _write_export_marker(directory: Path, *, checksums: bool = False) -> None:
     files = sorted(p.name for p in directory.iterdir())
     marker: dict = {"written_by": "megatron-gspo", "files": files}
     if checksums:
-        from megatron_gspo.checkpoint.files import file_checksum
-
-        marker["sha256"] = {name: file_checksum(directory / name) for name in files}
+        marker["sha256"] = {name: _sha256(directory / name) for name in files}
     (directory / EXPORT_MARKER).write_text(json.dumps(marker) + "\n")
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class ExportDamagedError(ValueError):
@@ -419,8 +423,6 @@ def verify_export(path: str | os.PathLike) -> bool:
     Raises:
         ExportDamagedError: naming the first file that is missing or whose bytes changed.
     """
-    from megatron_gspo.checkpoint.files import file_checksum
-
     path = Path(path)
     try:
         expected = json.loads((path / EXPORT_MARKER).read_text()).get("sha256")
@@ -431,7 +433,7 @@ def verify_export(path: str | os.PathLike) -> bool:
     for name, digest in sorted(expected.items()):
         if not (path / name).is_file():
             raise ExportDamagedError(f"{path / name} is missing")
-        if file_checksum(path / name) != digest:
+        if _sha256(path / name) != digest:
             raise ExportDamagedError(f"{path / name} differs from what was written (SHA-256 mismatch)")
     return True
 
