@@ -18,6 +18,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from megatron_gspo.optional import require
+
 logger = logging.getLogger(__name__)
 
 # Key numbers shown on the progress bar: metric key -> short label.
@@ -105,6 +107,7 @@ class MetricsLogger:
                 kept = [r for r in read_metrics(path) if r.get("step", -1) < first_step]
                 path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         if tensorboard:
+            require("tensorboard", "logging.tensorboard=true")
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(str(Path(run_dir, "tensorboard")), purge_step=first_step)
