@@ -12,20 +12,17 @@
 # embedded server; peak memory vs `megatron-gspo plan`'s estimate. 2+ GPUs: `megatron-gspo
 # parity` at TP2, EP2 and (4+ GPUs) TP2 x EP2 under torchrun.
 #
-# An offline GPU machine needs only a CUDA PyTorch (>= 2.6); TE and apex are optional. Fetch the
-# rest as wheels beforehand, on a machine with network, the same Python minor version and the
-# same platform (elsewhere add: --python-version 3.12 --platform manylinux_2_28_x86_64 --only-binary=:all:):
+# An offline GPU machine needs only a CUDA PyTorch (>= 2.6) in Python 3.12; TE, apex and SGLang
+# are optional. launch/gpu_smoke_wheels.sh, run beforehand where PyPI is reachable, fetches the
+# rest into wheels/ (~51 MiB: megatron-core 0.19.x with --no-deps, the core dependencies and the
+# test runner, as manylinux wheels for CPython 3.12). Then on the GPU machine, in this repository:
 #
-#   pip download -d wheels --no-deps "megatron-core==0.16.1"   # Python 3.11; "megatron-core>=0.16.1,<0.20" on 3.12
-#   pip download -d wheels numpy "packaging>=24.2" "transformers>=4.51" "tokenizers>=0.20" "safetensors>=0.4" \
-#       "omegaconf>=2.3" "pyyaml>=6" "httpx>=0.27" "tenacity>=8" "msgspec>=0.18" "tqdm>=4.66" \
-#       "tensorboard>=2.15" "matplotlib>=3.8" "pytest>=8" "pytest-timeout>=2.3" "setuptools>=68" wheel
+#   pip install --no-index --find-links wheels -e ".[test]"
+#   PYTHON=python3 bash launch/gpu_smoke.sh
 #
-# (--no-deps on megatron-core: its torch requirement would otherwise download a multi-GB torch
-# wheel the GPU machine already has; its other requirements, numpy and packaging, are listed.)
-# Then on the GPU machine, in this repository:
-#
-#   pip install --no-index --find-links wheels -e . pytest pytest-timeout
+# One GPU: estimated 2-4 min, not yet measured; the 5-step training run (SFT warm-up included;
+# its embedded server generates on the host CPU) dominates. A hang is cut only by pytest's
+# per-test timeout below (30 min), longer than a short GPU lease.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -n "${PYTHON:-}" ]; then

@@ -205,8 +205,9 @@ def compare(model_a, samples: Sequence[Sample], *, model_b=None, label: str = ""
 
 
 def _plt():
-    import matplotlib
+    from megatron_gspo.optional import require
 
+    matplotlib = require("matplotlib", "megatron-gspo drift's figures")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

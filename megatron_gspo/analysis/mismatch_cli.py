@@ -29,8 +29,9 @@ from megatron_gspo.checkpoint.source import hf_checkpoint_dir
 
 
 def _plt():
-    import matplotlib
+    from megatron_gspo.optional import require
 
+    matplotlib = require("matplotlib", "megatron-gspo mismatch's figures")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -102,8 +102,9 @@ def mismatch_by_length(records: Sequence[dict]) -> tuple[list[int], list[str], l
 
 
 def _plt():
-    import matplotlib
+    from megatron_gspo.optional import require
 
+    matplotlib = require("matplotlib", "megatron-gspo report's figures")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

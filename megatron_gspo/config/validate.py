@@ -20,6 +20,7 @@ from megatron_gspo.config.value_checks import (
     check_weight_sync,
 )
 from megatron_gspo.errors import ConfigError
+from megatron_gspo.optional import installed, missing_message
 
 
 def _dry_run_loss(loss_type: str, options: dict[str, Any]) -> None:
@@ -63,6 +64,11 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         check_rollout_timeouts(cfg.rollout, cfg.parallel.timeout_minutes)
     except ValueCheckError as err:
         raise ConfigError(str(err)) from None
+    if cfg.logging.tensorboard and not installed("tensorboard"):
+        raise ConfigError(
+            missing_message("tensorboard", "logging.tensorboard (on by default)")
+            + ", or set logging.tensorboard=false"
+        )
     if cfg.logging.wandb.project is not None and cfg.logging.wandb.mode != "disabled":
         import importlib.util
 

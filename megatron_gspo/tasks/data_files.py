@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from megatron_gspo.optional import require
+
 
 def read_rows(path: str, option: str) -> tuple[str, list[tuple[int, dict[str, Any]]]]:
     """(what a row is called, [(row number, row)]) of the data set at `path`.
@@ -30,9 +32,8 @@ def read_rows(path: str, option: str) -> tuple[str, list[tuple[int, dict[str, An
     if not source.is_file():
         raise ValueError(f"{option}={path}: no such file or directory")
     if source.suffix == ".parquet":
-        from datasets import Dataset
-
-        return "row", list(enumerate(Dataset.from_parquet(str(source)), start=1))
+        datasets = require("datasets", f"{option}={path} (Parquet)")
+        return "row", list(enumerate(datasets.Dataset.from_parquet(str(source)), start=1))
     if source.suffix not in (".jsonl", ".json"):
         raise ValueError(
             f"{option}={path}: unknown data format {source.suffix!r}; "
@@ -58,6 +59,7 @@ def _json_lines(path: Path) -> list[tuple[int, dict[str, Any]]]:
 
 
 def _from_disk(path: Path, option: str) -> list[tuple[int, dict[str, Any]]]:
+    require("datasets", f"{option}={path} (a save_to_disk directory)")
     from datasets import Dataset, DatasetDict, load_from_disk
 
     try:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from fractions import Fraction
 
+from megatron_gspo.optional import require
+
 
 class ParseStatus(StrEnum):
     """What extraction found, for rollout metrics (e.g. the share of completions with no box)."""
@@ -237,8 +239,7 @@ def _timeout_s() -> int | None:
 
 
 def _parse(answer: str) -> list:
-    from math_verify import parse
-
+    parse = require("math_verify", "Math rewards (math-verify)").parse
     return parse(f"\\boxed{{{answer}}}", parsing_timeout=_timeout_s())
 
 
@@ -250,8 +251,7 @@ def _parse_reference(answer: str) -> tuple:
 
 def math_verify_equal(prediction: str, reference: str) -> bool:
     """math-verify's judgement of two bare answers (False for answers outside the cost guard)."""
-    from math_verify import verify
-
+    verify = require("math_verify", "Math rewards (math-verify)").verify
     if not (_bounded_cost(prediction) and _bounded_cost(reference)):
         return False
     gold, target = list(_parse_reference(reference)), _parse(prediction)

@@ -19,6 +19,7 @@ from typing import Any
 from tqdm import tqdm
 
 from megatron_gspo.errors import ConfigError
+from megatron_gspo.optional import require
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class MetricsLogger:
                 kept = [r for r in records if r.get("step", -1) < first_step]
                 path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         if tensorboard:
+            require("tensorboard", "logging.tensorboard=true")
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(str(Path(run_dir, "tensorboard")), purge_step=first_step)

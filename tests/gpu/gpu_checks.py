@@ -421,6 +421,7 @@ def run_rl_steps(run_dir: Path, *overrides: str, steps: int = 5, timeout: float 
         "rollout.group_size=4",
         "algorithm.num_mini_batches=2",
         "logging.progress_bar=false",
+        "logging.tensorboard=false",  # the core install: no tensorboard (pyproject extras)
         f"trainer.run_dir={run_dir}",
         *overrides,
     ]
