@@ -1,5 +1,8 @@
 """Start-up check of every prompt a run can see: it encodes, and it fits `max_prompt_len`.
 
+With cold-start SFT on, each row's SFT target (the boxed answer of a math row) must encode too: a target
+the tokenizer cannot encode would otherwise stop the run at the first SFT step.
+
 A file-backed task's rows are all encoded once, as the rollouts will encode them (BOS, chat
 template), so a prompt the tokenizer cannot encode, a BOS the tokenizer lacks or a prompt
 longer than the budget stops the run before any work, naming the row and the key to change.
@@ -11,17 +14,24 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_gspo.tasks.base import Task
-from megatron_gspo.tasks.tokenizer import problem_prompt_ids
+from megatron_gspo.tasks.tokenizer import encode_text, problem_prompt_ids
 
 
-def check_prompts(task: Task, tokenizer, *, add_bos: bool) -> dict[str, int]:
+def check_prompts(task: Task, tokenizer, *, add_bos: bool, sft: bool = False) -> dict[str, int]:
     """Encode every prompt of `task`; returns {"prompts", "longest"} (tokens, BOS included).
 
     `task.max_prompt_len` counts the prompt's own tokens (chat template included); the BOS that
     `add_bos` puts first comes on top, as the sequence-length checks of `validate` count it.
 
+    Args:
+        task: the run's task.
+        tokenizer: the run's tokenizer.
+        add_bos: prompts start with BOS.
+        sft: cold-start SFT runs: each row's SFT target must encode as well.
+
     Raises:
-        ValueError: a prompt that does not encode (named by its row), or prompts longer than
+        ValueError: a prompt (or, with `sft`, an SFT target) that does not encode, named by its
+            row, or prompts longer than
             `task.options.max_prompt_len` (how many, by how much, which row is the longest).
     """
     problems = task.all_problems()
@@ -34,6 +44,13 @@ def check_prompts(task: Task, tokenizer, *, add_bos: bool) -> dict[str, int]:
         except ValueError as err:
             raise ValueError(f"{_where(problem)}: {err}") from None
         lengths.append(len(ids))
+        if sft:
+            try:
+                encode_text(tokenizer, task.sft_example(problem)[1])
+            except ValueError as err:
+                raise ValueError(
+                    f"the SFT target of {_where(problem).removeprefix('the prompt of ')}: {err}"
+                ) from None
     budget = task.max_prompt_len + int(add_bos)  # the budget counts the prompt, the BOS comes on top
     over = [n - budget for n in lengths if n > budget]
     if over:

@@ -126,7 +126,7 @@ class Trainer:
             )
         self.add_bos = resolve_add_bos(cfg.task.add_bos, self.tokenizer)
         try:  # every prompt the run can see, encoded once: errors and overlong prompts now, not at step N
-            check_prompts(self.task, self.tokenizer, add_bos=self.add_bos)
+            check_prompts(self.task, self.tokenizer, add_bos=self.add_bos, sft=cfg.sft.steps > 0)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         replay = cfg.algorithm.routing_replay

@@ -139,6 +139,13 @@ def test_prompt_lengths_are_checked_against_max_prompt_len(tmp_path):
                     chat_template=False)  # fmt: skip
     with pytest.raises(ValueError, match=r"the prompt of row 11: character '\^' at position 10"):
         check_prompts(task, tok, add_bos=True)
+    # the SFT targets (\boxed{answer}) need a backslash the character alphabet lacks: RL alone
+    # never encodes them, cold-start SFT would fail at its first step
+    task = get_task("math_jsonl", path=write_jsonl(tmp_path / "t.jsonl", rows[:10]), template="{problem}",
+                    chat_template=False)  # fmt: skip
+    assert check_prompts(task, tok, add_bos=True)["prompts"] == 10
+    with pytest.raises(ValueError, match=r"the SFT target of row 1: character '\\\\' at position 0"):
+        check_prompts(task, tok, add_bos=True, sft=True)
 
 
 def test_add_bos_follows_the_tokenizer_unless_set():
