@@ -24,12 +24,14 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.model.config import MoEModelConfig
 from megatron_gspo.model.distributed import unwrap_model
 from megatron_gspo.model.hf_checkpoint import SAFE_WEIGHTS_INDEX_NAME, non_finite
@@ -469,11 +471,19 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_gspo.model.builder import build_model
     from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
 
-    cfg = read_hf_config(args.hf)
+    try:  # what the checkpoint is, and whether it loads: one line naming the problem, exit 2
+        cfg = read_hf_config(args.hf)
+    except (ConfigError, OSError) as err:
+        print(f"convert --check: {err}", file=sys.stderr)
+        return 2
     init_distributed(ParallelConfig(), seed=args.seed)
     try:
         model = build_model(cfg, ParallelConfig()).eval()
-        stats = load_hf_checkpoint(model, args.hf)
+        try:
+            stats = load_hf_checkpoint(model, args.hf)
+        except (ConversionError, OSError) as err:
+            print(f"convert --check: {args.hf}: {err}", file=sys.stderr)
+            return 2
         hf_model = AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.float32).eval()
         tokens = random_tokens(cfg.vocab_size, args.batch, args.length, args.seed)
         worst, mean = logprob_diff(model, lambda t: hf_token_logprobs(hf_model, t), tokens)

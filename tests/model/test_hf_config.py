@@ -22,6 +22,7 @@ from megatron_gspo.model.convert import (
     random_tokens,
     read_hf_config,
 )
+from megatron_gspo.model.convert import main as convert_main
 from megatron_gspo.model.distributed import ParallelConfig, init_distributed
 from megatron_gspo.model.hf_checkpoint import load_hf_state_dict
 from megatron_gspo.model.hf_config import (
@@ -236,6 +237,9 @@ def test_unsupported_architecture_is_refused_by_name_at_load_and_in_plan(
         assert code == 2 and name in err and "Traceback" not in err
         assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
+    assert convert_main(["--hf", str(path), "--check"]) == 2  # the conversion check: the same line
+    err = capsys.readouterr().err
+    assert err.startswith("convert --check: ") and name in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize(
