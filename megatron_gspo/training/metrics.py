@@ -207,8 +207,9 @@ class ZeroRewardWatch:
     a policy too weak for the task. The warning repeats every `steps` zero steps.
     """
 
-    def __init__(self, steps: int):
+    def __init__(self, steps: int, samples_per_step: int = 0):
         self.steps, self.run = steps, 0
+        self.samples_per_step = samples_per_step
 
     def update(self, step: int, metrics: dict[str, Any]) -> bool:
         """Count this step's reward; True (and a warning logged) when the zero run reaches k x `steps`."""
@@ -219,12 +220,15 @@ class ZeroRewardWatch:
         no_answer = metrics.get("rollout/no_answer_frac")
         logger.warning(
             "!!! step %d: the rollout reward has been exactly 0 for %d steps in a row: nothing is being "
-            "learned. %s Look at run_dir/samples.jsonl (logging.samples_per_step) to see what the model "
-            "writes and what the reward expects (logging.zero_reward_warn_steps sets this check).",
+            "learned. %s %s to see what the model writes and what the reward expects "
+            "(logging.zero_reward_warn_steps sets this check).",
             step,
             self.run,
             f"{no_answer:.0%} of the completions have no answer the reward can extract."
             if isinstance(no_answer, float)
             else "",
+            "Look at run_dir/samples.jsonl"
+            if self.samples_per_step > 0
+            else "Set logging.samples_per_step (e.g. 4) and look at run_dir/samples.jsonl",
         )
         return True

@@ -177,7 +177,7 @@ class Trainer:
             else None
         )
         self.counters = {"skipped_steps": 0, "all_zero_adv_batches": 0, "dropped_groups": 0}
-        self.zero_reward = ZeroRewardWatch(cfg.logging.zero_reward_warn_steps)
+        self.zero_reward = ZeroRewardWatch(cfg.logging.zero_reward_warn_steps, cfg.logging.samples_per_step)
         self.step, self.weight_version = 0, 0
         self.sample_rows: list[dict] = []
         self.ahead: RolloutsAhead | None = None  # rank 0 with rollout.max_staleness >= 1

@@ -70,5 +70,11 @@ def test_zero_reward_warning_after_k_steps(caplog):
         "exactly 0 for 3 steps in a row" in caplog.text
         and "100% of the completions have no answer" in caplog.text
     )
+    # samples.jsonl is written only with logging.samples_per_step > 0: the warning says to set it
+    assert "Set logging.samples_per_step (e.g. 4) and look at run_dir/samples.jsonl" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert ZeroRewardWatch(1, samples_per_step=4).update(1, {"rollout/reward_mean": 0.0})
+    assert "Look at run_dir/samples.jsonl to see" in caplog.text and "Set logging" not in caplog.text
     off = ZeroRewardWatch(0)
     assert not any(off.update(s, {"rollout/reward_mean": 0.0}) for s in range(20))
