@@ -354,7 +354,9 @@ class WeightSyncConfig:
     master_port: int = 0
     """Rendezvous port of the weight-update group (0: a free port)."""
     timeout_s: float = 600.0
-    """Longest wait for one protocol step (group join, one bucket)."""
+    """Longest wait for one protocol step (group join, one bucket). Past it the trainer aborts its
+    side of the group; an NCCL group's own collective timeout (its watchdog's) is 600 s longer
+    (`rollout/update_group.py`), so the watchdog does not end the trainer first."""
     release_timeout_s: float = 30.0
     """After a failed attempt, longest wait for the servers to close their sessions, and again to
     leave the group; one still held in a broadcast (a peer died in it; SGLang cannot abort a
