@@ -2,7 +2,7 @@
 # Start the SGLang rollout servers of this GPU node (run on each rollout node); prints their
 # URLs for the trainer's SGLANG_URLS. The weight version is what the trainer syncs.
 #
-#   MODEL=/ckpt/Qwen3-30B-A3B TP=4 DP=2 PORT=30000 launch/sglang_servers.sh [extra sglang args ...]
+#   MODEL=/ckpt/Qwen3-30B-A3B TP=4 EP=4 DP=2 PORT=30000 launch/sglang_servers.sh [extra sglang args ...]
 #
 # DP>1 starts DP servers, one per data-parallel replica (TP GPUs each, from GPU r*TP; ports
 # PORT, PORT+1, ...), not one server with --dp-size: SGLang refuses the weight-update group
@@ -18,7 +18,11 @@
 #   otherwise). ROUTED_EXPERTS=1 / 0 overrides the config; without CONFIG it is on.
 # - rollout.quantization: fp8 passes --quantization fp8 (blockwise FP8 weights: the trainer's
 #   weight sync sends FP8 e4m3 with per-128x128-block weight_scale_inv). QUANTIZATION=fp8 / none
-#   overrides the config.
+#   overrides the config. With fp8 the script refuses (before SGLang starts, DRY_RUN too) a MODEL
+#   whose config.json is not block FP8 (SGLang would quantise it per tensor online and drop the
+#   trainer's block scales) and a TP/EP whose per-rank expert width moe_intermediate_size /
+#   (TP / EP) is not a multiple of 128 (SGLang refuses to start): megatron_gspo/model/fp8_serving.py.
+#   Qwen3-30B-A3B-FP8: TP=4 EP=4 (768 per rank); Qwen3-235B-A22B-FP8: TP=8 EP=8 (1536).
 #
 # ROUTER=1 also starts SGLang's router (pip `sglang-router`, in the `router` extra) on this node,
 # in front of this node's servers and the URLs in ROUTER_WORKERS (comma-separated servers of
@@ -72,6 +76,10 @@ PY
   QUANTIZATION=${QUANTIZATION:-$CONFIG_QUANTIZATION}
 fi
 ROUTED_EXPERTS=${ROUTED_EXPERTS:-1}
+if [ "${QUANTIZATION:-none}" = fp8 ]; then  # the project's check, from this checkout
+  ROOT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  PYTHONPATH="$ROOT_DIR${PYTHONPATH:+:$PYTHONPATH}" python -m megatron_gspo.model.fp8_serving "$MODEL" "$TP" "$EP"
+fi
 if [ "$HOST" = 0.0.0.0 ] || [ "$HOST" = "::" ]; then
   {
     echo "WARNING: binding SGLang to ${HOST}:${PORT}, every network interface, with no authentication."

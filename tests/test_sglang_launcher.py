@@ -1,5 +1,6 @@
 """`launch/sglang_servers.sh`: one server per DP replica, routed experts only when the run needs them."""
 
+import json
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ def _dry_run(**env) -> list[str]:
     base = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("CONFIG", "ROUTED_EXPERTS", "QUANTIZATION", "DP", "TP")
+        if k not in ("CONFIG", "ROUTED_EXPERTS", "QUANTIZATION", "DP", "TP", "EP")
     }
     env = {**base, "PATH": path, "DRY_RUN": "1", "MODEL": "/ckpt/m", "HOST": "127.0.0.1", **env}
     result = subprocess.run(
@@ -67,6 +68,12 @@ def test_r3_alone_asks_for_routed_experts(tmp_path):
 def test_fp8_rollouts_launch_with_quantization_fp8(tmp_path, quantization, override, expected):
     config = tmp_path / "run.yaml"
     config.write_text(f"rollout:\n  quantization: {quantization}\n" if quantization else "rollout: {}\n")
-    env = {"CONFIG": str(config), **({"QUANTIZATION": override} if override else {})}
+    model = tmp_path / "Qwen3-30B-A3B-FP8"  # block FP8, served at TP 4 EP 4: the fp8 check passes
+    model.mkdir()
+    quant = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    hf_config = {"moe_intermediate_size": 768, "quantization_config": quant}
+    (model / "config.json").write_text(json.dumps(hf_config))
+    env = {"CONFIG": str(config), "MODEL": str(model), "TP": "4", "EP": "4"}
+    env |= {"QUANTIZATION": override} if override else {}
     (command,) = _dry_run(**env)
     assert ("--quantization fp8" in command) is expected

@@ -121,7 +121,18 @@ class RolloutConfig:
     `weight_scale_inv`, as the Qwen3-*-FP8 checkpoints; embeddings, lm_head, norms and router
     gates stay bf16), so rollouts run FP8 while the trainer stays bf16. SGLang servers are launched
     with `--quantization fp8` (launch/sglang_servers.sh with CONFIG); the embedded server
-    computes with the dequantised values."""
+    computes with the dequantised values. With real SGLang servers (server_urls / router_url)
+    `validate` refuses it unless `server_checkpoint` is block FP8 and the server layout gives each
+    rank whole 128-wide blocks of every expert (`model/fp8_serving.py`)."""
+    server_checkpoint: str | None = None
+    """The checkpoint the SGLang servers are launched from (launch/sglang_servers.sh MODEL), read
+    by the start-up check of quantization=fp8 (its config.json's quantization_config and
+    moe_intermediate_size): a block-FP8 checkpoint such as Qwen3-30B-A3B-FP8."""
+    server_tensor_parallel: int = 1
+    """The SGLang servers' --tp-size (launch/sglang_servers.sh TP), for the fp8 start-up check."""
+    server_expert_parallel: int = 1
+    """The SGLang servers' --ep-size (launch/sglang_servers.sh EP); expert TP = TP / EP, and each
+    rank serves moe_intermediate_size / expert TP of every expert it holds."""
     deterministic_inference: bool = False
     """Reproducible rollouts: a row's sampling seed always gives the same tokens. SGLang needs
     `--enable-deterministic-inference` for that (launch/sglang_servers.sh passes it; slower)."""
@@ -343,7 +354,9 @@ class WeightSyncConfig:
     master_port: int = 0
     """Rendezvous port of the weight-update group (0: a free port)."""
     timeout_s: float = 600.0
-    """Longest wait for one protocol step (group join, one bucket)."""
+    """Longest wait for one protocol step (group join, one bucket). Past it the trainer aborts its
+    side of the group; an NCCL group's own collective timeout (its watchdog's) is 600 s longer
+    (`rollout/update_group.py`), so the watchdog does not end the trainer first."""
     release_timeout_s: float = 30.0
     """After a failed attempt, longest wait for the servers to close their sessions, and again to
     leave the group; one still held in a broadcast (a peer died in it; SGLang cannot abort a

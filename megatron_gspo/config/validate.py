@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_gspo.config.loading import build_model_config, build_task
-from megatron_gspo.config.schema import AlgorithmConfig, RunConfig, SFTConfig
+from megatron_gspo.config.schema import AlgorithmConfig, RolloutConfig, RunConfig, SFTConfig
 from megatron_gspo.config.value_checks import (
     ValueCheckError,
     check_eval,
@@ -20,6 +20,7 @@ from megatron_gspo.config.value_checks import (
     check_weight_sync,
 )
 from megatron_gspo.errors import ConfigError
+from megatron_gspo.model.fp8_serving import Fp8ServingError, check_fp8_serving
 from megatron_gspo.optional import installed, missing_message
 
 
@@ -64,6 +65,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
         check_rollout_timeouts(cfg.rollout, cfg.parallel.timeout_minutes)
     except ValueCheckError as err:
         raise ConfigError(str(err)) from None
+    _check_fp8_rollouts(cfg.rollout)
     if cfg.logging.tensorboard and not installed("tensorboard"):
         raise ConfigError(
             missing_message("tensorboard", "logging.tensorboard (on by default)")
@@ -385,3 +387,31 @@ def _check_expert_tp(cfg: RunConfig) -> None:
             "grouped GEMM (engine.fused_kernels): HF import/export do not support that expert layout yet; "
             "set parallel.expert_tensor_parallel=1 or engine.fused_kernels=false"
         )
+
+
+def _check_fp8_rollouts(rollout: RolloutConfig) -> None:
+    """rollout.quantization=fp8 on real SGLang servers: a block-FP8 server checkpoint, a layout SGLang takes.
+
+    The embedded server dequantises what it receives at any width, so only real SGLang servers
+    (`rollout.server_urls` / `rollout.router_url`) are checked (`model/fp8_serving.py` says why).
+    """
+    if rollout.quantization != "fp8" or not (rollout.server_urls or rollout.router_url):
+        return
+    if rollout.server_checkpoint is None:
+        raise ConfigError(
+            "rollout.quantization=fp8 with SGLang servers needs rollout.server_checkpoint: the block-FP8 "
+            "checkpoint the servers are launched from (launch/sglang_servers.sh MODEL, e.g. "
+            "Qwen3-30B-A3B-FP8), "
+            "with rollout.server_tensor_parallel / server_expert_parallel their TP / EP; a bf16 checkpoint "
+            "served with --quantization fp8 drops the block scales the trainer sends"
+        )
+    try:
+        check_fp8_serving(
+            rollout.server_checkpoint, rollout.server_tensor_parallel, rollout.server_expert_parallel
+        )
+    except Fp8ServingError as err:
+        raise ConfigError(
+            f"{err} (rollout.server_checkpoint, rollout.server_tensor_parallel="
+            f"{rollout.server_tensor_parallel}, rollout.server_expert_parallel="
+            f"{rollout.server_expert_parallel})"
+        ) from None

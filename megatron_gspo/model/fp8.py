@@ -17,9 +17,10 @@ from collections.abc import Iterator
 
 import torch
 
+from megatron_gspo.model.fp8_serving import BLOCK
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
-BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"
 QUANTIZATION_CONFIG = {
     "quant_method": "fp8",

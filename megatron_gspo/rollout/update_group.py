@@ -6,6 +6,20 @@ rank 0 and hosts the store. The group lives outside either side's default proces
 trainer's megatron world is untouched; the embedded server has no default group at all), so
 this module builds it the way SGLang does, with torch's group constructor, and both the
 trainer and the embedded server use it: the two sides must agree key for key.
+
+Timeouts on the trainer's side. The project bounds every wait on the group itself
+(`weight_sync.timeout_s`, the deadline) and recovers from a passed one: the attempt fails, held
+workers are set aside, the retry syncs the rest. Under NCCL, torch's watchdog also watches each
+collective against the group's timeout, and with `TORCH_NCCL_ASYNC_ERROR_HANDLING` at its
+default (3; torchrun's agent sets 1) it ends the whole process when one times out, before that
+recovery could act if the two timeouts were equal. So an NCCL group's timeout is the deadline
+plus `NCCL_ABORT_MARGIN_S` (`collective_timeout_s`), and the trainer aborts its side of the
+group itself (`abort_update_group`: torch's `_abort_process_group`) as soon as a bucket is not
+answered by the deadline (under NCCL: as soon as a bucket fails at all), long before the
+watchdog would. Gloo has no watchdog: its timeout is what ends a receive held by a lost peer
+(the embedded server relies on it), so it stays the deadline. Gloo's abort does not close the
+group's connections (measured: a peer held in a receive stays held until the aborting process
+exits or the peer's own timeout).
 """
 
 from __future__ import annotations
@@ -13,6 +27,22 @@ from __future__ import annotations
 import datetime
 
 import torch.distributed as dist
+
+NCCL_ABORT_MARGIN_S = 600.0
+"""How much longer than the deadline an NCCL group's collectives may run before torch's watchdog
+acts: what the sender may spend after a broadcast is enqueued and before its deadline starts
+(gathering the next bucket), plus the abort itself."""
+
+
+def collective_timeout_s(backend: str, deadline_s: float) -> float:
+    """The group's collective timeout for a project deadline of `deadline_s` (see the module doc).
+
+    NCCL: `deadline_s + NCCL_ABORT_MARGIN_S`, so the project aborts a hung collective before the
+    watchdog ends the process; gloo (no watchdog): `deadline_s`.
+    """
+    if backend == "nccl":
+        return deadline_s + NCCL_ABORT_MARGIN_S
+    return deadline_s
 
 
 def init_update_group(
@@ -24,6 +54,7 @@ def init_update_group(
     group_name: str,
     backend: str,
     timeout_s: float,
+    collective_timeout: float | None = None,
 ) -> dist.ProcessGroup:
     """Join (rank 0: create) the group; blocks until all `world_size` ranks have joined.
 
@@ -34,11 +65,16 @@ def init_update_group(
         world_size: 1 + every rollout-server rank.
         group_name: shared name; also the key prefix in the rendezvous store.
         backend: "nccl" between GPUs, "gloo" on CPU.
-        timeout_s: rendezvous and collective timeout.
+        timeout_s: rendezvous timeout, and the collectives' unless `collective_timeout` is given.
+        collective_timeout: the collectives' timeout in seconds (NCCL's watchdog acts on it); the
+            trainer passes `collective_timeout_s(backend, timeout_s)`.
     """
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = datetime.timedelta(seconds=timeout_s)
+    group_timeout = datetime.timedelta(
+        seconds=timeout_s if collective_timeout is None else collective_timeout
+    )
     # What `tcp://` rendezvous builds, made directly: under torchrun that rendezvous would
     # expect the launcher's agent to host the store (TORCHELASTIC_USE_AGENT_STORE), not rank 0.
     store = dist.TCPStore(
@@ -52,7 +88,7 @@ def init_update_group(
         PrefixStore(group_name, store),
         group_name=group_name,
         backend_options=None,
-        timeout=timeout,
+        timeout=group_timeout,
     )
     # Group rank i is "global" rank i for `dist.broadcast(src=0, group=...)`: the sender is 0 on
     # both sides (the trainer joins from its global rank 0).
@@ -63,3 +99,16 @@ def init_update_group(
 def destroy_update_group(group: dist.ProcessGroup) -> None:
     """Leave the group (its sockets / communicators are released)."""
     dist.destroy_process_group(group)
+
+
+def abort_update_group(group: dist.ProcessGroup) -> None:
+    """Abort the group now: a collective in flight ends with an error instead of being waited for.
+
+    torch's `_abort_process_group` (distributed_c10d.py) calls the group's `abort()` (NCCL:
+    aborts its communicators; gloo: its backend's abort) and forgets the group, as
+    `destroy_process_group` does; a destroy instead calls `shutdown()`, meant for a group with
+    no collective hung in it.
+    """
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    _abort_process_group(group)

@@ -62,7 +62,12 @@ from megatron_gspo.rollout.errors import RolloutFault, WeightUpdateError
 from megatron_gspo.rollout.fleet import FleetTooSmallError
 from megatron_gspo.rollout.server.protocol import TENSOR_LOAD_FORMAT, serialize_named_tensors
 from megatron_gspo.rollout.server.weight_receiver import FLATTENED_BUCKET
-from megatron_gspo.rollout.update_group import destroy_update_group, init_update_group
+from megatron_gspo.rollout.update_group import (
+    abort_update_group,
+    collective_timeout_s,
+    destroy_update_group,
+    init_update_group,
+)
 from megatron_gspo.training.server_checks import refuse_unfit_servers
 from megatron_gspo.training.termination import protocol_step
 
@@ -113,6 +118,7 @@ class _Group:
     group: dist.ProcessGroup
     name: str
     urls: list[str]
+    aborted: bool = False
 
 
 @dataclass
@@ -272,8 +278,25 @@ class WeightSync:
         return bucket, flat, work, answers
 
     def _finish(self, bucket: Bucket, flat: torch.Tensor, work, answers) -> Bucket:
-        """Wait until every server received and accepted `bucket` (`flat` is alive until then)."""
-        _at_bucket(bucket, lambda: _wait_both(work, answers, self.cfg.timeout_s))
+        """Wait until every server received and accepted `bucket` (`flat` is alive until then).
+
+        Past `timeout_s`, and under NCCL on any failure of the wait, rank 0's side of the group
+        is aborted at once, before the rest of the stream is drained and the servers are
+        released: under NCCL a broadcast still in flight would otherwise reach the group's
+        timeout, where torch's watchdog ends the trainer (`rollout/update_group.py`). A gloo
+        broadcast that failed has ended (no watchdog); its group is destroyed after the release,
+        as before.
+        """
+
+        def wait() -> None:
+            try:
+                _wait_both(work, answers, self.cfg.timeout_s)
+            except BaseException as err:
+                if isinstance(err, TimeoutError) or self._backend() == "nccl":
+                    self._abort_group()
+                raise
+
+        _at_bucket(bucket, wait)
         return bucket
 
     # ------------------------------------------------------------------ the group
@@ -317,6 +340,7 @@ class WeightSync:
                     group_name=name,
                     backend=self._backend(),
                     timeout_s=self.cfg.timeout_s,
+                    collective_timeout=collective_timeout_s(self._backend(), self.cfg.timeout_s),
                 )
             answers.result(timeout=self.cfg.timeout_s)
             self._group = _Group(group, name, list(client.urls))
@@ -334,6 +358,18 @@ class WeightSync:
     def _drop_group(self, client: SGLangClient | None) -> None:
         control_plane.on_rank0(self._leave_group, client)
 
+    def _abort_group(self) -> None:
+        """Rank 0: abort this side of the group now (the servers are released by `_leave_group`)."""
+        if self._group is None or self._group.aborted:
+            return
+        self._group.aborted = True
+        logger.warning(
+            "weight-update group %s aborted: a bucket failed (weight_sync.timeout_s, or NCCL)",
+            self._group.name,
+        )
+        with contextlib.suppress(Exception):
+            abort_update_group(self._group.group)
+
     def _leave_group(self, client: SGLangClient) -> None:
         """Rank 0: the servers and this rank leave the group (if one is up)."""
         group, self._group = self._group, None
@@ -342,8 +378,9 @@ class WeightSync:
         try:  # a dead server cannot leave (its group dies with it); a held one is set aside
             client.set_aside_held_workers(group.name, self.cfg.release_timeout_s)
         finally:
-            with contextlib.suppress(Exception):
-                destroy_update_group(group.group)
+            if not group.aborted:  # an aborted group is already gone
+                with contextlib.suppress(Exception):
+                    destroy_update_group(group.group)
 
 
 def _readmit(client: SGLangClient) -> dict[str, float]:

@@ -20,6 +20,7 @@ from megatron_gspo.model.hf_stream import NonFiniteWeightError
 from megatron_gspo.model.logprobs import sequence_logprobs
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.server.launch import launch_embedded_server
+from megatron_gspo.training import weight_sync
 from megatron_gspo.training.weight_sync import WeightSync, WeightSyncFailed
 
 CFG = tiny(vocab_size=80, init_std=0.2)
@@ -137,21 +138,45 @@ def test_failed_bucket_leaves_old_weights_and_version_then_retry_succeeds(setup)
     assert (served_logprobs(client, TOKENS) - trainer_logprobs(model)).abs().max() <= 1e-5
 
 
-def test_a_hung_server_times_out_and_the_retry_serves_the_weights(setup):
+def test_a_hung_server_times_out_and_the_retry_serves_the_weights(setup, monkeypatch):
     """The timeout path: the first bucket's announcement never reaches the server (it hangs);
-    the attempt ends at weight_sync.timeout_s, long before the hang would, and the retry succeeds."""
+    the attempt ends at weight_sync.timeout_s, long before the hang would, and the retry succeeds.
+    At the deadline rank 0 aborts its side of the group at once (under NCCL, before torch's
+    watchdog would end the trainer at the group's longer timeout), before the servers are
+    asked to leave it; the aborted group is not destroyed again."""
     model, client, proxy, _, export_dir = setup
     perturb(model, 1.05)
     old_version = served_version(client)
     sync = make_sync(model, export_dir, retries=1, timeout_s=2.0)
+    events = []
+
+    def abort(group, real=weight_sync.abort_update_group):
+        events.append(("abort", sync._group.name, proxy.hang_over))
+        real(group)
+
+    def set_aside(name, timeout_s, real=client.set_aside_held_workers):
+        events.append(("set aside", name, proxy.hang_over))
+        return real(name, timeout_s)
+
+    destroyed = []
+    monkeypatch.setattr(weight_sync, "abort_update_group", abort)
+    monkeypatch.setattr(weight_sync, "destroy_update_group", lambda group: destroyed.append(group))
+    monkeypatch.setattr(client, "set_aside_held_workers", set_aside)
     proxy.fail_once("/update_weights_from_distributed", at=1, hang=True)
     try:
         stats = sync.sync(client, 11)
         still_hung = not proxy.hang_over  # the attempt was ended by the timeout, not by the hang
     finally:
         proxy.release.set()
+    first = events[0][1]
     sync.close(client)
     assert still_hung and stats.attempts == 2
+    assert events[:2] == [
+        ("abort", first, False),
+        ("set aside", first, False),
+    ]  # abort first, at the deadline
+    assert [e[0] for e in events[2:]] == ["set aside"] and events[2][1] != first  # close: the retry's group
+    assert len(destroyed) == 1  # the retry's group only: the aborted one is gone
     assert old_version != "11" and served_version(client) == "11"
     assert (served_logprobs(client, TOKENS) - trainer_logprobs(model)).abs().max() <= 1e-5
 
