@@ -231,6 +231,7 @@ def test_info_and_control_endpoints(server, client):
     info = client.get(f"{server.url}/get_server_info").json()
     assert info["model_path"].endswith("a") and "weight_version" in info
     assert client.get(f"{server.url}/get_model_info").json()["model_type"] == "qwen3_moe"
+    assert client.get(f"{server.url}/get_weight_version").status_code == 404  # not a 0.5.23 route
     assert client.post(f"{server.url}/flush_cache").status_code == 200
     assert client.post(f"{server.url}/pause_generation", json={"mode": "in_place"}).json()["status"] == "ok"
     holder = {}
