@@ -126,7 +126,8 @@ class SGLangClient(ControlMixin, FleetMixin):
         max_retries: retries after the first attempt (so ``max_retries + 1`` attempts at most).
         backoff_s: first backoff; it doubles after each failed attempt.
         max_backoff_s: backoff ceiling.
-        health_timeout_s: timeout of one ``/health`` probe (SGLang's runs a 1-token generation).
+        health_timeout_s: timeout of one ``/health`` probe (SGLang's runs a 1-token generation and
+            answers 503 after its own 20 s timeout) or ``/model_info`` liveness probe.
         trust_env: honour proxy environment variables (off: cluster proxies rarely reach servers).
         batch_timeout_s: most seconds one `generate` / `generate_batched` call may take (None: no cap).
         router_url: SGLang's router: generation goes through it and the servers are the workers

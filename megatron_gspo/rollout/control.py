@@ -179,8 +179,19 @@ class ControlMixin:
         return self._broadcast("/end_weight_update", body, retry=False, timeout_s=timeout_s)
 
     def server_info(self) -> list[dict[str, Any]]:
-        """Every server's `/get_server_info` (e.g. `tp_size`: its ranks in a weight-update group)."""
+        """Every server's `/get_server_info`: its launch arguments (e.g. `tp_size`).
+
+        `tp_size` is its ranks in a weight-update group. SGLang never updates these values: the
+        weights served now are `model_info`'s.
+        """
         return self._get_all("/get_server_info")
+
+    def model_info(self) -> list[dict[str, Any]]:
+        """Every server's `/model_info`: the `weight_version` and `model_path` it serves now.
+
+        SGLang's `model_info` reports what weight updates set; `/get_server_info` does not.
+        """
+        return self._get_all("/model_info")
 
     def _get_all(self, path: str) -> list[dict[str, Any]]:
         """Every server's JSON answer to GET `path`, in `urls` order."""
@@ -243,6 +254,8 @@ class ControlMixin:
         call = functools.partial(
             self._control_call, retry=retry, expect_success=expect_success, timeout_s=timeout_s
         )
+        if not self.urls:  # a fleet emptied by removals (its FleetTooSmallError is on its way up)
+            return []
         if len(self.urls) == 1:  # no thread to start for one server
             return [call(self.urls[0], path, bodies[0])]
         with cf.ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="sglang-broadcast") as pool:

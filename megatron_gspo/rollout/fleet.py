@@ -4,9 +4,11 @@ The router fronts generation (cache-aware placement, retries, circuit breaking);
 fan out control calls or weight updates, so the client sends those to every worker the router
 lists at ``GET /workers`` (as slime does). A worker that stops answering is removed from the
 router (``DELETE /workers/{id}``) so no generation is routed to it, and from the client's list,
-so the next weight-update group is built without it; below `min_workers` the run stops with
-`FleetTooSmallError`. A removed worker that answers again is synced with the others and only
-then added back to the router (``POST /workers``), so it never serves an older version.
+so the next weight-update group is built without it (a worker is probed with
+``GET /model_info``, which SGLang answers paused or not, never with its generating ``/health``);
+below `min_workers` the run stops with `FleetTooSmallError`. A removed worker that answers
+again is synced with the others and only then added back to the router (``POST /workers``), so
+it never serves an older version.
 
 A worker lost in the middle of a distributed sync's broadcast can leave others waiting in that
 collective: SGLang gives no way to abort a receive (no timeout field in
@@ -188,11 +190,15 @@ class FleetMixin:
         return self.urls
 
     def remove_unhealthy_workers(self) -> list[str]:
-        """Remove every worker that fails ``/health`` from the router and from `urls`; those removed.
+        """Remove every worker that does not answer ``/model_info`` from the router and `urls`.
 
-        Workers removed earlier that are back (answering ``/health``, and out of the collective
-        they were held in) are put back in `urls` (not in the router: `readmit_workers` does that
-        after they were synced).
+        Not ``/health``: the sync that calls this may run with the workers paused, and SGLang's
+        /health then answers 503 after its 20 s timeout (see `_liveness_problem`). Workers removed
+        earlier that are back (answering, and out of the collective they were held in) are put
+        back in `urls` (not in the router: `readmit_workers` does that after they were synced).
+
+        Returns:
+            The workers removed.
 
         Raises:
             FleetTooSmallError: fewer than `min_workers` remain (the removals are done).
@@ -200,7 +206,7 @@ class FleetMixin:
         if self.router is None:
             return []
         self.refresh_workers()
-        dead = {url: p for url in self.urls if (p := self._health_problem(url)) is not None}
+        dead = {url: p for url in self.urls if (p := self._liveness_problem(url)) is not None}
         for url in dead:
             self.router.remove(url)
         back = [url for url, group in self._removed.items() if self._back_problem(url, group) is None]
@@ -273,7 +279,7 @@ class FleetMixin:
         A held one must also close its session and leave its group: both are answered only once
         its collective is over (whether it accepts them does not matter).
         """
-        if (problem := self._health_problem(url)) is not None or group is None:
+        if (problem := self._liveness_problem(url)) is not None or group is None:
             return problem
         leave = ("/destroy_weights_update_group", {"group_name": group})
         wait_s = min(HELD_PROBE_S, self.health_timeout_s)
@@ -291,8 +297,26 @@ class FleetMixin:
         return None
 
     def _health_problem(self, url: str) -> str | None:
+        """Why `url` is not ready to generate (None: it is): ``GET /health``, as SGLang's generates one token.
+
+        For start-up (`health`, `wait_until_healthy`) only: SGLang's /health waits out its health
+        timeout (20 s) and answers 503 while generation is paused.
+        """
+        return self._probe(url, "/health")
+
+    def _liveness_problem(self, url: str) -> str | None:
+        """Why `url` is lost (None: it answers): ``GET /model_info``.
+
+        The fleet's probe around a weight sync, where the servers may be paused (update_mode
+        pause / partial): SGLang answers /model_info at once from its tokenizer manager, paused
+        or not, and generates nothing, where its /health would answer 503 after 20 s to a paused
+        server (and cost a generation to an unpaused one).
+        """
+        return self._probe(url, "/model_info")
+
+    def _probe(self, url: str, path: str) -> str | None:
         try:
-            response = self._http.get(f"{url}/health", timeout=self.health_timeout_s)
+            response = self._http.get(f"{url}{path}", timeout=self.health_timeout_s)
         except httpx.HTTPError as err:
             return f"{type(err).__name__}: {err}"
         return None if response.status_code == 200 else f"HTTP {response.status_code}"

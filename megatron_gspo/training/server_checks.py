@@ -11,9 +11,10 @@ instead of failing the first weight sync after minutes of retries:
 - Routing Replay R3 and the drift metrics need `--enable-return-routed-experts`.
 
 A server that does not serve the trainer's weights (version or checkpoint) is synced before the
-first evaluation. Both checks read one `/get_server_info` per server (`check_servers`): SGLang's
-answer holds its server arguments, among them `model_path` and the `weight_version` its weight
-updates set.
+first evaluation. The launch checks read one `/get_server_info` per server, the served weights
+one `/model_info` (`check_servers`): SGLang's `/get_server_info` serialises its launch arguments,
+so its `model_path` and `weight_version` are the launch values, never those a weight update set
+since (an earlier run's sync, an operator's); `/model_info` reports those live.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def servers_not_serving(
 def served_weights(
     urls: Sequence[str], infos: Sequence[Mapping[str, Any]]
 ) -> list[tuple[str, str, str | None]]:
-    """(url, weight_version, model_path) of each server from its `/get_server_info` answer.
+    """(url, weight_version, model_path) of each server from its `/model_info` answer (the live ones).
 
     A server whose answer carries no `weight_version` reports "unknown" (so it is synced).
     """
@@ -118,7 +119,10 @@ def check_servers(
     version: int,
     expected_path: str | os.PathLike | None,
 ) -> list[str]:
-    """`refuse_unfit_servers`, then `servers_not_serving`, from one `/get_server_info` per server.
+    """`refuse_unfit_servers`, then `servers_not_serving`: one `/get_server_info` and one `/model_info` each.
+
+    The refusal reads the launch arguments (`/get_server_info`), the out-of-date check what each
+    server serves now (`/model_info`).
 
     Returns:
         Why each out-of-date server is (empty: every server serves the trainer's weights).
@@ -128,4 +132,4 @@ def check_servers(
     """
     infos = client.server_info()
     refuse_unfit_servers(client.urls, infos, sync_method=sync_method, routed_experts=routed_experts)
-    return servers_not_serving(served_weights(client.urls, infos), version, expected_path)
+    return servers_not_serving(served_weights(client.urls, client.model_info()), version, expected_path)

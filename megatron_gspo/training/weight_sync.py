@@ -25,7 +25,8 @@ as `WeightSyncFailed`, naming the server and the bucket.
 
 Behind SGLang's router the servers are the workers it lists, read again before a group is
 joined (a group is rebuilt when they changed). A failed attempt first removes the workers
-that no longer answer /health (from the router and the group), so the retry syncs the rest;
+that no longer answer /model_info (from the router and the group; not /health, which SGLang
+answers 503 after 20 s while the sync holds generation paused), so the retry syncs the rest;
 below `rollout.min_workers` the run stops with `FleetTooSmallError` on every rank. A worker lost
 mid-broadcast can hold others in the collective (SGLang cannot abort a receive): every wait on
 them after a failure is bounded by `release_timeout_s`, and those still held are set aside until

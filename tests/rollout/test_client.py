@@ -533,3 +533,11 @@ def test_batch_timeout_not_hit_by_a_batch_that_finishes(servers):
 
 def _rids(rid):
     return rid if isinstance(rid, list) else [rid]  # a batch request carries one rid per row
+
+
+def test_control_calls_to_a_fleet_emptied_by_removals_tell_no_one(dead_url):
+    """`remove_unhealthy_workers` can leave no worker; the pause around that sync still ends with
+    /continue_generation (to no one), so the FleetTooSmallError is what the run stops with."""
+    with client_for(dead_url) as client:
+        client.urls = []  # as the removals leave it
+        assert client.continue_generation() == [] and client.pause_generation("abort") == []

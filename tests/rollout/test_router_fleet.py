@@ -85,7 +85,7 @@ def test_client_finds_the_workers_generates_through_the_router_and_checks_versio
         assert [r["output_ids"] for r in responses] == [r["output_ids"] for r in again]
         # Control calls reach every worker the router lists: both answer version 4 afterwards.
         client.update_weights_from_disk(str(checkpoint), weight_version="4")
-        assert [v for _, v, _ in served_weights(client.urls, client.server_info())] == ["4", "4"]
+        assert [v for _, v, _ in served_weights(client.urls, client.model_info())] == ["4", "4"]
         # One worker left behind (an update it missed): its responses are refused by version.
         httpx.post(
             f"{b.url}/update_weights_from_disk", json={"model_path": str(checkpoint), "weight_version": "3"}

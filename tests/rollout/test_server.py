@@ -231,6 +231,7 @@ def test_info_and_control_endpoints(server, client):
     info = client.get(f"{server.url}/get_server_info").json()
     assert info["model_path"].endswith("a") and "weight_version" in info
     assert client.get(f"{server.url}/get_model_info").json()["model_type"] == "qwen3_moe"
+    assert client.get(f"{server.url}/get_weight_version").status_code == 404  # not a 0.5.23 route
     assert client.post(f"{server.url}/flush_cache").status_code == 200
     assert client.post(f"{server.url}/pause_generation", json={"mode": "in_place"}).json()["status"] == "ok"
     holder = {}
@@ -293,9 +294,7 @@ def test_update_weights_from_disk_serves_new_model_and_rejects_bad_paths(server,
     assert resp["meta_info"]["weight_version"] == "1"
     assert (got - _ref_logprobs(_reference(b), resp)).abs().max() < 1e-5
     r = client.post(url, json={"model_path": str(a), "weight_version": "2"})
-    assert (
-        r.json()["success"] and client.get(f"{server.url}/get_weight_version").json()["weight_version"] == "2"
-    )
+    assert r.json()["success"] and client.get(f"{server.url}/model_info").json()["weight_version"] == "2"
 
 
 def test_update_weights_from_tensor_loads_the_tensors(server, client, checkpoints):
@@ -364,7 +363,7 @@ def test_batch_rows_sharing_sampling_params_are_each_checked_with_their_own_seed
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_weight_updates_are_refused_and_old_weights_keep_serving(server, client, checkpoints, bad):
     a, _ = checkpoints
-    version = client.get(f"{server.url}/get_weight_version").json()["weight_version"]
+    version = client.get(f"{server.url}/model_info").json()["weight_version"]
     before, lp_before = _logprobs(client, server, PROMPT)
     state = load_hf_state_dict(a)
     name = "model.layers.0.mlp.experts.2.up_proj.weight"
@@ -386,4 +385,4 @@ def test_non_finite_weight_updates_are_refused_and_old_weights_keep_serving(serv
     after, lp_after = _logprobs(client, server, PROMPT)
     assert after["output_ids"] == before["output_ids"] and torch.equal(lp_after, lp_before)
     assert after["meta_info"]["weight_version"] == version
-    assert client.get(f"{server.url}/get_weight_version").json()["weight_version"] == version
+    assert client.get(f"{server.url}/model_info").json()["weight_version"] == version

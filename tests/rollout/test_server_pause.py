@@ -46,7 +46,9 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoints):
     with launch_embedded_server(
-        checkpoints[0], extra_args=["--check-responses", "--weight-version", "0"]
+        checkpoints[0],
+        extra_args=["--check-responses", "--weight-version", "0"],
+        env={"SGLANG_HEALTH_CHECK_TIMEOUT": "1"},  # SGLang's 20 s wait before a paused /health's 503
     ) as srv:
         yield srv
 
@@ -107,7 +109,7 @@ def test_weight_update_while_paused_mid_generation(server, checkpoints, mode):
     thread, holder = start_generation(server, f"held-{mode}")
     answer = httpx.post(f"{url}/pause_generation", json={"mode": mode}, timeout=60).json()
     assert answer["status"] == "ok"
-    assert httpx.get(f"{url}/health_generate").status_code == 503  # paused: no token can come
+    assert httpx.get(f"{url}/health_generate", timeout=30).status_code == 503  # paused: no token came
     update = httpx.post(
         f"{url}/update_weights_from_disk", json={"model_path": str(b), "weight_version": "1"}, timeout=60
     )

@@ -22,7 +22,6 @@ from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout import contract
 from megatron_gspo.rollout.server.launch import launch_embedded_server
-from megatron_gspo.rollout.server.service import HEALTH_GENERATE_TIMEOUT_S
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 
 TOKENIZER = build_char_tokenizer()
@@ -30,6 +29,7 @@ CFG = tiny(vocab_size=len(TOKENIZER))
 PROMPT = TOKENIZER.encode("12+34=")
 MAX_BODY_MB = 1
 MAX_BATCH = 4  # the server's /generate thread pool then holds MAX_BATCH + 32 threads
+HEALTH_WAIT_S = 3  # the server's SGLANG_HEALTH_CHECK_TIMEOUT (SGLang's default: 20 s)
 POST_PATHS = (
     "/generate",
     "/update_weights_from_disk",
@@ -45,7 +45,9 @@ POST_PATHS = (
 def server(tmp_path_factory):
     ckpt = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("robust") / "m", CFG, seed=0)
     with launch_embedded_server(
-        ckpt, extra_args=["--max-body-mb", str(MAX_BODY_MB), "--max-batch-size", str(MAX_BATCH)]
+        ckpt,
+        extra_args=["--max-body-mb", str(MAX_BODY_MB), "--max-batch-size", str(MAX_BATCH)],
+        env={"SGLANG_HEALTH_CHECK_TIMEOUT": str(HEALTH_WAIT_S)},
     ) as srv:
         yield srv
 
@@ -373,20 +375,47 @@ def test_control_endpoints_check_their_fields(server, client):
     assert client.get(f"{server.url}/health_generate").status_code == 200  # none of them paused it
 
 
-def test_health_generate_answers_503_promptly_while_paused(server, client):
-    """Answered from the pause itself: no token is asked for, so the answer never waits out the
-    server's own HEALTH_GENERATE_TIMEOUT_S; the request's timeout (half of it) is a hang guard."""
-    for mode in ("in_place", "abort"):
+def test_health_waits_out_a_pause_then_answers_503_as_sglang_does(server, client):
+    """SGLang 0.5.23 serves /health and /health_generate with one handler (`health_generate`): it
+    asks for one token, which a paused server holds, and answers 503 once its health timeout
+    (SGLANG_HEALTH_CHECK_TIMEOUT) passes without scheduler output. /model_info answers at once."""
+    for mode, path in (("in_place", "/health"), ("abort", "/health_generate")):
         assert client.post(f"{server.url}/pause_generation", json={"mode": mode}).status_code == 200
         try:
-            r = client.get(f"{server.url}/health_generate", timeout=HEALTH_GENERATE_TIMEOUT_S / 2)
-            assert r.status_code == 503
-            assert r.json() == {"message": "generation is paused (/continue_generation)"}
+            start = time.monotonic()
+            r = client.get(f"{server.url}{path}", timeout=HEALTH_WAIT_S * 20)  # a hang guard
+            waited = time.monotonic() - start
+            assert r.status_code == 503 and "generation is paused" in r.json()["message"], r.text
+            assert waited >= HEALTH_WAIT_S - 0.1, waited  # not answered from the pause flag
             assert client.get(f"{server.url}/get_server_info").json()["num_pending_requests"] == 0
-            assert client.get(f"{server.url}/health").status_code == 200  # the process itself is fine
+            assert client.get(f"{server.url}/model_info").status_code == 200  # alive, says so at once
         finally:
             client.post(f"{server.url}/continue_generation", json={})
-        assert client.get(f"{server.url}/health_generate").status_code == 200
+        assert client.get(f"{server.url}{path}").status_code == 200
+
+
+def test_health_generates_one_token_and_answers_200_once_a_pause_ends_within_its_wait(server, client):
+    def tokens() -> int:
+        return client.get(f"{server.url}/get_server_info").json()["num_generated_tokens"]
+
+    def pending() -> int:
+        return client.get(f"{server.url}/get_server_info").json()["num_pending_requests"]
+
+    before = tokens()
+    assert client.get(f"{server.url}/health").status_code == 200
+    assert tokens() == before + 1  # SGLang's /health is a generation, not a flag
+    assert client.post(f"{server.url}/pause_generation", json={"mode": "in_place"}).status_code == 200
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(client.get, f"{server.url}/health", timeout=HEALTH_WAIT_S * 20)
+            deadline = time.monotonic() + 30  # a hang guard: the probe's row reaches the paused queue
+            while pending() == 0:
+                assert time.monotonic() < deadline and not answer.done()
+                time.sleep(0.01)
+            assert client.post(f"{server.url}/continue_generation", json={}).status_code == 200
+            assert answer.result().status_code == 200  # its token came within the wait
+    finally:
+        client.post(f"{server.url}/continue_generation", json={})
 
 
 def test_unknown_path_and_method(server, client):

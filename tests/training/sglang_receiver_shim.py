@@ -294,7 +294,7 @@ class Server:
         return self.ns.merge_results(answers)
 
     def weight_version(self) -> str | None:
-        """The version TP rank 0's scheduler recorded (SGLang's `/get_server_info` reports it)."""
+        """The version TP rank 0's scheduler recorded (SGLang's `/model_info` reports it)."""
         with self.lock:
             self.conns[0].send(("weight_version", {}))
             return self.conns[0].recv()[1]
@@ -326,9 +326,10 @@ def serve(server: Server, port_file: Path) -> None:
         def do_GET(self):
             if self.path == "/health":
                 self._answer(200, b"")
-            elif self.path == "/get_server_info":
-                info = {"tp_size": server.tp_size, "dp_size": 1, "weight_version": server.weight_version()}
-                self._answer(200, info)
+            elif self.path == "/get_server_info":  # launch arguments (SGLang never updates them)
+                self._answer(200, {"tp_size": server.tp_size, "dp_size": 1})
+            elif self.path == "/model_info":  # the live version, where SGLang reports it
+                self._answer(200, {"weight_version": server.weight_version()})
             else:
                 self._answer(404, {"detail": "Not Found"})
 

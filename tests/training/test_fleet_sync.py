@@ -11,10 +11,16 @@ A worker lost in the middle of a distributed sync's broadcast can hold the other
 comes out within weight_sync.release_timeout_s is synced by the retry; one still held then is set
 aside, and synced and re-added once it answers again. Every wait is seconds, not the group's
 timeout.
+
+With rollout.update_mode pause or partial the workers are paused when the sync probes them: their
+/health, as SGLang's, would wait out its health timeout and answer 503, so the probe is
+/model_info, which a paused worker answers at once and which generates nothing: every worker
+is kept.
 """
 
 import contextlib
 import time
+import types
 
 import httpx
 import pytest
@@ -26,6 +32,7 @@ from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.fleet import FleetTooSmallError
 from megatron_gspo.rollout.router_launch import launch_router, router_available
 from megatron_gspo.rollout.server.launch import launch_embedded_server
+from megatron_gspo.training.ahead.inflight_updates import InFlightUpdates
 from megatron_gspo.training.server_checks import served_weights
 from megatron_gspo.training.weight_sync import WeightSync
 
@@ -89,7 +96,7 @@ def kill_as_second_broadcast_starts(client: SGLangClient, server) -> None:
 
 def weight_version(server) -> str:
     """What `server` serves (answered even while it waits in a broadcast)."""
-    return httpx.get(f"{server.url}/get_weight_version", timeout=10).json()["weight_version"]
+    return httpx.get(f"{server.url}/model_info", timeout=10).json()["weight_version"]
 
 
 @contextlib.contextmanager
@@ -144,14 +151,14 @@ def test_worker_lost_mid_sync(model_and_checkpoint, fleet, tmp_path, min_workers
             stats = sync.sync(client, 5)
             assert stats.attempts == 2 and stats.buckets > 2
             assert stats.metrics()["fleet/workers"] == 1 and stats.metrics()["fleet/removed"] == 1
-            assert served_weights(client.urls, client.server_info())[0][:2] == (
+            assert served_weights(client.urls, client.model_info())[0][:2] == (
                 a.url,
                 "5",
             )  # the survivor has the new weights
         else:
             with pytest.raises(FleetTooSmallError, match=rf"1 healthy .*min_workers=2 \(lost: {b.url}"):
                 sync.sync(client, 5)
-            assert served_weights(client.urls, client.server_info())[0][:2] == (
+            assert served_weights(client.urls, client.model_info())[0][:2] == (
                 a.url,
                 "0",
             )  # nothing half-applied
@@ -173,9 +180,9 @@ def test_worker_lost_between_syncs_leaves_the_next_group_and_rejoins_synced(
         assert sync._group.urls == [a.url] and sync._group.name.endswith("_2")  # a new group, of one worker
         sync.close(client)
         assert stats.attempts == 1 and stats.metrics()["fleet/removed"] == 1
-        assert served_weights(client.urls, client.server_info())[0][:2] == (a.url, "2") and listed(
-            router
-        ) == [a.url]
+        assert served_weights(client.urls, client.model_info())[0][:2] == (a.url, "2") and listed(router) == [
+            a.url
+        ]
         # The worker comes back (restarted on its address, at its launch version): synced, then re-added.
         port = int(b.url.rsplit(":", 1)[1])
         with launch_embedded_server(checkpoint, port=port, extra_args=["--weight-version", "0"]) as again:
@@ -185,7 +192,7 @@ def test_worker_lost_between_syncs_leaves_the_next_group_and_rejoins_synced(
             sync.close(client)
             assert stats.metrics()["fleet/rejoined"] == 1 and stats.metrics()["fleet/workers"] == 2
             assert sorted(listed(router)) == sorted([a.url, b.url])
-            assert [v for _, v, _ in served_weights(client.urls, client.server_info())] == ["3", "3"]
+            assert [v for _, v, _ in served_weights(client.urls, client.model_info())] == ["3", "3"]
 
 
 @pytest.mark.parametrize("min_workers", [1, 2])
@@ -244,3 +251,47 @@ def test_worker_held_in_a_broadcast_is_set_aside_then_synced_and_readmitted(mode
         sync.close(client)
         assert stats.attempts == 1 and stats.metrics()["fleet/rejoined"] == 1
         assert weight_version(a) == "6" and listed(router) == [a.url]
+
+
+HEALTH_WAIT_S = 3
+"""The workers' SGLANG_HEALTH_CHECK_TIMEOUT: a paused one's /health answers 503 after it (SGLang: 20 s)."""
+
+
+@pytest.fixture(scope="module")
+def sglang_health_fleet(model_and_checkpoint):
+    """Two workers at weight_version 0 behind the router, /health as SGLang's (a paused one: 503).
+
+    The router's own periodic /health probes are an hour apart, so any token the workers
+    generate during the test is the client's doing. Shared by the tests below (each syncs its
+    own version).
+    """
+    _, checkpoint = model_and_checkpoint
+    args, env = ["--weight-version", "0"], {"SGLANG_HEALTH_CHECK_TIMEOUT": str(HEALTH_WAIT_S)}
+    with (
+        launch_embedded_server(checkpoint, extra_args=args, env=env) as a,
+        launch_embedded_server(checkpoint, extra_args=args, env=env) as b,
+        launch_router([a.url, b.url], extra_args=["--health-check-interval-secs", "3600"]) as router,
+    ):
+        yield a, b, router
+
+
+@pytest.mark.parametrize("mode, version", [("pause", 1), ("partial", 2)])
+def test_a_sync_with_the_workers_paused_keeps_every_worker(
+    model_and_checkpoint, sglang_health_fleet, tmp_path, mode, version
+):
+    model, _ = model_and_checkpoint
+    a, b, router = sglang_health_fleet
+    with SGLangClient([], router_url=router.url, max_retries=0) as client:
+        tokens = [a.generated_tokens(), b.generated_tokens()]
+        assert client.remove_unhealthy_workers() == []  # a probe between syncs generates nothing
+        assert [a.generated_tokens(), b.generated_tokens()] == tokens
+        sync = make_sync(model, tmp_path, "tensor")
+        inflight = InFlightUpdates(mode, client, pause_mode="retract")
+        no_batch_running = types.SimpleNamespace(paused=contextlib.nullcontext)  # the trainer's producer
+        with inflight.around_sync(no_batch_running):  # the workers pause (partial: pause mode abort)
+            stats = sync.sync(client, version)
+        assert stats.attempts == 1 and stats.metrics()["fleet/removed"] == 0
+        assert stats.metrics()["fleet/workers"] == 2 and client.urls == sorted([a.url, b.url])
+        assert sorted(listed(router)) == sorted([a.url, b.url])
+        assert [weight_version(a), weight_version(b)] == [str(version)] * 2
+        assert httpx.get(f"{a.url}/health", timeout=60).status_code == 200  # continued

@@ -3,6 +3,11 @@
 The embedded server launched with `--dp-size 2` reports SGLang's `dp_size: 2` in
 /get_server_info and refuses the weight-update group the way SGLang does (its tokenizer
 manager asserts dp_size == 1: HTTP 500 "dp_size must be 1 for init parameter update group").
+
+The served weights are read where SGLang keeps them live: /get_server_info serialises the launch
+arguments (its `weight_version` is the launch value for good), /model_info has what weight updates
+set since. A server launched at version "0" and synced to 100 by an earlier run is out of date
+for a trainer at 0.
 """
 
 import os
@@ -60,26 +65,45 @@ def test_disk_sync_takes_a_dp2_server(dp2_server):
 
 
 def test_start_up_checks_ask_each_server_once(dp2_server):
-    """One /get_server_info per server serves the refusal and the out-of-date check."""
+    """One /get_server_info per server serves the refusal, one /model_info the out-of-date check."""
     server, client = dp2_server
     asked = []
     hooks = client._http.event_hooks["request"]
     hooks.append(lambda request: asked.append(request.url.path))
     try:
         stale = check_servers(client, sync_method="disk", routed_experts=True, version=0, expected_path=None)
-        assert asked == ["/get_server_info"]
+        assert asked == ["/get_server_info", "/model_info"]
         assert stale == [f"{server.url} serves weight_version 'default', the trainer's is 0: syncing"]
         with pytest.raises(ConfigError, match=r"dp_size=2"):
             check_servers(client, sync_method="tensor", routed_experts=False, version=0, expected_path=None)
-        assert asked == ["/get_server_info"] * 2
+        assert asked == ["/get_server_info", "/model_info", "/get_server_info"]  # refused before
     finally:
         hooks.pop()
 
 
-def test_served_weights_come_from_the_server_info():
+def test_served_weights_come_from_the_model_info():
     urls = ["http://a:1", "http://b:2"]
     infos = [{"weight_version": 3, "model_path": "/m"}, {"model_path": "/m"}]
     assert served_weights(urls, infos) == [("http://a:1", "3", "/m"), ("http://b:2", "unknown", "/m")]
+
+
+def test_start_up_syncs_a_server_whose_live_version_is_not_its_launch_version(tmp_path):
+    """Launched at "0", synced to 100 since: /get_server_info still says "0" (as SGLang's), so
+    only the live /model_info tells a trainer at 0 that the server is out of date."""
+    checkpoint = make_tiny_hf_checkpoint(tmp_path / "ckpt", CFG)
+    with (
+        launch_embedded_server(checkpoint, extra_args=("--weight-version", "0")) as server,
+        SGLangClient([server.url], max_retries=0) as client,
+    ):
+        body = {"model_path": str(checkpoint), "weight_version": "100"}  # an earlier run's sync
+        assert httpx.post(f"{server.url}/update_weights_from_disk", json=body, timeout=60).json()["success"]
+        assert client.server_info()[0]["weight_version"] == "0"  # the launch argument, for good
+        assert client.model_info()[0]["weight_version"] == "100"
+        stale = check_servers(
+            client, sync_method="tensor", routed_experts=True, version=0, expected_path=checkpoint
+        )
+        # what the trainer logs ("start-up: ...") before it syncs, ahead of the first rollout
+        assert stale == [f"{server.url} serves weight_version '100', the trainer's is 0: syncing"]
 
 
 def test_the_sync_itself_refuses_a_dp2_server_without_retrying(dp2_server, tmp_path):

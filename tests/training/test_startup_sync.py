@@ -123,7 +123,7 @@ def checkpoint_logprobs(path) -> torch.Tensor:
 
 
 def served_version(url: str) -> str:
-    return httpx.get(f"{url}/get_weight_version", timeout=60).json()["weight_version"]
+    return httpx.get(f"{url}/model_info", timeout=60).json()["weight_version"]  # the live one
 
 
 def test_external_server_of_another_version_is_synced_before_the_cold_start_eval(

@@ -112,7 +112,7 @@ def test_sigterm_right_after_a_bucket_is_announced(sigterm_exits, tmp_path, monk
                 # ... since the broadcast went out: the server received the bucket, and answers a new sync.
                 announced[0].result(timeout=10)
                 sync.sync(client, 3)
-                assert client.server_info()[0]["weight_version"] == "3"
+                assert client.model_info()[0]["weight_version"] == "3"
                 sync.close(client)
     finally:
         destroy_distributed()

@@ -100,7 +100,7 @@ def trainer_logprobs(model) -> torch.Tensor:
 
 
 def served_version(client: SGLangClient) -> str:
-    return client.server_info()[0]["weight_version"]
+    return client.model_info()[0]["weight_version"]
 
 
 def perturb(model, scale: float) -> None:

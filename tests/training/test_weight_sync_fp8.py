@@ -64,7 +64,7 @@ def test_fp8_sync_serves_the_dequantised_weights_and_a_small_real_mismatch(setup
     exact = served_logprobs(client, TOKENS)
 
     fp8 = sync(model, work, client, 2, "fp8")
-    assert client.server_info()[0]["weight_version"] == "2"
+    assert client.model_info()[0]["weight_version"] == "2"
     served = served_logprobs(client, TOKENS)
 
     reference_dir, expected_bytes = reference_checkpoint(model, checkpoint, work / "reference")

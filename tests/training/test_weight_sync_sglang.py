@@ -128,7 +128,7 @@ def test_a_restarted_trainer_joins_servers_still_holding_its_old_group(setup):
     stats = restarted.sync(client, 2)
     restarted.close(client)
     assert stats.attempts == 1
-    assert [i["weight_version"] for i in client.server_info()] == ["2"] * SERVERS
+    assert [i["weight_version"] for i in client.model_info()] == ["2"] * SERVERS
 
 
 def test_a_restarted_trainer_closes_the_session_its_predecessor_left_open(setup):
@@ -141,7 +141,7 @@ def test_a_restarted_trainer_closes_the_session_its_predecessor_left_open(setup)
     stats = sync.sync(client, 6)
     sync.close(client)
     assert stats.attempts == 2
-    assert [i["weight_version"] for i in client.server_info()] == ["6"] * SERVERS
+    assert [i["weight_version"] for i in client.model_info()] == ["6"] * SERVERS
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp8", "bf16"])  # bf16 last: it casts the model
@@ -180,4 +180,4 @@ def test_sglang_receives_the_trainer_weights_bit_for_bit(setup, precision):
                 assert have.dtype == want.dtype and have.shape == want.shape, name
                 assert torch.equal(raw(have), raw(want)), f"{name} differs on a receiving rank"
     assert sorted(group_ranks) == [1, 2, 3, 4]  # rank_offset + tp_rank, beside the trainer's 0
-    assert [i["weight_version"] for i in client.server_info()] == [str(version)] * SERVERS
+    assert [i["weight_version"] for i in client.model_info()] == [str(version)] * SERVERS

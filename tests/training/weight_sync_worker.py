@@ -101,7 +101,7 @@ def main() -> None:
                 stats = sync.sync(client, version)
             gathered = control_plane.all_gather_objects(received[0])
             after = server_logprobs(client, tokens)
-            served_version = control_plane.on_rank0(lambda: client.server_info()[0]["weight_version"])
+            served_version = control_plane.on_rank0(lambda: client.model_info()[0]["weight_version"])
             sync.close(client)
             results[method] = {
                 "before": (before - ours)[:, 1:].abs().max().item(),

@@ -27,11 +27,14 @@ What it implements, and how it differs from SGLang:
 - POST /pause_generation (SGLang's modes: `abort` returns running requests with what they
   generated; `in_place` / `retract` halt them at a step boundary, KV cache kept / recomputed,
   while weight updates run), /continue_generation, /abort_request (by `rid`, or `abort_all`),
-  /flush_cache (no-op: there is no cache between requests); GET /health, /health_generate, /get_model_info,
-  /get_server_info, /get_weight_version (and their un-prefixed aliases). /get_server_info also
+  /flush_cache (no-op: there is no cache between requests); GET /health and /health_generate
+  (as SGLang's: one token through the batcher, 503 after SGLANG_HEALTH_CHECK_TIMEOUT s, so
+  while paused a 503 after that wait), /model_info (the live `model_path` and
+  `weight_version`), /server_info (the launch arguments: launch `model_path` and
+  `weight_version`, never updated), and their `/get_` aliases. /get_server_info also
   reports `num_generated_tokens` (not SGLang's): the output tokens decoded since start, so that
   a caller sees a generation under way and how far it got (tests land a weight sync after the
-  first N tokens by it, not by a sleep).
+  first N tokens by it, not by a sleep). See docs/sglang-conformance.md.
 - `--dp-size N` makes /get_server_info report SGLang's `dp_size: N` and, above 1, refuses
   what SGLang refuses on a server launched with --dp-size > 1 (/init_weights_update_group,
   /update_weights_from_tensor: its assertion's 500); generation stays one replica.

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -92,6 +92,7 @@ def launch_embedded_server(
     num_threads: int | None = 1,
     timeout: float = 120.0,
     exit_with_parent: bool = True,
+    env: Mapping[str, str] | None = None,
 ) -> EmbeddedServer:
     """Start `python -m megatron_gspo.rollout.server` on `model_dir` and wait until /health answers.
 
@@ -105,6 +106,8 @@ def launch_embedded_server(
         exit_with_parent: the server exits when this process dies (a parent watch, plus Linux's
             parent-death signal when called from the main thread: that signal fires when the
             launching *thread* ends).
+        env: more environment variables of the server, e.g. ``{"SGLANG_HEALTH_CHECK_TIMEOUT": "2"}``
+            (SGLang's, which the server reads as SGLang does).
 
     Returns:
         The running server; `.url` is its base URL.
@@ -121,7 +124,7 @@ def launch_embedded_server(
             cmd.append("--death-signal")
     cmd += ["-m", "megatron_gspo.rollout.server", "--model", str(model_dir)]
     cmd += ["--host", host, "--port", str(port if port is not None else 0), *extra_args]
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     if num_threads is not None:
         env["OMP_NUM_THREADS"] = str(num_threads)
     process = subprocess.Popen(

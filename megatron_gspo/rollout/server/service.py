@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
 import time
 import uuid
 from http import HTTPStatus
@@ -33,8 +34,29 @@ logger = logging.getLogger(__name__)
 
 
 _DISK_LOAD_FORMATS = (None, "auto", "safetensors")
-HEALTH_GENERATE_TIMEOUT_S = 20.0
-"""/health_generate answers 503 when its one token takes longer (SGLang's default health timeout)."""
+HEALTH_CHECK_TIMEOUT_ENV = "SGLANG_HEALTH_CHECK_TIMEOUT"
+"""SGLang's own variable (`http_server.HEALTH_CHECK_TIMEOUT`, an int, default 20): how long /health
+and /health_generate wait for the scheduler before answering 503. Tests set it to seconds."""
+HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
+"""SGLang's switch (`environ.py`, default true): false makes /health (not /health_generate) a 200
+that generates nothing."""
+HEALTH_POLL_S = 0.05
+"""How often a health check looks for the batcher's tokens (SGLang looks once a second)."""
+
+
+def health_check_timeout_s() -> float:
+    """SGLang's health timeout: `SGLANG_HEALTH_CHECK_TIMEOUT` seconds (an int there), default 20."""
+    return float(int(os.environ.get(HEALTH_CHECK_TIMEOUT_ENV, "20")))
+
+
+def health_endpoint_generates() -> bool:
+    """`SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION` as SGLang's `EnvBool` parses it (default true)."""
+    value = os.environ.get(HEALTH_GENERATION_ENV, "true").strip().lower()
+    if value in ("true", "1", "yes", "y"):
+        return True
+    if value in ("false", "0", "no", "n"):
+        return False
+    raise ValueError(f"{HEALTH_GENERATION_ENV}={value!r}: expected true/false")
 
 
 class RolloutService:
@@ -59,6 +81,12 @@ class RolloutService:
         self.receiver = WeightReceiver(engine, timeout_s=weight_update_timeout_s)
         self.host = ""
         self.port = 0
+        # /get_server_info serialises SGLang's launch arguments: what the server was started on,
+        # never what a weight update set since (that is /model_info's).
+        self.launch_model_path = engine.model_path
+        self.launch_weight_version = engine.weight_version
+        self.health_timeout_s = health_check_timeout_s()
+        self.health_generates = health_endpoint_generates()
 
     # ------------------------------------------------------------- generation
     def generate(self, body: Any) -> tuple[int, Any]:
@@ -86,32 +114,52 @@ class RolloutService:
         return HTTPStatus.OK, responses if parsed.is_batch else responses[0]
 
     def health(self, body: Any) -> tuple[int, Any]:
-        """GET /health: the process answers."""
-        return HTTPStatus.OK, ""
+        """GET /health: as /health_generate (SGLang 0.5.23 serves both with one handler).
+
+        Unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false: then 200 at once, nothing generated.
+        """
+        if not self.health_generates:
+            return HTTPStatus.OK, ""
+        return self.health_generate(body)
 
     def health_generate(self, body: Any) -> tuple[int, Any]:
-        """GET /health_generate: one real token through the batcher, or 503 (as SGLang) within seconds.
+        """GET /health_generate: 200 once the batcher shows life, 503 after SGLang's health timeout.
 
-        While generation is paused no token can come, so the answer is an immediate 503.
+        As SGLang's `health_generate`: one token is asked for (input [pad], greedy); the answer
+        is 200 as soon as the batcher produces any token (this one or another request's: SGLang
+        takes any scheduler output as life), else 503 after `health_timeout_s`
+        (SGLANG_HEALTH_CHECK_TIMEOUT, default 20 s). While generation is paused the row waits in
+        the paused queue, as SGLang's request waits at the pause: the answer is 503 after the
+        timeout, or 200 if generation continues within it.
         """
-        if self.scheduler.paused:
-            return HTTPStatus.SERVICE_UNAVAILABLE, {"message": "generation is paused (/continue_generation)"}
         rid = f"health_generate-{uuid.uuid4().hex}"
         row = GenerationInput(
             input_ids=[self.engine.pad_token_id], sampling=SamplingOptions(max_new_tokens=1)
         )
+        tokens_before = self.engine.tokens_generated
+        deadline = time.monotonic() + self.health_timeout_s
         try:
-            out = self.scheduler.submit(rid, row).result(timeout=HEALTH_GENERATE_TIMEOUT_S)
-        except cf.TimeoutError:
-            self.scheduler.abort(rid)
-            return HTTPStatus.SERVICE_UNAVAILABLE, {
-                "message": f"no token generated within {HEALTH_GENERATE_TIMEOUT_S:g} s"
-            }
-        except Exception as exc:  # noqa: BLE001 - an engine failure means unhealthy, not a crash
-            return HTTPStatus.SERVICE_UNAVAILABLE, {"message": f"generation failed: {exc}"}
-        if out.finish_reason.get("type") == "abort":
-            return HTTPStatus.SERVICE_UNAVAILABLE, {"message": "health generation aborted (paused?)"}
-        return HTTPStatus.OK, ""
+            future = self.scheduler.submit(rid, row)
+        except RuntimeError:  # closed: SGLang answers 503 during shutdown too
+            return HTTPStatus.SERVICE_UNAVAILABLE, {"message": "server shutting down"}
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                out = future.result(timeout=min(left, HEALTH_POLL_S))
+            except cf.TimeoutError:
+                if self.engine.tokens_generated > tokens_before:  # the batcher is producing
+                    self.scheduler.abort(rid)
+                    return HTTPStatus.OK, ""
+                continue
+            except Exception as exc:  # noqa: BLE001 - an engine failure means unhealthy, not a crash
+                return HTTPStatus.SERVICE_UNAVAILABLE, {"message": f"generation failed: {exc}"}
+            if out.finish_reason.get("type") == "abort":
+                return HTTPStatus.SERVICE_UNAVAILABLE, {"message": "health generation aborted"}
+            return HTTPStatus.OK, ""
+        self.scheduler.abort(rid)
+        paused = " (generation is paused)" if self.scheduler.paused else ""
+        return HTTPStatus.SERVICE_UNAVAILABLE, {
+            "message": f"no token generated within {self.health_timeout_s:g} s{paused}"
+        }
 
     # ---------------------------------------------------------------- weights
     def update_weights_from_disk(self, body: Any) -> tuple[int, Any]:
@@ -287,7 +335,10 @@ class RolloutService:
         return HTTPStatus.OK, "Cache flushed.\n"
 
     def model_info(self, body: Any = None) -> tuple[int, Any]:
-        """GET /get_model_info."""
+        """GET /model_info (and deprecated /get_model_info): the live model_path and weight_version.
+
+        As SGLang's `model_info`: what weight updates change is reported here.
+        """
         cfg = self.engine.model.config
         return HTTPStatus.OK, {
             "model_path": self.engine.model_path,
@@ -301,11 +352,16 @@ class RolloutService:
         }
 
     def server_info(self, body: Any = None) -> tuple[int, Any]:
-        """GET /get_server_info."""
+        """GET /server_info (and deprecated /get_server_info): the launch arguments, plus live counters.
+
+        As SGLang's `server_info`, `model_path` and `weight_version` are the launch values (its
+        answer serialises the server arguments); /model_info has the live ones.
+        `num_pending_requests` and `num_generated_tokens` are not SGLang's (tests read them).
+        """
         return HTTPStatus.OK, {
-            "model_path": self.engine.model_path,
-            "tokenizer_path": self.engine.model_path,
-            "weight_version": self.engine.weight_version,
+            "model_path": self.launch_model_path,
+            "tokenizer_path": self.launch_model_path,
+            "weight_version": self.launch_weight_version,
             "host": self.host,
             "port": self.port,
             "context_length": self.engine.context_len,
@@ -320,10 +376,6 @@ class RolloutService:
             "version": "embedded",
         }
 
-    def weight_version(self, body: Any = None) -> tuple[int, Any]:
-        """GET /get_weight_version."""
-        return HTTPStatus.OK, {"weight_version": self.engine.weight_version}
-
 
 # The HTTP surface: path -> endpoint (SGLang's paths and their un-prefixed aliases). A new
 # endpoint is a RolloutService method plus one line here.
@@ -334,8 +386,6 @@ GET_ROUTES = {
     "/model_info": RolloutService.model_info,
     "/get_server_info": RolloutService.server_info,
     "/server_info": RolloutService.server_info,
-    "/get_weight_version": RolloutService.weight_version,
-    "/weight_version": RolloutService.weight_version,
     "/flush_cache": RolloutService.flush_cache,
 }
 POST_ROUTES = {
@@ -356,7 +406,7 @@ POST_ROUTES = {
 
 # Calls that wait on generation run in their own thread pool, so a flood of them can never keep
 # the calls that end the wait (/continue_generation, /abort_request) from running.
-GENERATION_PATHS = frozenset({"/generate", "/health_generate"})
+GENERATION_PATHS = frozenset({"/generate", "/health", "/health_generate"})
 
 
 def _update_fields(body: dict) -> tuple[str | None, str | None, bool]:
