@@ -293,7 +293,7 @@ class WeightSync:
             try:
                 _wait_both(work, answers, self.cfg.timeout_s)
             except BaseException as err:
-                if isinstance(err, TimeoutError) or self._backend() == "nccl":
+                if _timed_out(err) or self._backend() == "nccl":
                     self._abort_group()
                 raise
 
@@ -401,6 +401,18 @@ def _at_bucket(bucket: Bucket, send) -> None:
             f"bucket {bucket.index} ({len(bucket.names)} tensors from {bucket.names[0]}, "
             f"{bucket.nbytes / 2**20:.1f} MiB): {err}"
         ) from err
+
+
+def _timed_out(err: BaseException) -> bool:
+    """Whether a bucket's wait ended because a deadline passed.
+
+    Ours (`TimeoutError`), or the group's own, which a gloo group is given equal to it
+    (`update_group.collective_timeout_s`) and which may fire first, counted from the broadcast's
+    start ("Timed out waiting 2000ms for send operation to complete").
+    """
+    return isinstance(err, TimeoutError) or (
+        isinstance(err, RuntimeError) and "timed out" in str(err).lower()
+    )
 
 
 def _wait_both(work, answers, timeout_s: float) -> None:
