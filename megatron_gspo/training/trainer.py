@@ -40,7 +40,7 @@ import torch.distributed as dist
 from megatron_gspo.algorithms import RunningMeanStd
 from megatron_gspo.algorithms.token_kl import KLController
 from megatron_gspo.checkpoint.load import load_checkpoint
-from megatron_gspo.checkpoint.meta import step_dir_name
+from megatron_gspo.checkpoint.meta import CheckpointError, step_dir_name
 from megatron_gspo.checkpoint.resume_checks import check_resume
 from megatron_gspo.checkpoint.save import save_checkpoint
 from megatron_gspo.checkpoint.schedule import checkpoint_due
@@ -244,13 +244,16 @@ class Trainer:
             self.model, cfg.optim, distributed_optimizer=cfg.parallel.distributed_optimizer, total_steps=total
         )
         if resume_step is not None:
-            state = load_checkpoint(  # a damaged newest checkpoint falls back to an older intact one
-                self.ckpt_root,
-                model=self.model,
-                optimizer=self.optimizer,
-                scheduler=self.scheduler,
-                fallback=True,
-            )
+            try:
+                state = load_checkpoint(  # a damaged newest checkpoint falls back to an older intact one
+                    self.ckpt_root,
+                    model=self.model,
+                    optimizer=self.optimizer,
+                    scheduler=self.scheduler,
+                    fallback=True,
+                )
+            except CheckpointError as err:  # none intact, or none loadable here: the message says which
+                raise ConfigError(f"--resume: {err}") from None
             self.step, self.weight_version = int(state["step"]), int(state["weight_version"])
             self.stream.load_state_dict(state["prompt_stream"])
             self.counters = dict(state["counters"])

@@ -79,6 +79,15 @@ def test_resume_with_no_step_left_is_refused_and_rewrites_nothing(run5, tmp_path
     assert list_steps(run_dir / "checkpoints") == [4, 5]
 
 
+def test_resume_with_every_checkpoint_damaged_is_one_line_naming_each(run5, tmp_path):
+    """Not a CheckpointCorruptError traceback: the message that lists what is wrong with each."""
+    run_dir = _copy(run5, tmp_path)
+    for step in (4, 5):
+        (run_dir / "checkpoints" / f"step_{step:08d}" / "trainer_state.pt").write_bytes(b"damaged")
+    done = train(run_dir, "trainer.steps=6", "--resume")
+    assert_one_named_line(done, "--resume: ", "step_00000005", "step_00000004")
+
+
 @pytest.mark.parametrize(
     ("override", "restore"),
     [
