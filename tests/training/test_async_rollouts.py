@@ -128,5 +128,6 @@ def test_partial_rollouts_cut_by_every_sync_train_within_the_bound(tmp_path):
     assert cut[1] == 0 and all(cut[s] > 0 for s in range(2, steps + 1)), cut
     assert all(0 <= r["rollout/staleness_max"] <= k for r in records)
     assert all(r["rollout/segments_mean"] > 1 for r in records[1:])
+    assert all(r["sync/cache_flushed"] == 1 for r in records)  # the cut requests left before the flush
     # behaviour -> current routing drift: the engine's routes (older versions) vs pi_old's
     assert all(0 <= r["drift/infer_train/mean"] <= 1 for r in records)
