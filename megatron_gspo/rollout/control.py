@@ -211,14 +211,20 @@ class ControlMixin:
         """Make every server leave the update group."""
         return self._broadcast("/destroy_weights_update_group", {"group_name": group_name}, retry=False)
 
+    paused_in_place = False
+    """Between `pause_generation("in_place")` and `continue_generation`: the servers hold their
+    running requests, so SGLang refuses `/flush_cache` until generation continues."""
+
     def pause_generation(self, mode: str | None = None) -> list[dict[str, Any]]:
         """Pause scheduling on every server (``mode``: SGLang's ``abort``/``retract``/``in_place``)."""
+        self.paused_in_place = mode == "in_place"
         return self._broadcast(
             "/pause_generation", {} if mode is None else {"mode": mode}, expect_success=False
         )
 
     def continue_generation(self) -> list[dict[str, Any]]:
         """Resume scheduling on every server."""
+        self.paused_in_place = False
         return self._broadcast("/continue_generation", {}, expect_success=False)
 
     def flush_cache(self) -> list[dict[str, Any]]:

@@ -8,7 +8,8 @@ TP/EP gathers, global rank 0 alone converts, buckets and sends. Per sync:
   CPU); `/begin_weight_update`; per bucket `/update_weights_from_distributed` (flattened
   bucket, `weight_version` on the last) posted without blocking, then the broadcast; then
   `/end_weight_update` and one `/flush_cache` (SGLang's 400 while requests run is waited
-  out, then warned about: the weights are in place either way).
+  out, then warned about: the weights are in place either way; inside an `in_place` pause,
+  which keeps its requests running, it is asked once).
 * tensor: the same buckets as `/update_weights_from_tensor` requests inside a session.
 * disk: a full HF checkpoint written atomically and `/update_weights_from_disk`.
 
@@ -457,8 +458,17 @@ def _flush_cache(client: SGLangClient) -> bool:
 
     SGLang answers /flush_cache with 400 while requests are still running or queued (the
     new weights are in place either way; only prompts cached before the sync would be
-    reused). The 400 is waited out a few times, then the sync goes on with a warning.
+    reused). The 400 is waited out a few times, then the sync goes on with a warning. Inside an
+    `in_place` pause it is asked once: the held requests stay running until generation
+    continues, so no wait could see it flushed (their KV is the old weights' by design).
     """
+    if client.paused_in_place:
+        try:
+            client.flush_cache()
+            return True
+        except WeightUpdateError as err:
+            logger.info("/flush_cache refused while an in_place pause holds requests: %s", err)
+            return False
     for attempt in range(FLUSH_ATTEMPTS):
         try:
             client.flush_cache()

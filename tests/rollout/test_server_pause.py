@@ -107,8 +107,15 @@ def test_weight_update_while_paused_mid_generation(server, checkpoints, mode):
     url = server.url
     httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(a), "weight_version": "0"})
     thread, holder = start_generation(server, f"held-{mode}")
+    assert httpx.post(f"{url}/flush_cache").status_code == 400  # SGLang flushes only when idle
     answer = httpx.post(f"{url}/pause_generation", json={"mode": mode}, timeout=60).json()
     assert answer["status"] == "ok"
+    # in_place holds the request in the running batch; retract moves it to the waiting queue,
+    # which a paused SGLang (`Scheduler.flush_cache`: is_fully_idle(ignore_waiting=True)) ignores.
+    flush = httpx.post(f"{url}/flush_cache")
+    assert (flush.status_code, flush.text) == (
+        (400, "Flush cache failed.\n") if mode == "in_place" else (200, "Cache flushed.\n")
+    )
     assert httpx.get(f"{url}/health_generate", timeout=30).status_code == 503  # paused: no token came
     update = httpx.post(
         f"{url}/update_weights_from_disk", json={"model_path": str(b), "weight_version": "1"}, timeout=60
@@ -117,6 +124,7 @@ def test_weight_update_while_paused_mid_generation(server, checkpoints, mode):
     assert thread.is_alive()
     httpx.post(f"{url}/continue_generation", json={})
     thread.join(300)
+    assert httpx.post(f"{url}/flush_cache").status_code == 200  # idle again
     response = holder["r"]
     ids = response["output_ids"]
     assert len(ids) == LONG and response["meta_info"]["finish_reason"]["type"] == "length"

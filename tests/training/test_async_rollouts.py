@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.config import ConfigError, RunConfig, validate
+from megatron_gspo.rollout.server.main import DECODE_DELAY_ENV
 from megatron_gspo.training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,39 +84,50 @@ def test_update_mode_keys_are_validated_by_name():
     validate(cfg)
 
 
-@pytest.mark.slow  # one end-to-end run, ~60 s on a loaded 2-core box
-def test_partial_rollouts_train_with_every_segment_within_the_bound(tmp_path):
-    """k = 2, update_mode=partial, R3 and drift: every trained sample's segment versions are read
-    from the log; R3 replays each response's routes merged over its segments."""
-    k, steps = 2, 4
+@pytest.mark.slow  # one end-to-end run, ~25 s on a loaded 2-core box
+def test_partial_rollouts_cut_by_every_sync_train_within_the_bound(tmp_path):
+    """k = 2, update_mode=partial, R3 and drift, every sync lands mid-batch: read from samples.jsonl.
+
+    The server's test-only decode delay keeps each batch generating through the next sync: with
+    k = 2 the producer starts batch s + 1 as soon as batch s is done, and the trainer syncs after
+    training step s, so every step from 2 on trains on responses that sync cut (step 1's batch is
+    generated before any sync). Each such response is made of contiguous segments of increasing
+    versions within the bound, and its routes (merged over the segments) cover every position.
+    """
+    k, steps = 2, 3
     cmd = [
         sys.executable, "-m", "megatron_gspo.cli", "train",
         "--config", str(REPO / "configs" / "tiny_moe_cpu.yaml"),
-        f"trainer.steps={steps}", "sft.steps=30", "eval.num_problems=20", "eval.every=0",
-        "task.options.format_reward=0.5", "rollout.temperature=1.0", "rollout.max_new_tokens=32",
-        "rollout.rollout_batch_size=8", "rollout.group_size=4", "algorithm.num_mini_batches=2",
-        "logging.progress_bar=false", "logging.samples_per_step=32", f"trainer.run_dir={tmp_path}",
+        f"trainer.steps={steps}", "sft.steps=30", "eval.every=0", "eval.at_start=false", "eval.at_end=false",
+        "task.options.format_reward=0.5", "rollout.temperature=1.0", "rollout.max_new_tokens=8",
+        "rollout.rollout_batch_size=4", "rollout.group_size=4", "algorithm.num_mini_batches=1",
+        "logging.progress_bar=false", "logging.samples_per_step=16", f"trainer.run_dir={tmp_path}",
         f"rollout.max_staleness={k}", "rollout.update_mode=partial",
         "algorithm.routing_replay=r3", "drift.enabled=true", "drift.every=1",
     ]  # fmt: skip
-    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    env = {**ENV, DECODE_DELAY_ENV: "500"}  # ~3 tokens a response: a batch generates for ~1.5 s
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     records = read_metrics(tmp_path / "metrics.jsonl")[1:]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     trainer_version = {r["step"]: int(r["weight_version"]) - 1 for r in records}  # before the step's sync
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
-    assert sorted({r["step"] for r in rows}) == list(range(1, steps + 1))
-    assert all(sum(1 for r in rows if r["step"] == s) == 32 for s in range(1, steps + 1))
+    assert all(sum(1 for r in rows if r["step"] == s) == 16 for s in range(1, steps + 1))
+    cut = {s: 0 for s in range(1, steps + 1)}
     for row in rows:
         segments = row["segments"]
         assert segments and segments[0]["start"] == 0
         assert all(a["start"] + a["length"] == b["start"] for a, b in zip(segments, segments[1:]))
+        assert sum(s["length"] for s in segments) == row["response_tokens"]
         v = trainer_version[row["step"]]
         versions = [int(s["weight_version"]) for s in segments]
         assert all(v - k <= version <= v for version in versions), (row["step"], versions)
-        assert versions == sorted(versions)
+        assert all(a < b for a, b in zip(versions, versions[1:])), versions  # a cut is a sync
+        assert row["routed_positions"] == row["prompt_tokens"] + row["response_tokens"] - 1
+        cut[row["step"]] += len(segments) > 1
+    assert cut[1] == 0 and all(cut[s] > 0 for s in range(2, steps + 1)), cut
     assert all(0 <= r["rollout/staleness_max"] <= k for r in records)
-    assert any(r["rollout/staleness_max"] > 0 for r in records)
-    assert all(1 <= r["rollout/segments_mean"] for r in records)
+    assert all(r["rollout/segments_mean"] > 1 for r in records[1:])
+    assert all(r["sync/cache_flushed"] == 1 for r in records)  # the cut requests left before the flush
     # behaviour -> current routing drift: the engine's routes (older versions) vs pi_old's
     assert all(0 <= r["drift/infer_train/mean"] <= 1 for r in records)

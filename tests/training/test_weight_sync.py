@@ -4,6 +4,7 @@ Faults are injected at the HTTP boundary by a forwarding proxy that answers one 
 request with 503 instead of passing it on, as a dying server or a broken link would.
 """
 
+import concurrent.futures as cf
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -255,4 +256,35 @@ def test_flush_cache_refused_while_requests_run_does_not_fail_the_sync(setup, mo
     flushed = refusals < 4  # waited out within the attempts, else skipped with a warning
     assert stats.metrics()["sync/cache_flushed"] == float(flushed)
     assert ("kept refusing /flush_cache" in caplog.text) is not flushed
+    proxy.fail_once(None, at=0)
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_a_sync_inside_a_pause_asks_for_the_flush_only_as_often_as_sglang_can_grant_it(setup, mode):
+    """An `in_place` pause holds the running request, so SGLang refuses /flush_cache until generation
+    continues: asked once, not waited out (4 refusals and 1.75 s of backoff a sync). A `retract`
+    pause moves it back to the waiting queue, which a paused SGLang ignores: flushed at once."""
+    model, client, proxy, server, export_dir = setup
+    rid, version = f"held-{mode}", 40 if mode == "in_place" else 41
+    body = {
+        "input_ids": TOKENS[0].tolist(),
+        "rid": rid,
+        "sampling_params": {"max_new_tokens": 480, "ignore_eos": True},  # far from done when paused
+    }
+    before = server.generated_tokens()
+    held = cf.ThreadPoolExecutor(1).submit(httpx.post, f"{server.url}/generate", json=body, timeout=120)
+    server.wait_for_tokens(before + 1)
+    proxy.fail_once("/flush_cache", at=0)  # counts the calls, fails none
+    client.pause_generation(mode)
+    try:
+        assert client.server_info()[0]["num_pending_requests"] == 1  # held through the sync
+        perturb(model, 1.01)
+        stats = make_sync(model, export_dir, method="tensor", retries=0).sync(client, version)
+    finally:
+        httpx.post(f"{server.url}/abort_request", json={"rid": rid})  # ends the hold: no need to finish
+        client.continue_generation()
+    assert held.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert served_version(client) == str(version)
+    assert (proxy.seen, stats.metrics()["sync/cache_flushed"]) == (1, float(mode == "retract"))
+    assert client.flush_cache()  # idle again: granted
     proxy.fail_once(None, at=0)

@@ -27,7 +27,8 @@ What it implements, and how it differs from SGLang:
 - POST /pause_generation (SGLang's modes: `abort` returns running requests with what they
   generated; `in_place` / `retract` halt them at a step boundary, KV cache kept / recomputed,
   while weight updates run), /continue_generation, /abort_request (by `rid`, or `abort_all`),
-  /flush_cache (no-op: there is no cache between requests); GET /health and /health_generate
+  /flush_cache (nothing is cached between requests, yet refused with 400 when SGLang refuses
+  it: unless idle, see `BatchScheduler.idle_for_flush`); GET /health and /health_generate
   (as SGLang's: one token through the batcher, 503 after SGLANG_HEALTH_CHECK_TIMEOUT s, so
   while paused a 503 after that wait), /model_info (the live `model_path` and
   `weight_version`), /server_info (the launch arguments: launch `model_path` and

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,8 +134,12 @@ class GenerationEngine:
         weight_version: str = "default",
         seed: int = 0,
         device: str = "cpu",
+        decode_delay_s: float = 0.0,
     ) -> None:
         self.model_path = str(model_path)
+        self.decode_delay_s = decode_delay_s
+        """A test aid (`serve --decode-delay-ms`): each decode step waits this long first, so a
+        generation is still running when a test's weight sync lands."""
         self.dtype = dtype
         self.device = torch.device(device)
         self.return_original_logprob = return_original_logprob
@@ -376,6 +381,8 @@ class GenerationEngine:
                 mask, tokens = mask[keep], tokens[keep]
                 rows = [rows[i] for i in going]
             going_rows = list(rows)
+            if self.decode_delay_s > 0:  # lock held: no weight update lands inside a step
+                time.sleep(self.decode_delay_s)
             version_before = self.weight_version
             held = self._hold_while_paused(items, rows)
             if held is not None:

@@ -11,6 +11,7 @@ import concurrent.futures as cf
 import contextlib
 import gc
 import logging
+import os
 import signal
 import sys
 
@@ -23,6 +24,8 @@ from megatron_gspo.rollout.server.service import GENERATION_PATHS, GET_ROUTES, P
 
 logger = logging.getLogger(__name__)
 
+DECODE_DELAY_ENV = "MEGATRON_GSPO_SERVE_DECODE_DELAY_MS"
+"""The default of `--decode-delay-ms`: reaches the servers a training run starts (tests only)."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -80,6 +83,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="timeout of the weight-update groups this server joins, so of a broadcast it waits in "
         "(SGLang's: torch's default process-group timeout, 30 min, not settable over HTTP)",
     )
+    parser.add_argument(
+        "--decode-delay-ms",
+        type=float,
+        default=float(os.environ.get(DECODE_DELAY_ENV, 0.0)),
+        help=f"test aid: wait this long before each decode step, so that generation is slow enough "
+        f"for a weight sync to land mid-response (default: ${DECODE_DELAY_ENV}, else 0: off)",
+    )
     parser.add_argument("--log-level", default="warning", help="python logging level")
     return parser
 
@@ -92,6 +102,7 @@ def build_service(args: argparse.Namespace) -> RolloutService:
         return_original_logprob=args.return_original_logprob,
         weight_version=args.weight_version,
         seed=args.seed,
+        decode_delay_s=args.decode_delay_ms / 1000,
     )
     scheduler = BatchScheduler(
         engine, batch_window_s=args.batch_window_ms / 1000, max_batch_size=args.max_batch_size

@@ -41,6 +41,7 @@ class BatchScheduler:
         self._running: list[_Pending] = []
         self._cond = threading.Condition()
         self._paused = False
+        self._pause_mode: str | None = None
         self._closed = False
         self._whole_request_queued = False  # a multi-row request is queued: no reason to wait
         self._thread = threading.Thread(target=self._loop, name="rollout-batcher", daemon=True)
@@ -82,7 +83,7 @@ class BatchScheduler:
         that follows cannot wait on the batch.
         """
         with self._cond:
-            self._paused = True
+            self._paused, self._pause_mode = True, mode
         if mode == "abort":
             self.abort_all()
         else:
@@ -91,9 +92,20 @@ class BatchScheduler:
     def resume(self) -> None:
         """Start batches again; a held batch goes on."""
         with self._cond:
-            self._paused = False
+            self._paused, self._pause_mode = False, None
             self._cond.notify_all()
         self.engine.resume()
+
+    def idle_for_flush(self) -> bool:
+        """Whether SGLang would flush its cache now (`Scheduler.is_fully_idle(ignore_waiting=paused)`).
+
+        No batch may run, nor be held by an `in_place` pause (a `retract` pause moved it back to
+        the waiting queue); queued rows count only unpaused (paused, SGLang ignores its waiting
+        queue, and its tokenizer manager holds new requests back).
+        """
+        with self._cond:
+            running = bool(self._running) and self._pause_mode != "retract"
+            return not running and not (self._queue and not self._paused)
 
     def abort(self, rid: str) -> int:
         """Abort rows whose request id is `rid` (prefix match covers a batch's `rid-i` rows)."""
@@ -168,11 +180,11 @@ class BatchScheduler:
             try:
                 results = self.engine.generate([p.item for p in batch])
             except BaseException as exc:  # noqa: BLE001 - every waiter must learn of the failure
-                for p in batch:
-                    p.future.set_exception(exc)
-            else:
-                for p, result in zip(batch, results):
+                results = [exc] * len(batch)
+            with self._cond:  # no longer running once answered (a /flush_cache that follows is granted)
+                self._running = []
+            for p, result in zip(batch, results):
+                if isinstance(result, BaseException):
+                    p.future.set_exception(result)
+                else:
                     p.future.set_result(result)
-            finally:
-                with self._cond:
-                    self._running = []

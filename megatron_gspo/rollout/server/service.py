@@ -327,11 +327,17 @@ class RolloutService:
         return HTTPStatus.OK, ""
 
     def flush_cache(self, body: Any) -> tuple[int, Any]:
-        """GET/POST /flush_cache: nothing is cached across requests, so always succeeds."""
+        """GET/POST /flush_cache: nothing is cached across requests, yet refused as SGLang refuses it.
+
+        SGLang flushes only when idle: 400 while a batch runs or is held by an `in_place` pause,
+        or while requests are queued outside a pause (`BatchScheduler.idle_for_flush`).
+        """
         try:
             check_object(body)
         except RequestError as exc:
             return _bad_request(str(exc))
+        if not self.scheduler.idle_for_flush():
+            return HTTPStatus.BAD_REQUEST, "Flush cache failed.\n"  # SGLang's text, no message given
         return HTTPStatus.OK, "Cache flushed.\n"
 
     def model_info(self, body: Any = None) -> tuple[int, Any]:

@@ -183,6 +183,11 @@ class RolloutEngine:
             extra = {"segments": response["segments"]} if "segments" in response else {}
             if not extra and sample.segments is not None and len(sample.segments) > 1:
                 extra = {"segments": [s.to_json() for s in sample.segments]}  # pause: spans a sync
+            if extra:  # what shows its segments tile the response and its routes cover every position
+                extra["response_tokens"] = sample.response_length
+                if sample.routed_experts is not None:  # rows for positions 0 .. P + R - 2
+                    extra["prompt_tokens"] = sample.prompt_length
+                    extra["routed_positions"] = int(sample.routed_experts.shape[0])
             rows.append((problem, text, sample.reward, extra))
         one_version = self.cfg.check_weight_version and self.cfg.update_mode == "drain"  # else spans syncs
         batch = RolloutBatch.from_samples(
