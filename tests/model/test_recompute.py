@@ -1,7 +1,7 @@
 """Activation recompute: selective recompute (megatron's `recompute_modules`) and full recompute give
-the gradients of no recompute, and each reruns what it says in the backward: selective reruns the
-core attention but not the router (nor the MoE dispatch behind it), full reruns every layer's
-router too. (layernorm and moe_act need TransformerEngine: refused here, run on GPU nodes.)"""
+the gradients of no recompute, and each reruns what it says in the backward: selective core_attn
+reruns the core attention but not the router (nor the MoE dispatch behind it), selective moe the
+router but not the attention, full reruns both. (layernorm and moe_act need TransformerEngine: refused here, run on GPU nodes.)"""
 
 import dataclasses
 
@@ -47,17 +47,22 @@ def gradients_and_runs(engine: EngineConfig, weights) -> tuple[dict[str, torch.T
 def test_selective_and_full_recompute_give_the_gradients_of_none(weights):
     plain, plain_runs = gradients_and_runs(EngineConfig(), weights)
     selective, selective_runs = gradients_and_runs(SELECTIVE, weights)
+    moe, moe_runs = gradients_and_runs(
+        EngineConfig(recompute_granularity="selective", recompute_modules=["moe"]), weights
+    )
     full, full_runs = gradients_and_runs(EngineConfig(recompute_granularity="full"), weights)
     layers = MODEL.num_layers
     assert plain_runs == {"core_attention": layers, "pre_mlp_layernorm": layers, "router": layers}
     # Selective: the core attention rebuilt in the backward, the router (MoE) not.
     assert selective_runs == {"core_attention": 2 * layers, "pre_mlp_layernorm": layers, "router": layers}
+    assert moe_runs == {"core_attention": layers, "pre_mlp_layernorm": layers, "router": 2 * layers}
     assert full_runs == {"core_attention": 2 * layers, "pre_mlp_layernorm": 2 * layers, "router": 2 * layers}
-    assert plain.keys() == selective.keys() == full.keys()
+    assert plain.keys() == selective.keys() == moe.keys() == full.keys()
     for name, grad in plain.items():
         assert grad.abs().max() > 0, name
         # The same kernels run again on the same inputs: the same gradients, bit for bit on CPU.
         torch.testing.assert_close(selective[name], grad, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(moe[name], grad, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(full[name], grad, rtol=0, atol=0, msg=name)
 
 
