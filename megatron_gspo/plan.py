@@ -475,7 +475,8 @@ def run_plan(args: argparse.Namespace) -> int:
     print(
         f"DOES NOT FIT: {over / GIB:.1f} GiB over the {args.gpu_memory_gb:g} GiB GPU; raise "
         "expert_parallel / tensor_parallel / pipeline_parallel, use the distributed optimizer, set "
-        "engine.recompute_granularity (selective modules, or full) or lower trainer.micro_batch_size / trainer.max_tokens_per_micro_batch"
+        "engine.recompute_granularity (selective modules, or full) or lower trainer.micro_batch_size / "
+        "trainer.max_tokens_per_micro_batch"
     )
     return 1
 

@@ -1,7 +1,8 @@
 """Activation recompute: selective recompute (megatron's `recompute_modules`) and full recompute give
 the gradients of no recompute, and each reruns what it says in the backward: selective core_attn
 reruns the core attention but not the router (nor the MoE dispatch behind it), selective moe the
-router but not the attention, full reruns both. (layernorm and moe_act need TransformerEngine: refused here, run on GPU nodes.)"""
+router but not the attention, full reruns both. (layernorm and moe_act need TransformerEngine:
+refused here; tests/gpu runs them.)"""
 
 import dataclasses
 
