@@ -4,12 +4,14 @@ Validates the config for a world size exactly as `train` would, then prints how 
 policy is sharded and a per-GPU memory estimate: model states (weights, fp32 grad buffers,
 optimizer states; with the KL loss the frozen reference's weights, unless offloaded) and the
 activations of one micro-batch (logits and the fp32 chunks the log-prob and entropy passes
-work in, the tensors each layer keeps for backward, with or without activation recompute), so
-a layout for H100 nodes can be checked on a laptop or in CI. A layout whose estimate plus a
-reserve (CUDA context, NCCL buffers, allocator fragmentation) exceeds the GPU memory is refused.
-It also prints the bytes each weight sync sends to a rollout server (FP8 with rollout.quantization)
-and the host memory a checkpoint save needs per rank and per node, routine and reshardable
-(`plan_checkpoint`).
+work in, the tensors each layer keeps for backward, under no, selective or full activation
+recompute), so a layout for H100 nodes can be checked on a laptop or in CI. A layout whose
+estimate plus a reserve (CUDA context, NCCL buffers, allocator fragmentation) exceeds the GPU
+memory is refused. Rank 0 has a second phase: the weight sync's buckets on its model states once
+the step's activations are freed; the larger of the two decides. Communication overlap works in
+megatron's own buffers (+0). It also prints the bytes each weight sync sends to a rollout server
+(FP8 with rollout.quantization) and the host memory a checkpoint save needs per rank and per node,
+routine and reshardable (`plan_checkpoint`).
 The KV cache of colocated rollout engines is not included (rollouts run on other nodes).
 
 Under pipeline parallelism every stage is estimated on its own: its share of the layers,
@@ -127,8 +129,10 @@ class ActivationPlan:
         layer_bytes: tensors one transformer layer keeps for backward, for all tokens.
         stored_bytes: what the stage's layers hold at once, for `in_flight` micro-batches:
             every layer's `layer_bytes` without recompute; with full recompute, each layer's
-            input, plus one layer rebuilt.
-        recompute: whether activation recompute is on.
+            input, plus one layer rebuilt; with selective recompute, every layer's `layer_bytes`
+            less what its recomputed modules discard (`layer_bytes` is then that smaller figure),
+            plus one MoE block rebuilt when `moe` is among them.
+        recompute: "full", "selective: <modules>" or "off".
         in_flight: micro-batches whose activations the stage holds at once (1F1B: PP - stage).
     """
 
@@ -136,7 +140,7 @@ class ActivationPlan:
     logits_bytes: int
     layer_bytes: int
     stored_bytes: int
-    recompute: bool
+    recompute: str
     in_flight: int = 1
 
     @property
@@ -145,7 +149,9 @@ class ActivationPlan:
         return self.logits_bytes + self.stored_bytes
 
 
-def layer_elements_per_token(model, parallel, *, flash_attention: bool, seq_len: int) -> tuple[float, float]:
+def layer_elements_per_token(
+    model, parallel, *, flash_attention: bool, seq_len: int, recompute_modules=()
+) -> tuple[float, float]:
     """Elements one layer keeps for backward per token of the micro-batch, on one rank.
 
     Counted from the layer's data path (bf16/fp32 compute dtype unless noted), sharded over TP
@@ -156,6 +162,11 @@ def layer_elements_per_token(model, parallel, *, flash_attention: bool, seq_len:
     output, and per routed token (top-k of them, balanced routing assumed) the expert input,
     fc1's 2F output, the SwiGLU output and fc2's output; expert TP gathers its group's tokens.
 
+    Selective recompute (`recompute_modules`) discards what each module rebuilds in the backward:
+    core_attn the local attention's scores and softmax (flash attention keeps none), layernorm
+    the pre-MLP norm's output (the router's input), moe_act the SwiGLU outputs, moe the whole MoE
+    block but its input (router logits included).
+
     Returns:
         (compute-dtype elements, fp32 elements: router logits and probabilities).
     """
@@ -163,9 +174,12 @@ def layer_elements_per_token(model, parallel, *, flash_attention: bool, seq_len:
     nq, nkv = model.num_attention_heads, model.num_query_groups
     tp, etp = parallel.tensor_parallel, parallel.expert_tp
     attention = 2 * h + (nq + 2 * nkv) * d + (nq + nkv) * d + nq * d
-    if not flash_attention:
+    if not flash_attention and "core_attn" not in recompute_modules:
         attention += 2 * nq * seq_len
     moe = 3 * h + model.moe_topk * (2 * h * etp + 3 * f)
+    moe -= h * ("layernorm" in recompute_modules) + model.moe_topk * f * ("moe_act" in recompute_modules)
+    if "moe" in recompute_modules:
+        return (attention + h) / tp, 0.0
     return (attention + moe) / tp, 2 * model.num_experts / tp
 
 
@@ -192,15 +206,19 @@ def activation_plan(
 
         chunk = min(tokens, chunk_rows(tokens, vocab_local, size)) * vocab_local * 4
         logits = tokens * vocab_local * size + 2 * chunk
-    elements, fp32 = layer_elements_per_token(
-        model, parallel, flash_attention=flash_attention, seq_len=seq_len
-    )
+    modules = engine.selective_modules
+    shape = dict(flash_attention=flash_attention, seq_len=seq_len)
+    elements, fp32 = layer_elements_per_token(model, parallel, **shape, recompute_modules=modules)
     layer = int(tokens * (elements * size + fp32 * 4))
-    if engine.recompute_activations:  # megatron full/uniform/1: each layer's [tokens / TP, H] input kept
+    recompute = {"full": "full", "selective": f"selective: {', '.join(modules)}"}.get(engine.recompute, "off")
+    if engine.recompute == "full":  # megatron full/uniform/1: each layer's [tokens / TP, H] input kept
         stored = in_flight * stage.layers * tokens * model.hidden_size // tp * size + layer
     else:
         stored = in_flight * stage.layers * layer
-    return ActivationPlan(tokens, logits, layer, stored, engine.recompute_activations, in_flight)
+    if "moe" in modules:  # one layer's MoE block rebuilt at a time in the backward
+        whole, whole_fp32 = layer_elements_per_token(model, parallel, **shape)
+        stored += int(tokens * ((whole - elements) * size + whole_fp32 * 4))
+    return ActivationPlan(tokens, logits, layer, stored, recompute, in_flight)
 
 
 def micro_batch_shape(cfg, task, world_size: int) -> tuple[int, int, str]:
@@ -276,6 +294,7 @@ class StagePlan:
     states: ShardPlan
     activation: ActivationPlan
     activation_no_recompute: ActivationPlan
+    activation_full_recompute: ActivationPlan
 
     @property
     def total_bytes(self) -> int:
@@ -297,7 +316,9 @@ def with_reference(plan: ShardPlan, cfg) -> ShardPlan:
 def stage_plans(cfg, model, world_size: int, *, tokens: int, seq_len: int) -> list[StagePlan]:
     """Every pipeline stage's estimate (one entry without pipeline parallelism)."""
     flash = cfg.engine.use_te is not False  # the TE spec's fused attention on a GPU node
-    no_recompute = dataclasses.replace(cfg.engine, recompute_activations=False)
+    off = dict(recompute_activations=False, recompute_modules=None)
+    no_recompute = dataclasses.replace(cfg.engine, **off, recompute_granularity=None)
+    full = dataclasses.replace(cfg.engine, **off, recompute_granularity="full")
     plans = []
     for stage in pipeline_stages(model.num_layers, cfg.parallel):
         kwargs = dict(tokens=tokens, seq_len=seq_len, flash_attention=flash, stage=stage)
@@ -307,6 +328,7 @@ def stage_plans(cfg, model, world_size: int, *, tokens: int, seq_len: int) -> li
                 with_reference(shard_plan(model, cfg.parallel, cfg.engine, world_size, stage), cfg),
                 activation_plan(model, cfg.parallel, cfg.engine, **kwargs),
                 activation_plan(model, cfg.parallel, no_recompute, **kwargs),
+                activation_plan(model, cfg.parallel, full, **kwargs),
             )
         )
     return plans
@@ -334,6 +356,30 @@ def sync_bytes(model, dtype_size: int, quantization: str = "none") -> int:
         layer = (sum(r * c for r, c in projections) + kept) * dtype_size
     ends = (model.vocab_size * h * (1 if model.tie_word_embeddings else 2) + h) * dtype_size
     return model.num_layers * layer + ends
+
+
+def sync_sender_bytes(model, parallel, engine, weight_sync) -> int:
+    """Device memory the weight sync's sender (global rank 0) holds beyond its model states.
+
+    `model/hf_stream.py`: the bucket being filled, the flattened copy of the one being sent, and
+    one gathered global tensor in flight, at most the (TP-padded) embedding or output layer. The
+    train step's activations are gone by then, so this is a phase of its own on rank 0's stage.
+    """
+    size = 2 if engine.dtype == "bf16" else 4
+    largest = parallel.padded_vocab_size(model.vocab_size) * model.hidden_size * size
+    return 2 * int(weight_sync.bucket_mb * 2**20) + largest
+
+
+def overlap_text(parallel, dp: int) -> str:
+    """What megatron's communication overlap costs in memory (nothing: it works in its buffers)."""
+    if not parallel.overlap_grad_reduce:
+        return "communication overlap: off (parallel.overlap_grad_reduce, overlap_param_gather)"
+    bucket = max(40_000_000, 1_000_000 * dp)  # megatron DDP's default bucket_size
+    gather = " and parameter all-gather (under the next forward)" if parallel.overlap_param_gather else ""
+    return (
+        f"communication overlap: gradient reduction (under the backward){gather} in buckets of "
+        f"{bucket / 1e6:.0f}M parameters, in place in megatron's grad / param buffers (counted above): +0 GiB"
+    )
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -383,15 +429,16 @@ def run_plan(args: argparse.Namespace) -> int:
         else:
             where_ref = "on the GPU (included above; model.ref_offload=true moves it to host memory)"
         print(f"reference model (KL loss): {cfg.engine.dtype} weights {ref:.1f} GiB per rank, {where_ref}")
-    recompute = "on" if act.recompute else "off"
+    full = worst.activation_full_recompute
     print(
         f"activation: micro-batch {cut}; logits "
         f"{act.logits_bytes / GIB:.1f} GiB ({cfg.engine.dtype} [tokens, vocab/TP] + two fp32 chunks), "
-        f"layers {act.stored_bytes / GIB:.1f} GiB with recompute {recompute} "
-        f"(recompute off: {no_recompute.stored_bytes / GIB:.1f} GiB; "
-        f"one layer {act.layer_bytes / GIB:.2f} GiB) "
+        f"layers {act.stored_bytes / GIB:.1f} GiB with recompute {act.recompute} "
+        f"(recompute off: {no_recompute.stored_bytes / GIB:.1f} GiB; full: "
+        f"{full.stored_bytes / GIB:.1f} GiB; one layer {act.layer_bytes / GIB:.2f} GiB) "
         f"= {act.total_bytes / GIB:.1f} GiB"
     )
+    print(overlap_text(p, p.check_world_size(args.world_size)))
     dtype_size = 2 if cfg.engine.dtype == "bf16" else 4
     sent = sync_bytes(model, dtype_size, cfg.rollout.quantization)
     unquantised = sync_bytes(model, dtype_size)
@@ -404,20 +451,32 @@ def run_plan(args: argparse.Namespace) -> int:
             else ""
         )
     )
+    sender = sync_sender_bytes(model, p, cfg.engine, cfg.weight_sync)
+    rank0 = stages[0].states.total_bytes + sender
+    print(
+        f"weight sync, rank 0: {sender / GIB:.1f} GiB of buffers (2 x weight_sync.bucket_mb="
+        f"{cfg.weight_sync.bucket_mb:g} + the largest tensor) on its "
+        f"{stages[0].states.total_bytes / GIB:.1f} GiB of model states = {rank0 / GIB:.1f} GiB, "
+        "after the step's activations are freed"
+    )
     print_save_host_memory(stages, cfg, args.world_size, args.gpus_per_node)
-    need = plan.total_bytes + act.total_bytes + args.reserve_gb * GIB
+    train = plan.total_bytes + act.total_bytes
+    need = max(train, rank0) + args.reserve_gb * GIB
     over = need - args.gpu_memory_gb * GIB
+    sync_peak = f"; rank 0's weight sync + reserve {need / GIB:.1f} GiB" if rank0 > train else ""
     print(
         f"per GPU: {plan.total_bytes / GIB:.1f} model states + {act.total_bytes / GIB:.1f} activation + "
-        f"{args.reserve_gb:g} reserve = {need / GIB:.1f} GiB of {args.gpu_memory_gb:g} GiB"
+        f"{args.reserve_gb:g} reserve = {(train + args.reserve_gb * GIB) / GIB:.1f} GiB{sync_peak} "
+        f"of {args.gpu_memory_gb:g} GiB"
     )
     if over <= 0:
         print(f"fits ({-over / GIB:.1f} GiB to spare)")
         return 0
     print(
         f"DOES NOT FIT: {over / GIB:.1f} GiB over the {args.gpu_memory_gb:g} GiB GPU; raise "
-        "expert_parallel / tensor_parallel / pipeline_parallel, use the distributed optimizer, turn on "
-        "engine.recompute_activations or lower trainer.micro_batch_size / trainer.max_tokens_per_micro_batch"
+        "expert_parallel / tensor_parallel / pipeline_parallel, use the distributed optimizer, set "
+        "engine.recompute_granularity (selective modules, or full) or lower trainer.micro_batch_size / "
+        "trainer.max_tokens_per_micro_batch"
     )
     return 1
 

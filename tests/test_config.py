@@ -49,6 +49,17 @@ def test_dotlist_overrides_are_typed():
         (["optim.lr=-1"], "lr > 0"),
         (["parallel.token_dispatcher=flex"], "config key 'token_dispatcher' in section 'parallel'"),
         (["rollout.dtype=fp16"], "config key 'dtype' in section 'rollout'"),
+        (["parallel.overlap_param_gather=true"], "overlap_param_gather needs parallel.distributed_optimizer"),
+        (
+            ["parallel.overlap_param_gather=true", "parallel.distributed_optimizer=true"],
+            "parallel.overlap_param_gather needs parallel.overlap_grad_reduce=true",
+        ),
+        (["parallel.align_param_gather=true"], "align_param_gather=true applies to overlap_param_gather"),
+        (["engine.recompute_modules=[core_attn]"], "apply to recompute_granularity=selective only"),
+        (
+            ["engine.recompute_granularity=selective", "engine.recompute_modules=[attn]"],
+            "engine.recompute_modules: ['attn'] is not a part of a Qwen3-MoE layer",
+        ),
     ],
 )
 def test_load_errors_name_the_key(overrides, message):

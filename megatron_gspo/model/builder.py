@@ -57,11 +57,11 @@ def transformer_config(
     # Megatron refuses that combination up front (for the zero router gradient); it is
     # validated as pre-softmax and switched to what the checkpoint computes afterwards.
     top1_renormalised = model.moe_topk == 1 and model.norm_topk_prob
-    recompute = (
-        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        if engine.recompute_activations
-        else {}
-    )
+    recompute = {}
+    if engine.recompute == "full":
+        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif engine.recompute == "selective":  # all layers, these parts only (no method / layer count)
+        recompute = dict(recompute_granularity="selective", recompute_modules=engine.selective_modules)
     flags = fused_flags(engine, available)
     if model.rope_type == "yarn":
         flags["apply_rope_fusion"] = False  # TE's fused RoPE refuses YaRN's mscale != 1

@@ -73,6 +73,18 @@ class ParallelConfig:
     """MoE token dispatcher. `flex` (DeepEP) is GPU-only and not offered here."""
     distributed_optimizer: bool = False
     """Shard optimizer states across data-parallel ranks (ZeRO-1)."""
+    overlap_grad_reduce: bool = False
+    """Reduce each gradient bucket (all-reduce, or reduce-scatter with the distributed optimizer)
+    as soon as the last micro-batch's backward fills it, under the rest of the backward (megatron's
+    `--overlap-grad-reduce`)."""
+    overlap_param_gather: bool = False
+    """All-gather the updated parameters bucket by bucket under the next forward, not at the end of
+    the optimizer step (megatron's `--overlap-param-gather`); needs distributed_optimizer and
+    overlap_grad_reduce. Weight sync, export and checkpoints gather whatever is still pending first."""
+    align_param_gather: bool | None = None
+    """Under a virtual pipeline, start every chunk's parameter all-gather from the schedule, on all
+    pipeline stages at once (megatron's `--align-param-gather`); null: on with overlap_param_gather
+    and virtual_pipeline."""
     make_vocab_size_divisible_by: int = 1
     """The vocabulary is padded to a multiple of this x tensor_parallel, as megatron's
     `--make-vocab-size-divisible-by` (megatron-LM's default: 128). Padded rows are never sampled
@@ -111,6 +123,7 @@ class ParallelConfig:
                 f"parallel.context_parallel={self.context_parallel} with pipeline_parallel="
                 f"{self.pipeline_parallel}: context parallelism is supported without pipeline stages only"
             )
+        self._check_overlap()
         if self.sequence_parallel is False and self.tensor_parallel > 1:
             raise ValueError(
                 "MoE training with tensor_parallel > 1 requires sequence_parallel (megatron-core)"
@@ -123,6 +136,30 @@ class ParallelConfig:
                 "megatron-core's allgather dispatcher does not support the variable sequence lengths "
                 "pipeline stages exchange; use parallel.token_dispatcher=alltoall"
             )
+
+    def _check_overlap(self) -> None:
+        """Megatron's own constraints on communication overlap (its `validate_args`), by name."""
+        if self.overlap_param_gather and not self.distributed_optimizer:
+            raise ValueError(
+                "parallel.overlap_param_gather needs parallel.distributed_optimizer=true (only the "
+                "distributed optimizer leaves parameters to gather)"
+            )
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise ValueError(
+                "parallel.overlap_param_gather needs parallel.overlap_grad_reduce=true (as in megatron)"
+            )
+        if self.align_param_gather and not (self.overlap_param_gather and self.virtual_pipeline):
+            raise ValueError(
+                "parallel.align_param_gather=true applies to overlap_param_gather under a virtual pipeline "
+                "(parallel.virtual_pipeline); set it to null"
+            )
+
+    @property
+    def aligned_param_gather(self) -> bool:
+        """`align_param_gather`, resolved (on with overlap_param_gather under a virtual pipeline)."""
+        if self.align_param_gather is not None:
+            return self.align_param_gather
+        return self.overlap_param_gather and self.virtual_pipeline is not None
 
     def padded_vocab_size(self, vocab_size: int) -> int:
         """`vocab_size` rounded up to a multiple of make_vocab_size_divisible_by x tensor_parallel."""

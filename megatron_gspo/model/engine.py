@@ -121,6 +121,11 @@ def fused_flags(engine: EngineConfig, available: KernelAvailability) -> dict[str
     }
 
 
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "moe")
+"""Selective recompute's modules that exist in a Qwen3-MoE layer (megatron-core 0.16 and 0.19 both
+accept them; its mlp, shared_experts, mla_up_proj and gdn_norm_out have nothing to rebuild here)."""
+
+
 @dataclass
 class EngineConfig:
     """Numerics and kernels: the part that differs between a CPU box and an H100 node."""
@@ -132,7 +137,15 @@ class EngineConfig:
     fused_kernels: bool | None = None
     """Fused kernels (grouped GEMM, permute, RoPE, SwiGLU...; see `fused_flags`); default: as use_te."""
     recompute_activations: bool = False
-    """Full activation recomputation of every layer (saves memory on large models)."""
+    """Full recompute of every layer: the older spelling of recompute_granularity=full."""
+    recompute_granularity: str | None = None
+    """Megatron's activation recompute: full (every layer rebuilt from its input in the backward,
+    MoE all-to-all included), selective (only `recompute_modules`), or null (off)."""
+    recompute_modules: list[str] | None = None
+    """Selective recompute's parts of every layer (megatron's names; null: ["core_attn"], its
+    default): core_attn (local attention's score matrix; TE's fused attention keeps none),
+    layernorm (the norms' outputs), moe_act (the experts' SwiGLU output; grouped GEMM only),
+    moe (the whole MoE block: reruns its all-to-all, as full recompute does)."""
     router_fusion: bool = False
     """Fused router top-k (GPU). It bypasses megatron's routing replay, so replay refuses it."""
 
@@ -143,6 +156,46 @@ class EngineConfig:
             raise ValueError("engine.fused_kernels needs the TransformerEngine spec (use_te)")
         if self.router_fusion and self.use_te is False:
             raise ValueError("engine.router_fusion needs TransformerEngine (use_te)")
+        self._check_recompute()
+
+    def _check_recompute(self) -> None:
+        granularity, modules = self.recompute_granularity, self.recompute_modules
+        if granularity not in (None, "full", "selective"):
+            raise ValueError(
+                f"engine.recompute_granularity must be full, selective or null, got {granularity!r}"
+            )
+        if self.recompute_activations and granularity == "selective":
+            raise ValueError(
+                "engine.recompute_activations=true is full recompute; with recompute_granularity="
+                "selective set recompute_activations=false"
+            )
+        if modules is not None and granularity != "selective":
+            raise ValueError(
+                f"engine.recompute_modules={modules} apply to recompute_granularity=selective only "
+                f"(it is {granularity})"
+            )
+        if modules is not None and not modules:
+            raise ValueError(
+                "engine.recompute_modules=[] recomputes nothing; list some or set recompute_granularity=null"
+            )
+        unknown = sorted(set(modules or ()) - set(RECOMPUTE_MODULES))
+        if unknown:
+            raise ValueError(
+                f"engine.recompute_modules: {unknown} is not a part of a Qwen3-MoE layer megatron "
+                f"recomputes; choose from {list(RECOMPUTE_MODULES)}"
+            )
+
+    @property
+    def recompute(self) -> str | None:
+        """The recompute granularity megatron runs: full, selective or None."""
+        return "full" if self.recompute_activations else self.recompute_granularity
+
+    @property
+    def selective_modules(self) -> list[str]:
+        """The modules selective recompute rebuilds (megatron's default when unset); [] otherwise."""
+        if self.recompute != "selective":
+            return []
+        return list(self.recompute_modules or ["core_attn"])
 
     def check_hardware(self, available: KernelAvailability | None = None) -> None:
         """Refuse settings this machine cannot run (called when a model is built).
@@ -153,7 +206,21 @@ class EngineConfig:
             available: the machine's kernels; default `KernelAvailability.detect()`.
         """
         available = available or KernelAvailability.detect()
-        fused_flags(self, available)  # raises for use_te / fused kernels / router fusion it cannot run
+        flags = fused_flags(self, available)  # raises for use_te / fused kernels / router fusion unavailable
+        # megatron's output-discarding checkpoint (layernorm, moe_act) reads TE's FP8 state even
+        # without FP8 (`CheckpointWithoutOutput(fp8=False).fp8` is True, 0.16.1 and 0.19.2).
+        needs_te = sorted({"layernorm", "moe_act"} & set(self.selective_modules))
+        if needs_te and not available.te:
+            raise ValueError(
+                f"engine.recompute_modules has {needs_te}: megatron recomputes them through "
+                "TransformerEngine, which does not import here; drop them (core_attn and moe need no TE)"
+            )
+        if "moe_act" in self.selective_modules and not flags["moe_grouped_gemm"]:
+            raise ValueError(
+                "engine.recompute_modules has moe_act, which megatron recomputes in grouped-GEMM experts "
+                "only (engine.fused_kernels with the TransformerEngine spec: CUDA + transformer_engine); "
+                "drop moe_act"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -56,11 +56,22 @@ class OptimConfig:
             )
 
 
-def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool = False) -> torch.nn.Module:
+def wrap_ddp(
+    model: torch.nn.Module,
+    *,
+    distributed_optimizer: bool = False,
+    overlap_grad_reduce: bool = False,
+    overlap_param_gather: bool = False,
+    align_param_gather: bool = False,
+) -> torch.nn.Module:
     """Wrap a megatron GPTModel in megatron's DistributedDataParallel (fp32 grad buffers).
 
     Virtual-pipeline chunks are wrapped one by one (`ModelChunks` of DDPs), the later ones
-    unbucketed as megatron's `get_model` does.
+    unbucketed as megatron's `get_model` does. With overlap the schedule gets the hooks megatron's
+    training loop gives it (`training.py`): `no_sync` around every micro-batch but the last (a
+    bucket is reduced once, when the last one's backward fills it), each chunk's grad reduction
+    started by the schedule under a pipeline, and with `align_param_gather` each chunk's parameter
+    all-gather too. `ddp_options(parallel)` gives the keywords of a `ParallelConfig`.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -68,30 +79,88 @@ def wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool = False) -> 
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+        align_param_gather=align_param_gather,
         use_distributed_optimizer=distributed_optimizer,
         check_for_nan_in_grad=False,  # non-finite steps are detected and skipped by the caller
     )
     if isinstance(model, ModelChunks):
-        return ModelChunks(
+        wrapped = ModelChunks(
             DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=i > 0)
             for i, chunk in enumerate(model)
         )
-    return DistributedDataParallel(model.config, ddp_config, model)
+    else:
+        wrapped = DistributedDataParallel(model.config, ddp_config, model)
+    chunks = model_chunks(wrapped)
+    config = chunks[0].config  # one TransformerConfig shared by every chunk
+
+    def per_chunk(method: str):
+        funcs = [getattr(chunk, method) for chunk in chunks]
+        return funcs[0] if len(funcs) == 1 else funcs
+
+    if overlap_grad_reduce:
+        config.no_sync_func = per_chunk("no_sync")
+        if config.pipeline_model_parallel_size > 1:  # megatron's align_grad_reduce (its default)
+            config.grad_sync_func = per_chunk("start_grad_sync")
+    if overlap_param_gather and align_param_gather:
+        config.param_sync_func = per_chunk("start_param_sync")
+    return wrapped
+
+
+def ddp_options(parallel) -> dict[str, bool]:
+    """`wrap_ddp`'s keywords for a `ParallelConfig` (distributed optimizer, communication overlap)."""
+    return dict(
+        distributed_optimizer=parallel.distributed_optimizer,
+        overlap_grad_reduce=parallel.overlap_grad_reduce,
+        overlap_param_gather=parallel.overlap_param_gather,
+        align_param_gather=parallel.aligned_param_gather,
+    )
+
+
+def gather_params(ddp_model: torch.nn.Module) -> None:
+    """Make every rank's parameters whole before they are read outside a forward (collective).
+
+    With `overlap_param_gather` an optimizer step leaves each rank with its own shard updated and
+    the all-gather to the next forward's pre-hooks, so weight sync, export and checkpoints would
+    read the weights before the step elsewhere. Finishes each bucket's gather (waits for one in
+    flight, runs one not started); nothing when none is pending or without the overlap, so the
+    forward pre-hooks then find every bucket done.
+    """
+    for chunk in model_chunks(ddp_model):
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is None or not ddp_config.overlap_param_gather:
+            continue
+        for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+            if not group.param_gather_dispatched or group.param_gather_handle is not None:
+                group.start_param_sync(force_sync=True)
 
 
 def build_optimizer(
     ddp_model: torch.nn.Module,
     cfg: OptimConfig,
     *,
-    distributed_optimizer: bool = False,
+    distributed_optimizer: bool | None = None,
     total_steps: int = 1,
 ):
-    """`get_megatron_optimizer` + `OptimizerParamScheduler` for a DDP-wrapped model."""
+    """`get_megatron_optimizer` + `OptimizerParamScheduler` for a DDP-wrapped model.
+
+    `distributed_optimizer`: None takes the DDP wrapper's (its gradient buffers are reduce-scattered
+    for a distributed optimizer, so another kind would step on unreduced shards); another value
+    than the wrapper's is refused.
+    """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     config = ddp_model.config
+    wrapped = model_chunks(ddp_model)[0].ddp_config.use_distributed_optimizer
+    if distributed_optimizer is None:
+        distributed_optimizer = wrapped
+    elif distributed_optimizer != wrapped:
+        raise ValueError(
+            f"build_optimizer(distributed_optimizer={distributed_optimizer}) on a DDP model wrapped with "
+            f"distributed_optimizer={wrapped}: its gradients are reduced for the other kind"
+        )
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer=cfg.optimizer,

@@ -159,7 +159,10 @@ class RoutingReplay:
         """Global 1-based layer number of each local MoE layer (megatron's, pipeline offset included)."""
         self.num_experts: int = config.num_moe_experts
         self.topk: int = config.moe_router_topk
-        self.recompute: bool = config.recompute_granularity is not None
+        # Whether the backward runs the routers again: full recompute, or selective with the MoE block.
+        self.recompute: bool = config.recompute_granularity == "full" or (
+            config.recompute_granularity == "selective" and "moe" in config.recompute_modules
+        )
         self._closed = False
         self._busy = False
 

@@ -28,7 +28,14 @@ import torch.distributed as dist
 from megatron_gspo.config import SFTConfig
 from megatron_gspo.model.distributed import compute_device
 from megatron_gspo.model.generate import greedy_generate
-from megatron_gspo.model.optim import OptimConfig, build_optimizer, dp_loss_scale, optimizer_step, zero_grads
+from megatron_gspo.model.optim import (
+    OptimConfig,
+    build_optimizer,
+    dp_loss_scale,
+    gather_params,
+    optimizer_step,
+    zero_grads,
+)
 from megatron_gspo.model.pipeline import run_micro_batches, share_from_last_stage
 from megatron_gspo.tasks import Problem, PromptStream, Task, sft_batches
 from megatron_gspo.tasks.tokenizer import encode_prompt, encode_text, problem_prompt_ids
@@ -151,6 +158,7 @@ def run_sft(
         )  # fmt: skip
         if reached:
             break
+    gather_params(model)  # whole weights for the export / sync that follows the cold start
     if out.get("sft/hit_cap"):
         logger.warning(
             "SFT hit its cap sft.steps=%d at held-out accuracy %.3f (mean of the last checks %.3f), "

@@ -61,7 +61,7 @@ from megatron_gspo.model.convert import ConversionError, load_hf_checkpoint
 from megatron_gspo.model.distributed import compute_device, destroy_distributed, init_distributed
 from megatron_gspo.model.hf_checkpoint import ExportTargetError, check_export_target
 from megatron_gspo.model.hf_export import export_hf_checkpoint
-from megatron_gspo.model.optim import build_optimizer, wrap_ddp
+from megatron_gspo.model.optim import build_optimizer, ddp_options, wrap_ddp
 from megatron_gspo.model.packing import packing_layout
 from megatron_gspo.rollout import RolloutBatch
 from megatron_gspo.tasks import PromptStream, evaluate_accuracy
@@ -148,7 +148,7 @@ class Trainer:
                 load_hf_checkpoint(model, cfg.model.hf_path, self.model_cfg)
             except ConversionError as err:  # the user's checkpoint: a named tensor, one line
                 raise ConfigError(f"model.hf_path: {err}") from None
-        self.model = wrap_ddp(model, distributed_optimizer=cfg.parallel.distributed_optimizer)
+        self.model = wrap_ddp(model, **ddp_options(cfg.parallel))
         sp_tp = cfg.parallel.tensor_parallel if cfg.parallel.use_sequence_parallel else 1
         from megatron.core import parallel_state as ps
 

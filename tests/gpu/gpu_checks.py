@@ -200,6 +200,44 @@ def check_build(model_cfg, engine, *, expect_te: bool) -> str:
     return f"{n_params} params, {experts}, layout {layout}, {engine.dtype} on {device}, grad norm {norm:.3g}"
 
 
+def check_selective_recompute_grads(model_cfg, engine) -> str:
+    """The GPU configs' selective recompute (TE: moe_act, layernorm) gives the gradients of none.
+
+    TE's fused-attention backward may accumulate in another order run to run, so the bound is twice
+    what two runs without recompute differ by (plus 1e-6 of the largest gradient).
+    """
+    import dataclasses
+
+    from megatron_gspo.model.logprobs import sequence_logprobs
+    from megatron_gspo.model.optim import wrap_ddp
+
+    world_of_one()
+    weights = None
+    samples = random_samples(model_cfg.vocab_size, [17, 40, 9, 64, 33])
+
+    def grads(recompute: dict) -> torch.Tensor:
+        nonlocal weights
+        model = build(model_cfg, dataclasses.replace(engine, **recompute))
+        if weights is None:
+            weights = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+        model.load_state_dict(weights, strict=False)
+        ddp = wrap_ddp(model)
+        ddp.zero_grad_buffer()
+        sequence_logprobs(ddp, samples)[0].sum().backward()
+        return torch.cat([p.main_grad.flatten().float() for p in ddp.parameters() if p.requires_grad])
+
+    plain, again = grads({}), grads({})
+    selective = grads(dict(recompute_granularity="selective", recompute_modules=["moe_act", "layernorm"]))
+    scale = plain.abs().max().item()
+    noise = (again - plain).abs().max().item()
+    diff = (selective - plain).abs().max().item()
+    assert scale > 0 and diff <= 2 * noise + 1e-6 * scale, (diff, noise, scale)
+    return (
+        f"selective [moe_act, layernorm] vs none: max|d grad| {diff:.3g} "
+        f"(run-to-run {noise:.3g}, max {scale:.3g})"
+    )
+
+
 def per_row_logprobs(model, samples: list[torch.Tensor], *, te: bool) -> torch.Tensor:
     """Reference: each sample alone in a [1, n] row, the model's own causal attention, [B, T] fp32.
 

@@ -65,6 +65,11 @@ def test_thd_packed_equals_per_row_te(name, record_property):
     record_property("figure", figure)
 
 
+@needs_te
+def test_selective_recompute_gives_the_gradients_of_none_te(record_property):
+    record_property("figure", checks.check_selective_recompute_grads(checks.tiny_model(), TE))
+
+
 def test_hf_roundtrip_local_spec(tmp_path, record_property):
     record_property("figure", checks.check_hf_roundtrip(tmp_path, checks.tiny_model(), LOCAL, te=False))
 

@@ -1,5 +1,5 @@
 """The same short run under torchrun with EP2 (two gloo workers), micro-batches by count or by a
-token budget, matches a world of one."""
+token budget, with or without megatron's communication overlap, matches a world of one."""
 
 import os
 import subprocess
@@ -40,7 +40,12 @@ def test_ep2_run_matches_world_of_one(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(CONFIG.format(hf=hf))
     single = run(config, tmp_path / "world1")
-    ep2 = run(config, tmp_path / "ep2", "parallel.expert_parallel=2", "--nproc", "2")
+    # Megatron's communication overlap (dense gradients reduce-scattered under the backward, the
+    # updated shards all-gathered under the next forward): the same run, and the weights each
+    # sync sends are the stepped ones (the step-2 rollouts and their mismatch say so).
+    overlap = ["parallel.distributed_optimizer=true", "parallel.overlap_grad_reduce=true"]
+    overlap += ["parallel.overlap_param_gather=true"]
+    ep2 = run(config, tmp_path / "ep2", "parallel.expert_parallel=2", *overlap, "--nproc", "2")
     # Rows of 5..11 tokens under a 24-token budget: several micro-batches per rank, balanced by tokens.
     budget = run(
         config,

@@ -43,7 +43,7 @@ from megatron_gspo.config import AlgorithmConfig, policy_loss_options
 from megatron_gspo.model.aux_loss import AuxLossWeights, aux_loss_scale
 from megatron_gspo.model.distributed import all_reduce, compute_device
 from megatron_gspo.model.logprobs import is_last_stage
-from megatron_gspo.model.optim import dp_loss_scale, optimizer_step, zero_grads
+from megatron_gspo.model.optim import dp_loss_scale, gather_params, optimizer_step, zero_grads
 from megatron_gspo.model.pipeline import run_micro_batches, share_from_last_stage
 from megatron_gspo.rollout import RolloutBatch
 from megatron_gspo.training.step.forward import MicroBatch, pack_uniform
@@ -459,6 +459,7 @@ def train_on_batch(
             grad_norms.append(grad_norm)
         else:
             skipped += 1
+    gather_params(model)  # the step ends with whole weights: sync, export and save read them next
     out = {}
     if is_last_stage(model):  # losses, log-probs and pi_old live on the last pipeline stage
         out = _reduce_metrics(per_micro, len(passes), group)
