@@ -110,7 +110,8 @@ class RolloutConfig:
     since the other ranks wait for rank 0's batch on the control group, at least
     CONTROL_MARGIN_S below parallel.timeout_minutes (`validate` refuses it otherwise)."""
     server_start_timeout_s: float = 180.0
-    """How long to wait for the embedded server (or the given URLs) to become healthy."""
+    """How long to wait for the embedded server (or the given URLs) to become healthy; the given
+    URLs (or router_url) must first answer HTTP within it at start-up, before SFT."""
     server_threads: int = 1
     """torch threads of the embedded server."""
     dtype: Literal["fp32", "bf16"] = "fp32"
