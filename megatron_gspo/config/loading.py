@@ -53,6 +53,8 @@ def load_config(
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(str(err)) from None
+    if cfg.model.hf_path:  # the checkpoint decides the architecture: no preset to show as used
+        cfg.model.preset = None
     return cfg
 
 
@@ -106,6 +108,8 @@ def build_model_config(cfg: RunConfig) -> MoEModelConfig:
         raise ConfigError(
             f"model.overrides has unknown field(s) {unknown}; MoEModelConfig fields: {sorted(known)}"
         )
+    if cfg.model.preset is None:
+        raise ConfigError("model: set model.preset (tiny, qwen3_30b_a3b, qwen3_235b_a22b) or model.hf_path")
     try:
         return preset(cfg.model.preset, **cfg.model.overrides)
     except ValueError as err:

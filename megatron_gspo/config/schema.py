@@ -20,8 +20,9 @@ from megatron_gspo.model.optim import OptimConfig
 class ModelConfig:
     """Which policy to train: a preset architecture (random init) or a local HF checkpoint."""
 
-    preset: str = "tiny"
-    """Architecture preset (tiny, qwen3_30b_a3b, qwen3_235b_a22b) when hf_path is not set."""
+    preset: str | None = "tiny"
+    """Architecture preset (tiny, qwen3_30b_a3b, qwen3_235b_a22b) when hf_path is not set; null
+    once loaded with hf_path (the checkpoint's architecture is used, so config.yaml shows none)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """MoEModelConfig fields changed from the preset (e.g. vocab_size, hidden_size)."""
     hf_path: str | None = None
