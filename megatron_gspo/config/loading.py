@@ -116,6 +116,26 @@ def build_model_config(cfg: RunConfig) -> MoEModelConfig:
         raise ConfigError(f"model: {err}") from None
 
 
+def prompts_start_with_bos(cfg: RunConfig) -> bool:
+    """Whether the run puts a BOS before each prompt: `task.add_bos`, else whether its tokenizer has one.
+
+    Without `model.hf_path` the demo tasks' character tokenizer (it has one); Qwen tokenizers have
+    none. A tokenizer that cannot be read here counts one (training names it at start-up).
+    """
+    if cfg.task.add_bos is not None:
+        return cfg.task.add_bos
+    if not cfg.model.hf_path:
+        return True
+    from transformers import AutoTokenizer
+
+    from megatron_gspo.tasks.tokenizer import resolve_add_bos
+
+    try:
+        return resolve_add_bos(None, AutoTokenizer.from_pretrained(cfg.model.hf_path))
+    except (OSError, ValueError):
+        return True
+
+
 def build_task(cfg: RunConfig):
     """The configured task; raises `ConfigError` for an option the task does not take."""
     from megatron_gspo.tasks import get_task
