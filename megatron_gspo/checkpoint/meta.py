@@ -12,7 +12,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_gspo.checkpoint.files import CHECKSUM_ALGORITHM, file_checksum, meta_checksum
+from megatron_gspo.checkpoint.files import meta_checksum
+from megatron_gspo.checksums import CHECKSUM_ALGORITHM, file_checksum
 from megatron_gspo.errors import DiskFullError
 
 META_FILE = "meta.json"

@@ -26,7 +26,6 @@ from megatron_gspo.checkpoint.dist import (
     save_sharded,
 )
 from megatron_gspo.checkpoint.files import (
-    CHECKSUM_ALGORITHM,
     durable_checksum,
     fsync_dir,
     save_durably,
@@ -59,6 +58,7 @@ from megatron_gspo.checkpoint.steps import (
     list_steps,
     newest_reshardable_step,
 )
+from megatron_gspo.checksums import CHECKSUM_ALGORITHM
 from megatron_gspo.model.config import MoEModelConfig
 from megatron_gspo.model.hf_config import to_hf_config
 
