@@ -483,10 +483,9 @@ class Trainer:
                     expected_path=start_dir or cfg.model.hf_path,
                 )
             )
-            if not must_sync:
-                for problem in stale:
-                    logger.warning("start-up: %s", problem)
-                must_sync = bool(stale)
+            for problem in stale:  # named even when a sync is due anyway (SFT ran, a resume)
+                logger.warning("start-up: %s", problem)
+            must_sync = must_sync or bool(stale)
             if must_sync:
                 logger.info(
                     "start-up: syncing the trainer's weights (version %d) to the servers", self.weight_version
