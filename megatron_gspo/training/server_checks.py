@@ -123,7 +123,8 @@ def servers_not_serving(
 
     `served` holds (url, weight_version, model_path) as each server reports them. A server must
     report the trainer's `version` and the checkpoint the trainer started from (an embedded
-    server's start dir, else `model.hf_path`); otherwise it is synced before the cold-start
+    server's start dir, else `model.hf_path`; none: random init, every server is synced anyway, so
+    only versions are compared); otherwise it is synced before the cold-start
     evaluation, since a server started without `--weight-version` or updated by an earlier run
     would be measured, and then trained on, as if it were this run's policy.
     """
@@ -133,7 +134,7 @@ def servers_not_serving(
             problems.append(
                 f"{url} serves weight_version {served_version!r}, the trainer's is {version}: syncing"
             )
-        elif not same_path(model_path, expected_path):
+        elif expected_path is not None and not same_path(model_path, expected_path):
             problems.append(f"{url} serves {model_path}, not {expected_path}: syncing")
     return problems
 
