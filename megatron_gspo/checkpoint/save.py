@@ -6,6 +6,7 @@ into place (see the package docstring: atomicity, integrity).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -141,8 +142,10 @@ def save_checkpoint(
     failure = None
     with_optimizer = any(_all_gather(optimizer_has_state(optimizer)))
     sharding = RESHARDABLE_SHARDING if reshardable else ROUTINE_SHARDING
+    megatron_errors = _ErrorRecords()
     try:
-        save_sharded(tmp / DIST_DIR, model, optimizer, with_optimizer=with_optimizer, sharding=sharding)
+        with megatron_errors.attached("megatron.core.dist_checkpointing"):
+            save_sharded(tmp / DIST_DIR, model, optimizer, with_optimizer=with_optimizer, sharding=sharding)
         files |= _checksum_share(tmp, _broadcast(_dist_files(tmp) if rank == 0 else None))
         files[rank_file_name(rank)] = save_durably(
             {"format_version": FORMAT_VERSION, "rank": rank, "rng": capture_rng_state()},
@@ -152,7 +155,7 @@ def save_checkpoint(
             files[TRAINER_STATE_FILE] = save_durably(trainer_state, tmp / TRAINER_STATE_FILE)
             files |= _save_model_description(tmp, model_cfg, tokenizer)
     except (Exception, CheckpointException) as exc:  # megatron's is a BaseException
-        failure = (f"rank {rank}: {_describe(exc)}", _out_of_space(exc))
+        failure = (f"rank {rank}: {_describe(exc)}", _out_of_space(exc, megatron_errors.messages))
     failures = [f for f in _all_gather(failure) if f]
     all_files = {k: v for f in _all_gather(files) for k, v in f.items()}
     if failures:
@@ -197,15 +200,36 @@ def _causes(exc: BaseException):
             todo += [wrapped for wrapped, _ in e.failures.values()]
 
 
-def _out_of_space(exc: BaseException) -> bool:
+class _ErrorRecords(logging.Handler):
+    """The ERROR records a logger tree emits while attached (their messages)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    @contextlib.contextmanager
+    def attached(self, name: str):
+        logging.getLogger(name).addHandler(self)
+        try:
+            yield self
+        finally:
+            logging.getLogger(name).removeHandler(self)
+
+
+def _out_of_space(exc: BaseException, logged: list[str] = ()) -> bool:
     """Whether the disk (or the user's quota) filled up somewhere behind `exc`.
 
-    Megatron's writers report an error in text across processes (its cause is lost on the way).
+    Megatron's writers pass a worker's error on as text (0.16: the cause is lost between
+    processes) or only log it (0.19 raises "error: <class 'OSError'>"), so its ERROR records
+    during the save (`logged`) are read too.
     """
     codes = (errno.ENOSPC, errno.EDQUOT)
-    return any(
-        (isinstance(e, OSError) and e.errno in codes) or any(os.strerror(c) in str(e) for c in codes)
-        for e in _causes(exc)
+    texts = [str(e) for e in _causes(exc)] + list(logged)
+    return any(isinstance(e, OSError) and e.errno in codes for e in _causes(exc)) or any(
+        os.strerror(c) in text for c in codes for text in texts
     )
 
 
