@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _, module, _, run = COMMANDS[args.command]
-    from megatron_gspo.errors import ConfigError, report_user_error
+    from megatron_gspo.errors import ConfigError, DiskFullError, report_user_error
     from megatron_gspo.rollout.errors import RolloutFault
 
     try:
@@ -100,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         report_user_error(f"megatron-gspo {args.command}: config error: {err}")
+        return 2
+    except DiskFullError as err:  # the message says what was kept and how to go on
+        if args.debug:
+            raise
+        report_user_error(f"megatron-gspo {args.command}: {err}")
         return 2
     except RolloutFault as err:
         # A rollout server died or hung mid-run: the message names it; the checkpoints stay.

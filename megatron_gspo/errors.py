@@ -13,6 +13,10 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the field and says why."""
 
 
+class DiskFullError(Exception):
+    """A write ran out of disk space; the message names where, how much it needed and what was kept."""
+
+
 # Set by `train --nproc N` for its workers: the first worker to report a user error creates it,
 # so the message is printed once and the launcher knows not to dump torchrun's failure report.
 USER_ERROR_FILE_ENV = "MEGATRON_GSPO_USER_ERROR_FILE"

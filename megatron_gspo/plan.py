@@ -228,7 +228,9 @@ def micro_batch_shape(cfg, task, world_size: int) -> tuple[int, int, str]:
     (`trainer.max_tokens_per_micro_batch`), whatever the mix of lengths.
     """
     dp = cfg.parallel.check_world_size(world_size)
-    seq_len = task.max_prompt_len + int(cfg.task.add_bos is not False) + cfg.rollout.max_new_tokens
+    from megatron_gspo.config import prompts_start_with_bos
+
+    seq_len = task.max_prompt_len + int(prompts_start_with_bos(cfg)) + cfg.rollout.max_new_tokens
     budget = cfg.trainer.max_tokens_per_micro_batch
     if budget:
         return budget, seq_len, f"of up to {budget} tokens (trainer.max_tokens_per_micro_batch)"

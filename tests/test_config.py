@@ -2,6 +2,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megatron_gspo.config import (
     ConfigError,
@@ -11,6 +12,7 @@ from megatron_gspo.config import (
     load_config,
     validate,
 )
+from megatron_gspo.config.loading import to_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "tiny_moe_cpu.yaml"
@@ -446,3 +448,12 @@ def test_a_mapping_override_replaces_the_yaml_mapping():
     assert in_order.task.options == {"max_sum": 30, "max_prompt_len": 40}  # a later key is kept
     replaced = load_config(tiny_yaml, ["task.options.max_prompt_len=40", "task.options={max_sum: 30}"])
     assert replaced.task.options == {"max_sum": 30}  # a later mapping replaces
+
+
+def test_hf_path_leaves_no_preset_in_the_config_it_saves(tmp_path):
+    """config.yaml (and `report`, which shows it) showed `preset: tiny` beside the hf_path used."""
+    cfg = load_config(DEMO, [f"model.hf_path={tmp_path}"])
+    assert cfg.model.preset is None
+    saved = yaml.safe_load(to_yaml(cfg))["model"]
+    assert saved["preset"] is None and saved["hf_path"] == str(tmp_path)
+    assert load_config(DEMO).model.preset == "tiny"

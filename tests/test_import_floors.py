@@ -12,7 +12,7 @@ import networkx as nx
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_gspo"
 FLOORS = [  # lowest first; a module may import from its own floor and the floors below
-    {"errors", "deferred_compile", "optional", "patches"},
+    {"errors", "checksums", "deferred_compile", "optional", "patches"},
     {"algorithms", "tasks"},
     {"model"},
     {"config"},
@@ -82,3 +82,11 @@ def test_every_module_is_at_most_600_lines():
         if (n := len(p.read_text().splitlines())) > LARGEST_MODULE_LINES
     }
     assert long == {}, long
+
+
+def test_files_are_hashed_by_one_helper():
+    """`megatron_gspo.checksums.file_checksum` alone reads files to hash them (checkpoints and exports)."""
+    readers = sorted(
+        str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if "file_digest(" in p.read_text()
+    )
+    assert readers == ["checksums.py"]

@@ -13,7 +13,14 @@ from megatron_gspo.config.schema import WeightSyncConfig
 from megatron_gspo.model import config as presets
 from megatron_gspo.model.distributed import ParallelConfig
 from megatron_gspo.model.engine import EngineConfig
-from megatron_gspo.plan import activation_plan, pipeline_stages, shard_plan, sync_bytes, sync_sender_bytes
+from megatron_gspo.plan import (
+    activation_plan,
+    micro_batch_shape,
+    pipeline_stages,
+    shard_plan,
+    sync_bytes,
+    sync_sender_bytes,
+)
 from megatron_gspo.plan_checkpoint import save_host_memory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -501,3 +508,25 @@ def test_context_parallel_activations_are_those_of_tokens_over_cp():
         half.stored_bytes,
         half.logits_bytes,
     )
+
+
+@pytest.mark.parametrize("bos", [True, False], ids=["tokenizer_with_bos", "tokenizer_without_bos"])
+def test_plan_counts_a_bos_only_when_the_tokenizer_has_one(tmp_path, bos):
+    """`task.add_bos` unset: the run adds the tokenizer's BOS, none for Qwen's; plan counted one always."""
+    from transformers import AutoTokenizer
+
+    from megatron_gspo.config import build_task, load_config, prompts_start_with_bos
+    from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+
+    checkpoint = make_tiny_hf_checkpoint(tmp_path / "hf", presets.tiny(vocab_size=80))
+    if not bos:
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        tokenizer.bos_token = None
+        tokenizer.save_pretrained(checkpoint)
+    cfg = load_config(
+        ROOT / "configs" / "tiny_moe_cpu.yaml", ["model.overrides={}", f"model.hf_path={checkpoint}"]
+    )
+    assert cfg.task.add_bos is None and prompts_start_with_bos(cfg) is bos
+    task = build_task(cfg)
+    _, seq_len, _ = micro_batch_shape(cfg, task, 1)
+    assert seq_len == task.max_prompt_len + int(bos) + cfg.rollout.max_new_tokens

@@ -1,10 +1,8 @@
 """Durable, checksummed files of a training checkpoint.
 
 Every file is fsynced before the checkpoint is published, and its SHA-256 is computed while
-it is written (the bytes pass through the hash on their way to the file: no second read).
-SHA-256 because CPUs hash it in hardware (SHA-NI, ~1-2 GB/s per core) and it is in the
-standard library; it guards against bit rot and truncation, not against an attacker who can
-also rewrite `meta.json`.
+it is written (the bytes pass through the hash on their way to the file: no second read);
+files another writer produced are hashed by `megatron_gspo.checksums` (SHA-256, see there).
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ from typing import Any
 
 import torch
 
-CHECKSUM_ALGORITHM = "sha256"
-_READ_CHUNK = 8 << 20
+from megatron_gspo.checksums import CHECKSUM_ALGORITHM, file_checksum
 
 
 class _HashingWriter:
@@ -60,16 +57,8 @@ def save_durably(obj: Any, path: Path) -> tuple[int, str]:
 
 def durable_checksum(path: Path) -> tuple[int, str]:
     """Size in bytes and hex checksum of a file another writer produced, fsyncing it too."""
-    with open(path, "rb") as handle:
-        digest = hashlib.file_digest(handle, CHECKSUM_ALGORITHM).hexdigest()
-        os.fsync(handle.fileno())
+    digest = file_checksum(path, fsync=True)
     return path.stat().st_size, digest
-
-
-def file_checksum(path: Path) -> str:
-    """Hex checksum of a file's content, read in chunks."""
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, CHECKSUM_ALGORITHM).hexdigest()
 
 
 def write_text_atomically(path: Path, text: str) -> None:

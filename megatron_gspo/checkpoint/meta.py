@@ -12,7 +12,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_gspo.checkpoint.files import CHECKSUM_ALGORITHM, file_checksum, meta_checksum
+from megatron_gspo.checkpoint.files import meta_checksum
+from megatron_gspo.checksums import CHECKSUM_ALGORITHM, file_checksum
+from megatron_gspo.errors import DiskFullError
 
 META_FILE = "meta.json"
 TRAINER_STATE_FILE = "trainer_state.pt"
@@ -28,6 +30,10 @@ class CheckpointError(RuntimeError):
 
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint is missing, incomplete or damaged (as opposed to unloadable into this run)."""
+
+
+class CheckpointSpaceError(CheckpointError, DiskFullError):
+    """A save ran out of disk space; nothing of it was kept and the earlier checkpoints are intact."""
 
 
 def step_dir_name(step: int) -> str:

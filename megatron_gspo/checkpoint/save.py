@@ -6,6 +6,8 @@ into place (see the package docstring: atomicity, integrity).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_gspo.checkpoint.dist import (
     RESHARDABLE_SHARDING,
@@ -24,7 +27,6 @@ from megatron_gspo.checkpoint.dist import (
     save_sharded,
 )
 from megatron_gspo.checkpoint.files import (
-    CHECKSUM_ALGORITHM,
     durable_checksum,
     fsync_dir,
     save_durably,
@@ -38,6 +40,7 @@ from megatron_gspo.checkpoint.meta import (
     MODEL_DIR,
     TRAINER_STATE_FILE,
     CheckpointError,
+    CheckpointSpaceError,
     my_share,
     rank_file_name,
     step_dir_name,
@@ -56,6 +59,7 @@ from megatron_gspo.checkpoint.steps import (
     list_steps,
     newest_reshardable_step,
 )
+from megatron_gspo.checksums import CHECKSUM_ALGORITHM
 from megatron_gspo.model.config import MoEModelConfig
 from megatron_gspo.model.hf_config import to_hf_config
 
@@ -103,6 +107,7 @@ def save_checkpoint(
 
     Raises:
         ValueError: bad `step` / `keep_last` / `trainer_state`.
+        CheckpointSpaceError: the disk filled up (the new directory is removed, the older kept).
         CheckpointError: `step` is already the latest checkpoint, or a rank failed to write.
     """
     if step < 0:
@@ -137,8 +142,10 @@ def save_checkpoint(
     failure = None
     with_optimizer = any(_all_gather(optimizer_has_state(optimizer)))
     sharding = RESHARDABLE_SHARDING if reshardable else ROUTINE_SHARDING
+    megatron_errors = _ErrorRecords()
     try:
-        save_sharded(tmp / DIST_DIR, model, optimizer, with_optimizer=with_optimizer, sharding=sharding)
+        with megatron_errors.attached("megatron.core.dist_checkpointing"):
+            save_sharded(tmp / DIST_DIR, model, optimizer, with_optimizer=with_optimizer, sharding=sharding)
         files |= _checksum_share(tmp, _broadcast(_dist_files(tmp) if rank == 0 else None))
         files[rank_file_name(rank)] = save_durably(
             {"format_version": FORMAT_VERSION, "rank": rank, "rng": capture_rng_state()},
@@ -147,14 +154,16 @@ def save_checkpoint(
         if rank == 0:
             files[TRAINER_STATE_FILE] = save_durably(trainer_state, tmp / TRAINER_STATE_FILE)
             files |= _save_model_description(tmp, model_cfg, tokenizer)
-    except Exception as exc:
-        failure = f"rank {rank}: {type(exc).__name__}: {exc}"
+    except (Exception, CheckpointException) as exc:  # megatron's is a BaseException
+        failure = (f"rank {rank}: {_describe(exc)}", _out_of_space(exc, megatron_errors.messages))
     failures = [f for f in _all_gather(failure) if f]
     all_files = {k: v for f in _all_gather(files) for k, v in f.items()}
     if failures:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"saving step {step} to {root} failed: " + "; ".join(failures))
+        if any(full for _, full in failures):
+            raise CheckpointSpaceError(_space_message(root, step))
+        raise CheckpointError(f"saving step {step} to {root} failed: " + "; ".join(f for f, _ in failures))
 
     if rank == 0:
         try:
@@ -169,11 +178,87 @@ def save_checkpoint(
             write_text_atomically(root / LATEST_FILE, final.name + "\n")
             _prune(root, step, keep_last)
         except Exception as exc:
-            error = f"rank 0 could not publish {final}: {type(exc).__name__}: {exc}"
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already if the rename happened
+            error = (f"rank 0 could not publish {final}: {_describe(exc)}", _out_of_space(exc))
     error = _broadcast(error)
     if error:
-        raise CheckpointError(error)
+        raise CheckpointSpaceError(_space_message(root, step)) if error[1] else CheckpointError(error[0])
     return final
+
+
+def _causes(exc: BaseException):
+    """`exc`, what it was raised from, and the failures a megatron `CheckpointException` wraps."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, CheckpointException):
+            todo += [wrapped for wrapped, _ in e.failures.values()]
+
+
+class _ErrorRecords(logging.Handler):
+    """The ERROR records a logger tree emits while attached (their messages)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    @contextlib.contextmanager
+    def attached(self, name: str):
+        logging.getLogger(name).addHandler(self)
+        try:
+            yield self
+        finally:
+            logging.getLogger(name).removeHandler(self)
+
+
+def _out_of_space(exc: BaseException, logged: list[str] = ()) -> bool:
+    """Whether the disk (or the user's quota) filled up somewhere behind `exc`.
+
+    Megatron's writers pass a worker's error on as text (0.16: the cause is lost between
+    processes) or only log it (0.19 raises "error: <class 'OSError'>"), so its ERROR records
+    during the save (`logged`) are read too.
+    """
+    codes = (errno.ENOSPC, errno.EDQUOT)
+    texts = [str(e) for e in _causes(exc)] + list(logged)
+    return any(isinstance(e, OSError) and e.errno in codes for e in _causes(exc)) or any(
+        os.strerror(c) in text for c in codes for text in texts
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for a failed write: the innermost error (megatron's own message is a traceback)."""
+    roots = [e for e in _causes(exc) if not isinstance(e, CheckpointException) and not e.__cause__]
+    first = roots[0] if roots else exc
+    return f"{type(first).__name__}: {(str(first).splitlines() or [''])[0]}"
+
+
+def _space_message(root: Path, step: int) -> str:
+    """What a full disk cost: where, about how much a save needs, what is kept and how to go on."""
+    kept = [s for s in list_steps(root) if _meta_intact(root / step_dir_name(s))]
+    need = ""
+    if kept:
+        meta = json.loads((root / step_dir_name(kept[-1]) / META_FILE).read_text())
+        size = sum(meta.get("files", {}).values())
+        need = f"; a checkpoint needs about {size / 2**20:.1f} MiB (step {kept[-1]}'s size)"
+    free = shutil.disk_usage(root).free / 2**20
+    if kept:
+        latest = _read_latest_name(root)
+        intact = ", ".join(step_dir_name(s) for s in kept)
+        what = f"the previous checkpoints are intact ({intact}; latest: {latest}): free space, then --resume"
+    else:
+        what = "no earlier checkpoint was saved"
+    return (
+        f"no space left on device saving checkpoint step {step} under {root} "
+        f"({free:.1f} MiB free{need}); nothing of step {step} was kept; {what}"
+    )
 
 
 def _save_model_description(directory: Path, model_cfg, tokenizer) -> dict[str, tuple[int, str]]:

@@ -8,7 +8,12 @@ here and nowhere else:
 - a run directory `RUN` (or its `RUN/checkpoints`): its newest intact checkpoint. Intact means
   `meta.json` reads and matches its own checksum and every file it lists is there with its
   recorded size (the small `model/` files are checksummed too); the weight files' checksums are
-  verified when the export loads them. Damaged newer steps are skipped with a warning.
+  verified when the export loads them. The choice is logged at INFO; damaged newer steps are
+  skipped with a warning.
+
+A training checkpoint is exported to a temporary `megatron-gspo-export-<pid>-*` directory,
+removed on exit (SIGTERM included, for `serve`); one whose process died without removing it
+(SIGKILL, the OOM killer) is removed by the next tool that resolves a checkpoint here.
 
 Anything else is a one-line `ConfigError` that names the option and what the path holds.
 """
@@ -18,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,6 +37,8 @@ from megatron_gspo.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
+EXPORT_PREFIX = "megatron-gspo-export-"
+"""Temporary exports of training checkpoints: `<prefix><owner pid>-<random>` in the temp dir."""
 CHECKPOINTS_DIR = "checkpoints"
 """Where a run directory keeps its training checkpoints (`trainer.run_dir`/checkpoints)."""
 KINDS = (
@@ -101,7 +110,13 @@ def _newest_intact(root: Path, option: str, given: Path) -> Path:
         damage = _damage(directory)
         if damage is None:
             if problems:
-                logger.warning("%s: skipped damaged checkpoint(s): %s", option, "; ".join(problems))
+                logger.warning(
+                    "%s %s: using %s, skipped damaged checkpoint(s): %s",
+                    option,
+                    given,
+                    directory.name,
+                    "; ".join(problems),
+                )
             return directory
         problems.append(f"{directory.name}: {damage}")
     raise ConfigError(f"{option} {given}: no intact checkpoint under {root}: " + "; ".join(problems))
@@ -130,7 +145,9 @@ def resolve_checkpoint(path: str | os.PathLike, option: str) -> CheckpointSource
 
     for root in (given / CHECKPOINTS_DIR, given):  # a run directory, or its checkpoint root
         if list_steps(root) or (root / "latest").is_file():
-            return CheckpointSource("training", _newest_intact(root, option, given), given)
+            newest = _newest_intact(root, option, given)
+            logger.info("%s %s: using its newest intact checkpoint %s", option, given, newest)
+            return CheckpointSource("training", newest, given)
     if (given / CHECKPOINTS_DIR).is_dir():
         raise ConfigError(
             f"{option} {given}: run directory without a checkpoint yet ({given / CHECKPOINTS_DIR})"
@@ -148,13 +165,12 @@ def hf_checkpoint_dir(path: str | os.PathLike, option: str) -> Iterator[Path]:
     Raises:
         ConfigError: the path cannot be resolved, or the export failed (its last line quoted).
     """
+    remove_dead_exports()
     source = resolve_checkpoint(path, option)
     if source.kind == "hf":
         yield source.path
         return
-    if source.path != source.given:
-        logger.warning("%s %s: using its newest intact checkpoint %s", option, source.given, source.path)
-    with tempfile.TemporaryDirectory(prefix="megatron-gspo-export-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"{EXPORT_PREFIX}{os.getpid()}-") as tmp:
         out = Path(tmp) / "hf"
         cmd = [sys.executable, "-m", "megatron_gspo.cli", "export", "--checkpoint", str(source.path)]
         done = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True)
@@ -162,3 +178,31 @@ def hf_checkpoint_dir(path: str | os.PathLike, option: str) -> Iterator[Path]:
             last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise ConfigError(f"{option}: exporting training checkpoint {source.path} failed: {last}")
         yield out
+
+
+def remove_dead_exports(root: str | os.PathLike | None = None) -> list[Path]:
+    """Delete the temporary exports (in `root`, default the temp dir) whose owner process is gone.
+
+    The owner is the pid in the name; names without one are left alone (not ours to judge).
+    A reused pid keeps a dead export until that process ends too: never a live one removed.
+    """
+    removed = []
+    for directory in sorted(Path(root or tempfile.gettempdir()).glob(f"{EXPORT_PREFIX}*")):
+        owner = re.fullmatch(rf"{EXPORT_PREFIX}(\d+)-.*", directory.name)
+        if owner is None or not directory.is_dir() or _running(int(owner.group(1))):
+            continue
+        shutil.rmtree(directory, ignore_errors=True)
+        if not directory.exists():
+            removed.append(directory)
+            logger.info("removed %s, the export of a process that died (pid %s)", directory, owner.group(1))
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process
+    return True

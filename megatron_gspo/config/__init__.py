@@ -10,7 +10,13 @@
 - `validate`: what depends on several fields or on the world size.
 """
 
-from megatron_gspo.config.loading import build_model_config, build_task, load_config, to_yaml
+from megatron_gspo.config.loading import (
+    build_model_config,
+    build_task,
+    load_config,
+    prompts_start_with_bos,
+    to_yaml,
+)
 from megatron_gspo.config.schema import (
     AlgorithmConfig,
     DebugConfig,
@@ -59,6 +65,7 @@ __all__ = [
     "check_rollout_timeouts",
     "effective_reward_norm",
     "load_config",
+    "prompts_start_with_bos",
     "needs_reference",
     "policy_loss_options",
     "to_yaml",

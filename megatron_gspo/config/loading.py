@@ -53,6 +53,8 @@ def load_config(
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(str(err)) from None
+    if cfg.model.hf_path:  # the checkpoint decides the architecture: no preset to show as used
+        cfg.model.preset = None
     return cfg
 
 
@@ -106,10 +108,32 @@ def build_model_config(cfg: RunConfig) -> MoEModelConfig:
         raise ConfigError(
             f"model.overrides has unknown field(s) {unknown}; MoEModelConfig fields: {sorted(known)}"
         )
+    if cfg.model.preset is None:
+        raise ConfigError("model: set model.preset (tiny, qwen3_30b_a3b, qwen3_235b_a22b) or model.hf_path")
     try:
         return preset(cfg.model.preset, **cfg.model.overrides)
     except ValueError as err:
         raise ConfigError(f"model: {err}") from None
+
+
+def prompts_start_with_bos(cfg: RunConfig) -> bool:
+    """Whether the run puts a BOS before each prompt: `task.add_bos`, else whether its tokenizer has one.
+
+    Without `model.hf_path` the demo tasks' character tokenizer (it has one); Qwen tokenizers have
+    none. A tokenizer that cannot be read here counts one (training names it at start-up).
+    """
+    if cfg.task.add_bos is not None:
+        return cfg.task.add_bos
+    if not cfg.model.hf_path:
+        return True
+    from transformers import AutoTokenizer
+
+    from megatron_gspo.tasks.tokenizer import resolve_add_bos
+
+    try:
+        return resolve_add_bos(None, AutoTokenizer.from_pretrained(cfg.model.hf_path))
+    except (OSError, ValueError):
+        return True
 
 
 def build_task(cfg: RunConfig):

@@ -20,8 +20,9 @@ from megatron_gspo.model.optim import OptimConfig
 class ModelConfig:
     """Which policy to train: a preset architecture (random init) or a local HF checkpoint."""
 
-    preset: str = "tiny"
-    """Architecture preset (tiny, qwen3_30b_a3b, qwen3_235b_a22b) when hf_path is not set."""
+    preset: str | None = "tiny"
+    """Architecture preset (tiny, qwen3_30b_a3b, qwen3_235b_a22b) when hf_path is not set; null
+    once loaded with hf_path (the checkpoint's architecture is used, so config.yaml shows none)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """MoEModelConfig fields changed from the preset (e.g. vocab_size, hidden_size)."""
     hf_path: str | None = None
@@ -110,7 +111,8 @@ class RolloutConfig:
     since the other ranks wait for rank 0's batch on the control group, at least
     CONTROL_MARGIN_S below parallel.timeout_minutes (`validate` refuses it otherwise)."""
     server_start_timeout_s: float = 180.0
-    """How long to wait for the embedded server (or the given URLs) to become healthy."""
+    """How long to wait for the embedded server (or the given URLs) to become healthy; the given
+    URLs (or router_url) must first answer HTTP within it at start-up, before SFT."""
     server_threads: int = 1
     """torch threads of the embedded server."""
     dtype: Literal["fp32", "bf16"] = "fp32"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_gspo.config.loading import build_model_config, build_task
+from megatron_gspo.config.loading import build_model_config, build_task, prompts_start_with_bos
 from megatron_gspo.config.schema import AlgorithmConfig, RolloutConfig, RunConfig, SFTConfig
 from megatron_gspo.config.value_checks import (
     ValueCheckError,
@@ -222,7 +222,7 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     if cfg.task.name not in available_tasks():
         raise ConfigError(f"task.name={cfg.task.name!r}; available: {', '.join(available_tasks())}")
     task = build_task(cfg)
-    bos = cfg.task.add_bos is not False  # unset: the tokenizer decides; count the BOS it may add
+    bos = prompts_start_with_bos(cfg)
     longest = task.max_prompt_len + int(bos) + rollout.max_new_tokens
     if longest > model_cfg.max_position_embeddings:
         raise ConfigError(

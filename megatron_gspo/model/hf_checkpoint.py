@@ -16,7 +16,6 @@ renamed into place, so a reader (the rollout server) never sees a half-written c
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -30,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import GenerationConfig, PreTrainedTokenizerBase, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from megatron_gspo.checksums import file_checksum
 from megatron_gspo.model.config import MoEModelConfig, preset
 from megatron_gspo.model.hf_config import to_hf_config
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
@@ -404,13 +404,8 @@ def _write_export_marker(directory: Path, *, checksums: bool = False) -> None:
     files = sorted(p.name for p in directory.iterdir())
     marker: dict = {"written_by": "megatron-gspo", "files": files}
     if checksums:
-        marker["sha256"] = {name: _sha256(directory / name) for name in files}
+        marker["sha256"] = {name: file_checksum(directory / name) for name in files}
     (directory / EXPORT_MARKER).write_text(json.dumps(marker) + "\n")
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class ExportDamagedError(ValueError):
@@ -433,7 +428,7 @@ def verify_export(path: str | os.PathLike) -> bool:
     for name, digest in sorted(expected.items()):
         if not (path / name).is_file():
             raise ExportDamagedError(f"{path / name} is missing")
-        if _sha256(path / name) != digest:
+        if file_checksum(path / name) != digest:
             raise ExportDamagedError(f"{path / name} differs from what was written (SHA-256 mismatch)")
     return True
 

@@ -20,9 +20,13 @@ since (an earlier run's sync, an operator's); `/model_info` reports those live.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import httpx
+
+from megatron_gspo.config.schema import RolloutConfig
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.rollout.client import SGLangClient
 
@@ -30,6 +34,42 @@ _DP_FIX = (
     "launch one server per DP replica (launch/sglang_servers.sh with DP={dp} does) and list every "
     "URL in rollout.server_urls, or set weight_sync.method=disk"
 )
+
+
+def refuse_unreachable_endpoints(rollout: RolloutConfig, poll_s: float = 0.5) -> None:
+    """Raise a `ConfigError` naming the first external rollout endpoint that answers no HTTP request.
+
+    Run before any training (SFT included), so that a wrong URL or a server not started costs
+    seconds, not the cold start. Any HTTP answer counts (a server still loading may say 503);
+    an endpoint that does not connect is retried until `timeout_s`, so servers started beside
+    the trainer may still be coming up. The embedded server is started later by the run itself.
+
+    Args:
+        rollout: its `server_urls` or `router_url` (the router's workers are checked once it lists
+            them) and `server_start_timeout_s`, how long each endpoint may take to answer.
+        poll_s: pause between attempts.
+    """
+    timeout_s = rollout.server_start_timeout_s
+    endpoints = (
+        [(f"rollout.router_url={rollout.router_url}", rollout.router_url)] if rollout.router_url else []
+    )
+    endpoints += [(f"rollout.server_urls: {url}", url) for url in rollout.server_urls]
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(
+        timeout=httpx.Timeout(10.0, connect=min(10.0, max(timeout_s, 0.1))), trust_env=False
+    ) as http:
+        for name, url in endpoints:
+            while True:
+                try:
+                    http.get(f"{url.rstrip('/')}/health")
+                    break
+                except httpx.HTTPError as err:
+                    if time.monotonic() + poll_s > deadline:
+                        raise ConfigError(
+                            f"{name} is unreachable ({type(err).__name__}: {err}; waited {timeout_s:g} s, "
+                            "rollout.server_start_timeout_s): start it or correct the URL"
+                        ) from None
+                time.sleep(poll_s)
 
 
 def refuse_unfit_servers(
@@ -83,7 +123,8 @@ def servers_not_serving(
 
     `served` holds (url, weight_version, model_path) as each server reports them. A server must
     report the trainer's `version` and the checkpoint the trainer started from (an embedded
-    server's start dir, else `model.hf_path`); otherwise it is synced before the cold-start
+    server's start dir, else `model.hf_path`; none: random init, every server is synced anyway, so
+    only versions are compared); otherwise it is synced before the cold-start
     evaluation, since a server started without `--weight-version` or updated by an earlier run
     would be measured, and then trained on, as if it were this run's policy.
     """
@@ -93,7 +134,7 @@ def servers_not_serving(
             problems.append(
                 f"{url} serves weight_version {served_version!r}, the trainer's is {version}: syncing"
             )
-        elif not same_path(model_path, expected_path):
+        elif expected_path is not None and not same_path(model_path, expected_path):
             problems.append(f"{url} serves {model_path}, not {expected_path}: syncing")
     return problems
 

@@ -72,7 +72,7 @@ from megatron_gspo.training.metrics import MetricsLogger, ZeroRewardWatch
 from megatron_gspo.training.reference import ReferencePolicy
 from megatron_gspo.training.run_lock import RunLock, lock_path
 from megatron_gspo.training.run_setup import load_tokenizer, weight_sync_dir
-from megatron_gspo.training.server_checks import check_servers
+from megatron_gspo.training.server_checks import check_servers, refuse_unreachable_endpoints
 from megatron_gspo.training.sft import run_sft
 from megatron_gspo.training.shm_exports import claim_export_dir
 from megatron_gspo.training.step.metrics import (
@@ -116,6 +116,7 @@ class Trainer:
         self.lock = RunLock()
         if self.rank0:  # before any work: one run at a time writes these directories
             self._lock_directories()
+        on_rank0(refuse_unreachable_endpoints, cfg.rollout)  # before SFT, not found after it
         self.model_cfg = build_model_config(cfg)
         self.task = build_task(cfg)
         self.tokenizer = load_tokenizer(cfg)
@@ -482,10 +483,9 @@ class Trainer:
                     expected_path=start_dir or cfg.model.hf_path,
                 )
             )
-            if not must_sync:
-                for problem in stale:
-                    logger.warning("start-up: %s", problem)
-                must_sync = bool(stale)
+            for problem in stale:  # named even when a sync is due anyway (SFT ran, a resume)
+                logger.warning("start-up: %s", problem)
+            must_sync = must_sync or bool(stale)
             if must_sync:
                 logger.info(
                     "start-up: syncing the trainer's weights (version %d) to the servers", self.weight_version

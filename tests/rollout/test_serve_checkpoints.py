@@ -6,8 +6,10 @@ returns for its own samples equal those of the Megatron policy loaded from that 
 """
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import torch
@@ -61,6 +63,22 @@ def test_serve_takes_a_training_checkpoint(short_run, tmp_path):
     served = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]], dtype=torch.float64)
     reference = megatron_logprobs(step_dir, prompt + tokens)[len(prompt) :].double()
     assert torch.allclose(served, reference, atol=1e-4), (served, reference)
+
+
+def test_sigterm_during_the_export_removes_it(short_run, tmp_path):
+    """Killed before it serves, `serve` removed nothing: its export stayed in the temp dir."""
+    server = serve(short_run / "checkpoints" / "step_00000004", tmp_path)
+    try:
+        while not list(tmp_path.glob("megatron-gspo-export-*")):  # the export has begun
+            assert server.poll() is None, server.stderr.read()[-3000:]
+            time.sleep(0.01)
+        server.terminate()
+        _, err = server.communicate(timeout=60)
+    finally:
+        server.kill()
+    assert server.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert not list(tmp_path.glob("megatron-gspo-export-*"))
 
 
 def test_serve_a_missing_path_is_one_named_line(tmp_path):

@@ -6,11 +6,13 @@ run directory and its checkpoint root, a damaged newest step, and paths that are
 
 import json
 import logging
+import os
 import shutil
+import subprocess
 
 import pytest
 
-from megatron_gspo.checkpoint.source import resolve_checkpoint
+from megatron_gspo.checkpoint.source import remove_dead_exports, resolve_checkpoint
 from megatron_gspo.config import ConfigError
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
@@ -35,12 +37,21 @@ def test_every_kind_resolves(short_run, tmp_path):
         )
 
 
-def test_a_damaged_newest_step_is_skipped_for_the_newest_intact_one(short_run, tmp_path, caplog):
+def test_the_newest_intact_step_is_info_a_skipped_damaged_one_a_warning(short_run, tmp_path, caplog):
+    """The documented choice is no warning; skipping a damaged newer step is."""
+    with caplog.at_level(logging.INFO, logger="megatron_gspo.checkpoint.source"):
+        resolve_checkpoint(short_run, "--a")
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", f"--a {short_run}: using its newest intact checkpoint {short_run / 'checkpoints' / STEP_4}")
+    ]
+    caplog.clear()
     run = shutil.copytree(short_run, tmp_path / "run")
     (run / "checkpoints" / STEP_4 / "trainer_state.pt").unlink()
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO, logger="megatron_gspo.checkpoint.source"):
         assert resolve_checkpoint(run, "--a").path == run / "checkpoints" / STEP_2
-    assert f"{STEP_4}: " in caplog.text and "trainer_state.pt" in caplog.text
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and f"using {STEP_2}, skipped damaged checkpoint(s): {STEP_4}: " in warnings[0]
+    assert "trainer_state.pt" in warnings[0]
     meta = run / "checkpoints" / STEP_2 / "model" / "config.json"
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "hidden_size": 1}))  # checksum now wrong
     with pytest.raises(
@@ -65,3 +76,16 @@ def test_paths_of_no_kind_are_one_named_error(tmp_path):
         with pytest.raises(ConfigError) as err:
             resolve_checkpoint(path, "--model")
         assert str(err.value).startswith(f"--model {path}: {message}") and "\n" not in str(err.value)
+
+
+def test_exports_whose_owner_died_are_removed_and_no_other(tmp_path):
+    """A `serve` killed by SIGKILL leaves its export; the next tool start removes it."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = tmp_path / f"megatron-gspo-export-{gone.pid}-abc"
+    live = tmp_path / f"megatron-gspo-export-{os.getpid()}-def"
+    foreign = tmp_path / "megatron-gspo-export-xyz"  # no owner pid in the name: not ours to judge
+    for directory in (dead, live, foreign):
+        (directory / "hf").mkdir(parents=True)
+    assert remove_dead_exports(tmp_path) == [dead]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, foreign.name])

@@ -11,6 +11,7 @@ for a trainer at 0.
 """
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from megatron_gspo.config import WeightSyncConfig
+from megatron_gspo.config import RolloutConfig, WeightSyncConfig
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
@@ -26,7 +27,12 @@ from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed,
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.server.launch import launch_embedded_server
-from megatron_gspo.training.server_checks import check_servers, refuse_unfit_servers, served_weights
+from megatron_gspo.training.server_checks import (
+    check_servers,
+    refuse_unfit_servers,
+    refuse_unreachable_endpoints,
+    served_weights,
+)
 from megatron_gspo.training.weight_sync import WeightSync
 
 CFG = tiny(vocab_size=80)
@@ -155,3 +161,48 @@ def test_train_refuses_a_dp2_server_at_start_up_in_one_line(dp2_server, tmp_path
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stderr
     assert f"rollout server {server.url} was launched with dp_size=2" in done.stderr
+
+
+def _closed_port_url() -> str:
+    """A local URL nothing listens on (the port was free a moment ago)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("field", ["router_url", "server_urls"])
+def test_an_unreachable_endpoint_is_refused_by_name(dp2_server, field):
+    server, _ = dp2_server
+    dead = _closed_port_url()
+    value = dead if field == "router_url" else [server.url, dead]
+    with pytest.raises(ConfigError, match=f"rollout.{field}.*{dead} is unreachable") as refused:
+        refuse_unreachable_endpoints(RolloutConfig(**{field: value}, server_start_timeout_s=0.2), poll_s=0.05)
+    assert "\n" not in str(refused.value)
+    refuse_unreachable_endpoints(RolloutConfig(server_urls=[server.url]))  # a live one answers
+
+
+@pytest.mark.slow
+def test_train_refuses_an_unreachable_router_before_sft(tmp_path):
+    """Found at start-up in one line, not after the whole SFT phase (which was then thrown away)."""
+    repo = Path(__file__).resolve().parents[2]
+    dead = _closed_port_url()
+    overrides = [
+        f"rollout.router_url={dead}",
+        "rollout.server_start_timeout_s=1",
+        "sft.steps=20",
+        "trainer.steps=1",
+        "logging.progress_bar=false",
+        f"trainer.run_dir={tmp_path}/run",
+    ]
+    config = str(repo / "configs/tiny_moe_cpu.yaml")
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", config, *overrides],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+        cwd=repo,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and "SFT step" not in done.stdout + done.stderr
+    assert f"config error: rollout.router_url={dead} is unreachable" in done.stderr

@@ -80,13 +80,13 @@ def external_server(checkpoint):
         server.wait(timeout=60)
 
 
-def _train_against(url, checkpoint, tmp_path):
+def _train_against(url, checkpoint, tmp_path, sft_steps=0):
     """A run of no steps: start-up (and its sync), the cold-start evaluation, nothing sent after."""
     cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", str(tmp_path / "run.yaml")]
     (tmp_path / "run.yaml").write_text(
         f"model: {{hf_path: {checkpoint}}}\n"
         "task: {name: addition, options: {min_digits: 1, max_digits: 2}}\n"
-        "sft: {steps: 0}\n"
+        f"sft: {{steps: {sft_steps}, target_accuracy: null}}\n"
         f"rollout: {{rollout_batch_size: 2, group_size: 2, max_new_tokens: 4, server_urls: [{url}]}}\n"
         "algorithm: {num_mini_batches: 1}\n"
         "eval: {at_start: true, at_end: false, every: 0, num_problems: 4}\n"
@@ -137,6 +137,16 @@ def test_external_server_of_another_version_is_synced_before_the_cold_start_eval
     assert done.stderr.index(said) < done.stderr.index("cold-start held-out accuracy")
     assert served_version(external_server) == "0"  # synced, not only warned about
     torch.testing.assert_close(served_logprobs(external_server), checkpoint_logprobs(checkpoint))
+
+
+def test_a_server_off_the_start_weights_is_named_when_a_sync_is_due_anyway(
+    checkpoint, external_server, tmp_path
+):
+    """After SFT every server is synced; the one that did not serve the start weights is still named."""
+    done = _train_against(external_server, checkpoint, tmp_path, sft_steps=2)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"start-up: {external_server} serves weight_version 'default', the trainer's is 0" in done.stderr
+    assert served_version(external_server) == "0"
 
 
 def test_external_server_on_other_weights_is_synced(checkpoint, external_server, tmp_path):

@@ -120,6 +120,33 @@ def test_pruning_counts_only_intact_checkpoints(run5, tmp_path):
     assert len(aside) == 1, sorted(p.name for p in root.iterdir())  # kept for inspection, not deleted
 
 
+# The disk fills while megatron's writers write `dist/` (as write(2) says ENOSPC), then `train` runs.
+_DISK_FULL = (
+    "import errno, os, sys\n"
+    "import megatron.core.dist_checkpointing.strategies.filesystem_async as writer\n"
+    "def full(*args, **kwargs):\n"
+    "    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
+    "writer._write_item = full\n"
+    "from megatron_gspo.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def test_a_full_disk_at_a_save_is_one_line_and_keeps_the_checkpoints(run5, tmp_path):
+    """Not a RuntimeError traceback with a step_*.tmp-* directory left: what was kept, and how to go on."""
+    run_dir = _copy(run5, tmp_path)
+    root = run_dir / "checkpoints"
+    cmd = [sys.executable, "-c", _DISK_FULL, "train", *SMALL, f"trainer.run_dir={run_dir}"]
+    done = subprocess.run(
+        [*cmd, "trainer.steps=6", "--resume"], env=ENV, capture_output=True, text=True, timeout=300
+    )
+    assert_one_named_line(
+        done, "no space left on device saving checkpoint step 6", str(root), "step_00000005", "--resume"
+    )
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004", "step_00000005"]
+    assert latest_step(root) == 5
+
+
 def test_zero_steps_saves_the_cold_start(tmp_path):
     done = train(tmp_path / "run", "trainer.steps=0")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -155,21 +155,27 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_gspo.checkpoint.source import hf_checkpoint_dir
     from megatron_gspo.config import ConfigError
 
+    # SIGTERM before serving (while a training checkpoint is exported, or the model loads) unwinds
+    # like Ctrl-C, so the temporary export is removed; once serving, the server's own handler stops it.
+    signal.signal(signal.SIGTERM, _interrupt)
     with contextlib.ExitStack() as stack:  # a training checkpoint's export lives as long as the server
         stack.callback(sock.close)
         try:
-            model = str(stack.enter_context(hf_checkpoint_dir(args.model, "--model")))
+            args.model = str(stack.enter_context(hf_checkpoint_dir(args.model, "--model")))
+            return _serve(args, sock)
         except ConfigError as err:
             print(f"megatron-gspo serve: {err}", file=sys.stderr, flush=True)
             return 2
-        if model != args.model:  # SIGTERM while the model loads unwinds like Ctrl-C: the export is removed
-            signal.signal(signal.SIGTERM, _interrupt)
-            args.model = model
-        return _serve(args, sock)
+        except _Terminated:
+            return 128 + signal.SIGTERM
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM before the server serves."""
 
 
 def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+    raise _Terminated
 
 
 def _serve(args: argparse.Namespace, sock) -> int:
