@@ -1,26 +1,28 @@
-"""Megatron-Core's `@jit_fuser` functions: compiled on their first call where CUDA is, eager without.
+"""Megatron-Core's import-time compiles, deferred: they cost every process and serve none on CPU.
 
-`megatron/core/jit.py` sets `jit_fuser = torch.compile`, and the ~15 modules that decorate a
-function with it call `torch.compile` while they import. That imports torch's inductor, ~0.6 s
-of CPU in every process that imports megatron-core (each rank, each tool) whether or not a
-fused function ever runs; and on CPU the one that does run every step
-(`TopKRouter._apply_expert_bias`) is traced and compiled in every rank for ~0.4 s more, to fuse
-nothing. `install()` has `megatron.core.jit` hand out `compile_on_first_call` instead:
-`torch.compile` on the function's first call when CUDA is available (the same compiled function
-as before, made when first needed), the function itself without CUDA, as the engine's other
-fusions are CUDA only (`model/engine.py`; megatron-core's own `disable_jit_fuser` runs them so).
+`megatron/core/jit.py` sets `jit_fuser = torch.compile` for the ~15 modules that decorate a
+function with it, and 0.19's `moe/router.py` decorates a method with `@torch.compile` itself.
+That imports torch's inductor, ~0.6 s of CPU on 0.16 and ~1.1 s on 0.19, in every process that
+imports megatron-core (each rank, each tool) whether or not a compiled function ever runs; and on
+CPU the one that does run every step (`TopKRouter._apply_expert_bias`) is traced and compiled in
+every rank for ~0.4 s more, to fuse nothing. While a `megatron.core` module executes,
+`torch.compile` is `compile_on_first_call`: `torch.compile` on the function's first call when
+CUDA is available (the same compiled function as before, made when first needed), the function
+itself without CUDA, as the engine's other fusions are CUDA only (`model/engine.py`;
+megatron-core's own `disable_jit_fuser` runs them so). Calls to `torch.compile` after import are
+untouched.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.abc
-import importlib.util
 import sys
 from collections.abc import Callable
 from typing import Any
 
-JIT_MODULE = "megatron.core.jit"
+PACKAGE = "megatron.core"
+_COMPILE_OUTSIDE: list[Callable] = []  # `torch.compile` as it was outside megatron's imports
 
 
 def compile_on_first_call(fn: Callable | None = None, **options: Any) -> Callable:
@@ -38,37 +40,55 @@ def compile_on_first_call(fn: Callable | None = None, **options: Any) -> Callabl
         if runs is None:
             import torch
 
-            runs = torch.compile(fn, **options) if torch.cuda.is_available() else fn
+            compile_ = _COMPILE_OUTSIDE[0] if torch.compile is compile_on_first_call else torch.compile
+            runs = compile_(fn, **options) if torch.cuda.is_available() else fn
         return runs(*args, **kwargs)
 
     return call
 
 
-class _DeferJitFuser(importlib.abc.MetaPathFinder):
-    """Finds `megatron.core.jit` as usual and swaps its `torch.compile` once the module has run."""
+class _DeferWhileMegatronImports(importlib.abc.MetaPathFinder):
+    """Finds `megatron.core` modules as the other finders do.
+
+    Each runs with `torch.compile` standing for `compile_on_first_call`.
+    """
 
     def find_spec(self, name, path, target=None):
-        if name != JIT_MODULE:
+        if name != PACKAGE and not name.startswith(PACKAGE + "."):
             return None
-        sys.meta_path.remove(self)  # one module, once; and `find_spec` below must not find us
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_defer(module):
-            exec_module(module)
-            import torch
-
-            if module.jit_fuser is torch.compile:  # megatron may have chosen a no-op or jit.script
-                module.jit_fuser = compile_on_first_call
-
-        spec.loader.exec_module = exec_then_defer
+        spec = _find_elsewhere(self, name, path, target)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader.exec_module = _deferring(spec.loader.exec_module)
         return spec
 
 
+def _find_elsewhere(finder, name, path, target):
+    for other in sys.meta_path:
+        if other is not finder and hasattr(other, "find_spec"):
+            spec = other.find_spec(name, path, target)
+            if spec is not None:
+                return spec
+    return None
+
+
+def _deferring(exec_module: Callable) -> Callable:
+    def exec_deferring(module):
+        import torch
+
+        compile_before = torch.compile
+        if compile_before is not compile_on_first_call:
+            _COMPILE_OUTSIDE[:] = [compile_before]
+        torch.compile = compile_on_first_call
+        try:
+            exec_module(module)
+        finally:  # a module that imports another restores its own caller's value
+            torch.compile = compile_before
+
+    return exec_deferring
+
+
 def install() -> None:
-    """Make `megatron.core.jit.jit_fuser` `compile_on_first_call`; a no-op once it is imported."""
-    if JIT_MODULE in sys.modules or any(isinstance(f, _DeferJitFuser) for f in sys.meta_path):
+    """Defer megatron-core's import-time costs; a no-op once megatron-core is imported."""
+    if PACKAGE in sys.modules or any(isinstance(f, _DeferWhileMegatronImports) for f in sys.meta_path):
         return
-    sys.meta_path.insert(0, _DeferJitFuser())
+    sys.meta_path.insert(0, _DeferWhileMegatronImports())

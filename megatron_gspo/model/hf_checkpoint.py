@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import GenerationConfig, PreTrainedTokenizerBase, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import GenerationConfig, PreTrainedTokenizerBase, Qwen3MoeConfig
 
 from megatron_gspo.checksums import file_checksum
 from megatron_gspo.model.config import MoEModelConfig, preset
@@ -494,6 +494,8 @@ def _replace_dir(src: Path, dst: Path, *, overwrite: bool = False) -> None:
 
 def build_hf_model(model_cfg: MoEModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32):
     """A randomly initialised HF `Qwen3MoeForCausalLM` (init std `model_cfg.init_std`), in eval mode."""
+    from transformers import Qwen3MoeForCausalLM  # its modeling imports cost every rank ~0.4 s
+
     hf_config = Qwen3MoeConfig(**to_hf_config(model_cfg))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

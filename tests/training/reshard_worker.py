@@ -2,6 +2,7 @@
 
     python reshard_worker.py save --root R --out O --tp 2 [--ep 1] [--pp 1] [--distopt] [--steps 2]
         [--vpp 2 --layers 4]   (model chunks per stage; the tiny model's layers)
+        [--first-root R0]      (also a checkpoint before the first optimizer step, dumped to O_step0.pt)
     python reshard_worker.py load --root R --out O --tp 1 --ep 2 [--distopt]   (or under torchrun)
 
 `save` trains `--steps` steps (two; 0: a checkpoint before the first optimizer step) and
@@ -104,6 +105,7 @@ def main() -> None:
     parser.add_argument("--distopt", action="store_true")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--reference", help="global weights to load through the sharding code")
+    parser.add_argument("--first-root", help="save: also checkpoint here before the first step")
     args = parser.parse_args()
     parallel = ParallelConfig(
         tensor_parallel=args.tp,
@@ -114,6 +116,13 @@ def main() -> None:
     )
     run = build_run(parallel, vocab_size=VOCAB, num_layers=args.layers)
     if args.mode == "save":
+        if args.first_root:  # what a `--steps 0` run saves and dumps, from the same process
+            save_run(run, args.first_root)
+            first = {"weights": gather_global_state_dict(run.model), "logprobs": logprobs(run)}
+            first.update(adam_step=optimizer_step_count(run.optimizer), trainer_step=run.step)
+            first["scheduler_steps"] = run.scheduler.num_steps
+            if dist.get_rank() == 0:
+                torch.save(first, f"{args.out}_step0.pt")
         for _ in range(args.steps):
             train_step(run)
         save_run(run, args.root)

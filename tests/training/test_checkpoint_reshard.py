@@ -21,8 +21,9 @@ CROSS_LAYOUT_TOLERANCE = 1e-5  # TP splits reductions differently: rounding, not
 
 
 def _launch(
-    mode, root, out, *, tp=1, ep=1, pp=1, vpp=None, layers=None, distopt=False, reference=None, steps=2
-):
+    mode, root, out, *, tp=1, ep=1, pp=1, vpp=None, layers=None, distopt=False, reference=None, steps=2,
+    first_root=None,
+):  # fmt: skip
     world = tp * ep * pp
     prefix = [sys.executable]
     if world > 1:
@@ -45,6 +46,7 @@ def _launch(
     cmd += (["--vpp", str(vpp)] if vpp else []) + (["--layers", str(layers)] if layers else [])
     cmd += ["--distopt"] * distopt + (["--reference", str(reference)] if reference else [])
     cmd += ["--steps", str(steps)] if mode == "save" else []
+    cmd += ["--first-root", str(first_root)] if first_root else []
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return torch.load(f"{out}.pt", weights_only=False), done.stderr
@@ -54,19 +56,27 @@ def _launch(
 def saved_at(tmp_path_factory):
     """`saved_at(**layout)`: a `save` run of that layout, launched once for the module's tests.
 
-    Returns (checkpoint root, the save run's result, its global weights as a `--reference` file);
-    `load` runs only read the root.
+    Returns (checkpoint root, the save run's result, its global weights as a `--reference` file)
+    after two steps; `saved_at(**layout, first=True)` the same for the checkpoint that run wrote
+    before its first optimizer step. `load` runs only read the roots.
     """
     runs = {}
 
-    def get(**layout):
+    def get(first=False, **layout):
         key = tuple(sorted(layout.items()))
         if key not in runs:
             folder = tmp_path_factory.mktemp("saved")
-            result, _ = _launch("save", folder / "ckpt", folder / "saved", **layout)
-            torch.save(result["weights"], folder / "weights.pt")
-            runs[key] = (folder / "ckpt", result, folder / "weights.pt")
-        return runs[key]
+            result, _ = _launch(
+                "save", folder / "ckpt", folder / "saved", first_root=folder / "ckpt0", **layout
+            )
+            result0 = torch.load(folder / "saved_step0.pt", weights_only=False)
+            for name, saved in (("weights.pt", result), ("weights0.pt", result0)):
+                torch.save(saved["weights"], folder / name)
+            runs[key] = {
+                False: (folder / "ckpt", result, folder / "weights.pt"),
+                True: (folder / "ckpt0", result0, folder / "weights0.pt"),
+            }
+        return runs[key][first]
 
     return get
 
@@ -173,19 +183,16 @@ def test_pp2_vpp2_checkpoint_resumes_at_world_one(tmp_path, distopt):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("distopt", [False, True], ids=["adam", "distributed_optimizer"])
-def test_tp2_checkpoint_saved_before_the_first_optimizer_step_resumes_at_ep2(tmp_path, distopt):
+def test_tp2_checkpoint_saved_before_the_first_optimizer_step_resumes_at_ep2(tmp_path, saved_at, distopt):
     """No optimizer state exists yet: the weights reshard and the optimizer stays fresh.
 
-    (The run's first step has learning rate 0 in warm-up, so the continuation is checked by the
-    world-1 test in `test_checkpoint_resume.py`, which trains two steps after the resume.)
+    (The checkpoint the TP2 save run wrote before its first step. The run's first step has
+    learning rate 0 in warm-up, so the continuation is checked by the world-1 test in
+    `test_checkpoint_resume.py`, which trains two steps after the resume.)
     """
-    root = tmp_path / "ckpt"
-    saved, _ = _launch("save", root, tmp_path / "tp2", tp=2, distopt=distopt, steps=0)
-    torch.save(saved["weights"], tmp_path / "weights.pt")
+    root, saved, reference = saved_at(tp=2, distopt=distopt, first=True)
     assert saved["adam_step"] is None and saved["trainer_step"] == 0
-    resumed, _ = _launch(
-        "load", root, tmp_path / "ep2", ep=2, distopt=distopt, reference=tmp_path / "weights.pt"
-    )
+    resumed, _ = _launch("load", root, tmp_path / "ep2", ep=2, distopt=distopt, reference=reference)
     weights = resumed["weights"]
     assert weights.keys() == saved["weights"].keys()
     assert all(torch.equal(weights[k], saved["weights"][k]) for k in weights)

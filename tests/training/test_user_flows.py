@@ -9,6 +9,7 @@ One 5-step run (checkpoints at steps 2, 4 and 5; `keep_last` 2 leaves 4 and 5) i
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -222,6 +223,8 @@ def test_a_second_run_on_a_directory_in_use_is_refused(tmp_path):
         while not (tmp_path / "a" / "metrics.jsonl").is_file():
             assert first.poll() is None and time.monotonic() < deadline, "the first run did not start"
             time.sleep(0.5)
+        # Stopped, it still holds both locks and burns no CPU under the refused starts.
+        os.kill(first.pid, signal.SIGSTOP)
         same_run_dir = train(tmp_path / "a", "trainer.steps=2", f"trainer.weight_sync_dir={tmp_path / 'w2'}")
         assert_one_named_line(
             same_run_dir, f"trainer.run_dir={tmp_path / 'a'} is in use by another run (pid {first.pid}"
@@ -231,6 +234,7 @@ def test_a_second_run_on_a_directory_in_use_is_refused(tmp_path):
         assert first.poll() is None  # the first run is untouched
     finally:  # the lock is what this test checks; how fast SIGTERM ends a run is the launcher test's
         first.terminate()
+        os.kill(first.pid, signal.SIGCONT)  # to take the SIGTERM
         try:
             first.wait(timeout=120)
         except subprocess.TimeoutExpired:
