@@ -1,5 +1,7 @@
 """`megatron-gspo plan` and the H100 launch scripts, dry-run on CPU: the large configs validate and fit."""
 
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -33,9 +35,16 @@ def math_data(tmp_path):
     return path
 
 
-def plan(*args):
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "plan", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+def plan(*args) -> subprocess.CompletedProcess:
+    """`megatron-gspo plan ARGS` through the CLI's own `main`, in this process (an interpreter and its
+    imports a call saved: the launch scripts' dry runs below start it as a user does)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(ROOT), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli(["plan", *args])
+        except SystemExit as exit_:  # argparse's refusals
+            code = exit_.code
+    return subprocess.CompletedProcess(["megatron-gspo", "plan", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_shard_plan_counts_by_hand():
