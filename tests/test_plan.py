@@ -1,7 +1,5 @@
 """`megatron-gspo plan` and the H100 launch scripts, dry-run on CPU: the large configs validate and fit."""
 
-import contextlib
-import io
 import os
 import re
 import subprocess
@@ -9,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_in_process import run_cli_in_process
 
 from megatron_gspo.cli import main as cli
 from megatron_gspo.config.schema import WeightSyncConfig
@@ -36,15 +35,9 @@ def math_data(tmp_path):
 
 
 def plan(*args) -> subprocess.CompletedProcess:
-    """`megatron-gspo plan ARGS` through the CLI's own `main`, in this process (an interpreter and its
-    imports a call saved: the launch scripts' dry runs below start it as a user does)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.chdir(ROOT), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = cli(["plan", *args])
-        except SystemExit as exit_:  # argparse's refusals
-            code = exit_.code
-    return subprocess.CompletedProcess(["megatron-gspo", "plan", *args], code, out.getvalue(), err.getvalue())
+    """`megatron-gspo plan ARGS` in this process (the launch scripts' dry runs below start it as a
+    user does)."""
+    return run_cli_in_process("plan", *args)
 
 
 def test_shard_plan_counts_by_hand():
