@@ -1,6 +1,8 @@
 """User errors through the CLI as a user meets them: one named line on stderr, exit 2, no traceback.
 
-Each case runs `megatron-gspo train` in a subprocess; `--debug` brings the traceback back.
+What is refused before any work runs through the CLI's `main` in this process (`refused`); a
+case that starts processes, or whose traceback is the point, runs `megatron-gspo` in a subprocess.
+`--debug` brings the traceback back.
 """
 
 import os
@@ -9,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_in_process import run_cli_in_process as refused
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny_moe_cpu.yaml")
@@ -47,19 +50,19 @@ def assert_user_error(result: subprocess.CompletedProcess, *needles: str) -> Non
 def test_bad_yaml_is_one_named_line(tmp_path, text, needle):
     path = tmp_path / "bad.yaml"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
-    assert_user_error(run_cli("train", "--config", str(path)), str(path), needle)
+    assert_user_error(refused("train", "--config", str(path)), str(path), needle)
 
 
 def test_config_directory_is_named(tmp_path):
-    assert_user_error(run_cli("train", "--config", str(tmp_path)), "is a directory")
+    assert_user_error(refused("train", "--config", str(tmp_path)), "is a directory")
 
 
 def test_unknown_logging_level():
-    assert_user_error(run_cli("train", "--config", TINY, "logging.level=LOUD"), "logging.level", "LOUD")
+    assert_user_error(refused("train", "--config", TINY, "logging.level=LOUD"), "logging.level", "LOUD")
 
 
 def test_nproc_below_one():
-    assert_user_error(run_cli("train", "--config", TINY, "--nproc", "0"), "--nproc must be >= 1")
+    assert_user_error(refused("train", "--config", TINY, "--nproc", "0"), "--nproc must be >= 1")
 
 
 def test_debug_shows_the_traceback(tmp_path):
@@ -122,7 +125,7 @@ def test_nproc_worker_error_reported_once(tmp_path):
     ],
 )
 def test_values_refused_at_startup(tmp_path, override, needle):
-    result = run_cli("train", "--config", TINY, override, f"trainer.run_dir={tmp_path}/run")
+    result = refused("train", "--config", TINY, override, f"trainer.run_dir={tmp_path}/run")
     assert_user_error(result, needle)
     assert not (tmp_path / "run").exists(), "refused before creating the run dir"
 
@@ -130,14 +133,14 @@ def test_values_refused_at_startup(tmp_path, override, needle):
 def test_unwritable_run_dir_refused_before_sft(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    result = run_cli("train", "--config", TINY, f"trainer.run_dir={blocker}/run")
+    result = refused("train", "--config", TINY, f"trainer.run_dir={blocker}/run")
     assert_user_error(result, "cannot be written")
     assert "SFT" not in result.stderr
 
 
 def test_resume_without_checkpoint(tmp_path):
     run_dir = f"trainer.run_dir={tmp_path}/run"
-    assert_user_error(run_cli("train", "--config", TINY, "--resume", run_dir), "holds no checkpoint")
+    assert_user_error(refused("train", "--config", TINY, "--resume", run_dir), "holds no checkpoint")
 
 
 @pytest.mark.slow  # a real training run: ~11 s on a shared box
@@ -162,7 +165,7 @@ def test_resume_or_start_starts_fresh(tmp_path):
 
 
 def test_overrides_before_and_after_options_are_all_read():
-    result = run_cli("train", "--config", TINY, "trainer.save_every=1", "--nproc", "2", "trainer.steps=-1")
+    result = refused("train", "--config", TINY, "trainer.save_every=1", "--nproc", "2", "trainer.steps=-1")
     assert_user_error(result, "config error", "trainer.steps")
 
 
@@ -187,7 +190,7 @@ def test_drift_metrics_without_drift_is_refused_before_any_work(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 1, "rollout/reward_mean": 0.5}\n')
     out = tmp_path / "report"
-    result = run_cli(
+    result = refused(
         "drift", "--a", str(model), "--b", str(model), "--metrics", str(metrics), "--out", str(out)
     )
     assert_user_error(result, f"--metrics {metrics} has no drift/* metrics", "drift.enabled=true")

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_in_process import run_cli_in_process
 
 from megatron_gspo.cli import main as cli
 from megatron_gspo.config.schema import WeightSyncConfig
@@ -33,9 +34,10 @@ def math_data(tmp_path):
     return path
 
 
-def plan(*args):
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "plan", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+def plan(*args) -> subprocess.CompletedProcess:
+    """`megatron-gspo plan ARGS` in this process (the launch scripts' dry runs below start it as a
+    user does)."""
+    return run_cli_in_process("plan", *args)
 
 
 def test_shard_plan_counts_by_hand():

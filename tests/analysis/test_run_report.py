@@ -3,10 +3,9 @@
 import base64
 import json
 import re
-import subprocess
-import sys
 
 import pytest
+from cli_in_process import run_cli_in_process
 
 from megatron_gspo.analysis.run_report import drift_heatmap, mismatch_by_length
 
@@ -14,8 +13,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def report(*args):
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "report", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return run_cli_in_process("report", *map(str, args))
 
 
 def records_of(run_dir):
