@@ -137,27 +137,21 @@ def test_dp_attention_servers_take_tensor_updates_and_routed_experts_are_checked
     refuse_unfit_servers(urls, [{}, without], sync_method="distributed", routed_experts=False)
 
 
+def train_tiny(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
+    """`megatron-gspo train` of the tiny config for one step with `overrides`, as a user runs it."""
+    repo = Path(__file__).resolve().parents[2]
+    config = str(repo / "configs/tiny_moe_cpu.yaml")
+    cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", config, "trainer.steps=1"]
+    cmd += ["logging.progress_bar=false", f"trainer.run_dir={tmp_path}/run", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=repo)
+
+
 def test_train_refuses_a_dp2_server_at_start_up_in_one_line(dp2_server, tmp_path):
     """`megatron-gspo train` against a dp_size 2 server: exit 2 and the fix, before any sync or step."""
     server, _ = dp2_server
-    repo = Path(__file__).resolve().parents[2]
-    config = str(repo / "configs/tiny_moe_cpu.yaml")
-    overrides = [
-        f"rollout.server_urls=[{server.url}]",
-        "sft.steps=0",
-        "sft.target_accuracy=null",
-        "trainer.steps=1",
-        "logging.progress_bar=false",
-        f"trainer.run_dir={tmp_path}/run",
-    ]
-    done = subprocess.run(
-        [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", config, *overrides],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=300,
-        cwd=repo,
-    )
+    no_sft = ["sft.steps=0", "sft.target_accuracy=null"]
+    done = train_tiny(tmp_path, f"rollout.server_urls=[{server.url}]", *no_sft)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stderr
     assert f"rollout server {server.url} was launched with dp_size=2" in done.stderr
@@ -184,24 +178,9 @@ def test_an_unreachable_endpoint_is_refused_by_name(dp2_server, field):
 @pytest.mark.slow
 def test_train_refuses_an_unreachable_router_before_sft(tmp_path):
     """Found at start-up in one line, not after the whole SFT phase (which was then thrown away)."""
-    repo = Path(__file__).resolve().parents[2]
     dead = _closed_port_url()
-    overrides = [
-        f"rollout.router_url={dead}",
-        "rollout.server_start_timeout_s=1",
-        "sft.steps=20",
-        "trainer.steps=1",
-        "logging.progress_bar=false",
-        f"trainer.run_dir={tmp_path}/run",
-    ]
-    config = str(repo / "configs/tiny_moe_cpu.yaml")
-    done = subprocess.run(
-        [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", config, *overrides],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=300,
-        cwd=repo,
+    done = train_tiny(
+        tmp_path, f"rollout.router_url={dead}", "rollout.server_start_timeout_s=1", "sft.steps=20"
     )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stderr and "SFT step" not in done.stdout + done.stderr
