@@ -42,6 +42,7 @@ import tenacity
 
 from megatron_gspo.rollout.control import ControlMixin
 from megatron_gspo.rollout.errors import (
+    GenerationCancelledError,
     MalformedResponseError,
     RolloutBatchTimeoutError,
     RolloutRequestError,
@@ -72,6 +73,9 @@ class _Batch:
         self.rids = rids  # per job, the request ids of its rows
         self.failed = threading.Event()
         self.servers: dict[int, str] = {}  # job -> server of its attempt in flight
+        self.cancelled: cf.Future = cf.Future()
+        """Done once every job is (result None), or at `cancel_generation` (its exception): one wait
+        covers both."""
         self._on_failed = on_failed
         self._lock = threading.Lock()
 
@@ -86,7 +90,29 @@ class _Batch:
 
     def start(self, pool: cf.Executor, send: Callable[..., Any], jobs: Sequence) -> list[cf.Future]:
         """Submit `send(job, self, index)` for each job; the futures in job order."""
-        return [pool.submit(self._run, send, job, index) for index, job in enumerate(jobs)]
+        futures = [pool.submit(self._run, send, job, index) for index, job in enumerate(jobs)]
+        left = [len(futures)]
+
+        def one_done(_: cf.Future) -> None:
+            with self._lock:
+                left[0] -= 1
+                if left[0] or self.cancelled.done():
+                    return
+                self.cancelled.set_result(None)
+
+        for future in futures:
+            future.add_done_callback(one_done)
+        return futures
+
+    def cancel(self) -> None:
+        """End the call waiting on this batch with `GenerationCancelledError` (unless it is done)."""
+        with self._lock:
+            if not self.cancelled.done():
+                self.cancelled.set_exception(GenerationCancelledError("rollout generation cancelled"))
+
+    @property
+    def was_cancelled(self) -> bool:
+        return self.cancelled.done() and self.cancelled.exception() is not None
 
     def _run(self, send: Callable[..., Any], job: Any, index: int) -> Any:
         """Run one job unless the batch has failed; a job failing for good stops the batch at once.
@@ -181,6 +207,7 @@ class SGLangClient(ControlMixin, FleetMixin):
         self._pool = cf.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang-generate")
         self._background = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="sglang-control")
         self._lock = threading.Lock()
+        self._batches: set[_Batch] = set()  # the generate calls under way (`cancel_generation`)
         self._in_flight = dict.fromkeys(self.urls, 0)
         self._turn = itertools.count()
         self._init_fleet(router_url, min_workers)
@@ -254,6 +281,17 @@ class SGLangClient(ControlMixin, FleetMixin):
         self._wait_batch(futures, batch)
         return [response for f in futures for response in f.result()]
 
+    def cancel_generation(self) -> None:
+        """End every `generate` call under way with `GenerationCancelledError` (a run stopping).
+
+        Their requests in flight are aborted on the servers, and the calls wait only a short
+        while (`health_timeout_s`) for them to come back. Later calls are not affected.
+        """
+        with self._lock:
+            batches = list(self._batches)
+        for batch in batches:
+            batch.cancel()
+
     def _wait_batch(self, futures: list[cf.Future], batch: _Batch) -> None:
         """Return when every job succeeded; else stop the batch and raise its first error or a timeout."""
         deadline = None if self.batch_timeout_s is None else time.monotonic() + self.batch_timeout_s
@@ -261,22 +299,33 @@ class SGLangClient(ControlMixin, FleetMixin):
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
-        done, pending = cf.wait(futures, timeout=left(), return_when=cf.FIRST_EXCEPTION)
+        with self._lock:
+            self._batches.add(batch)
+        try:
+            done, pending = cf.wait(
+                [*futures, batch.cancelled], timeout=left(), return_when=cf.FIRST_EXCEPTION
+            )
+        finally:
+            with self._lock:
+                self._batches.discard(batch)
         errors = [f for f in futures if f in done and f.exception() is not None and not _not_sent(f)]
-        if not errors and not pending:
+        pending.discard(batch.cancelled)
+        if not errors and not pending and not batch.was_cancelled:
             return
         batch.fail()  # wakes backoff sleeps and stops further retries of this batch
         for f in futures:
             f.cancel()
+        if batch.was_cancelled:  # the run is stopping: abort what is out now, wait briefly
+            running = {f for f in futures if not f.done()}
+            self._abort_in_flight(batch, futures, running)
+            cf.wait(futures, timeout=self.health_timeout_s)
+            raise batch.cancelled.exception()
         # Nothing of a failed batch may still be running when we raise, within the time cap.
         _, running = cf.wait(futures, timeout=left())
         if errors and not running:
             raise errors[0].exception()
+        in_flight = self._abort_in_flight(batch, futures, running)
         jobs = {f: job for job, f in enumerate(futures)}
-        in_flight = batch.in_flight([jobs[f] for f in running])
-        for url, rids in in_flight.items():
-            for target in self.urls if self.router is not None else [url]:  # the router does not route aborts
-                self._background.submit(self._abort, target, rids)
         unfinished = [job for f, job in jobs.items() if not f.done() or f.cancelled() or _not_sent(f)]
         raise RolloutBatchTimeoutError(
             timeout_s=self.batch_timeout_s,
@@ -284,6 +333,15 @@ class SGLangClient(ControlMixin, FleetMixin):
             pending=sum(len(batch.rids[job]) for job in unfinished),
             total=sum(len(r) for r in batch.rids),
         ) from (errors[0].exception() if errors else None)
+
+    def _abort_in_flight(self, batch: _Batch, futures: list[cf.Future], running) -> dict[str, list[str]]:
+        """Ask the servers to abort the requests of `running` jobs; server -> those request ids."""
+        jobs = {f: job for job, f in enumerate(futures)}
+        in_flight = batch.in_flight([jobs[f] for f in running])
+        for url, rids in in_flight.items():
+            for target in self.urls if self.router is not None else [url]:  # the router does not route aborts
+                self._background.submit(self._abort, target, rids)
+        return in_flight
 
     def _abort(self, url: str, rids: list[str]) -> None:
         """Best effort: ask `url` to abort requests `rids` (SGLang answers them at once, finish `abort`)."""

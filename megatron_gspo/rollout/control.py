@@ -31,6 +31,7 @@ class ControlMixin:
     _http: httpx.Client
     _background: cf.Executor
     _post: Callable[..., tuple[str, httpx.Response]]
+    drop_lost_workers: Callable[[dict[str, BaseException], str], dict[str, BaseException]]
 
     def update_weights_from_disk(
         self,
@@ -216,20 +217,26 @@ class ControlMixin:
     running requests, so SGLang refuses `/flush_cache` until generation continues."""
 
     def pause_generation(self, mode: str | None = None) -> list[dict[str, Any]]:
-        """Pause scheduling on every server (``mode``: SGLang's ``abort``/``retract``/``in_place``)."""
+        """Pause scheduling on every server (``mode``: SGLang's ``abort``/``retract``/``in_place``).
+
+        Behind a router a worker that cannot be reached is dropped from the fleet
+        (`drop_lost_workers`), the others stay paused; the answers are the others'.
+        """
         self.paused_in_place = mode == "in_place"
-        return self._broadcast(
-            "/pause_generation", {} if mode is None else {"mode": mode}, expect_success=False
-        )
+        body = {} if mode is None else {"mode": mode}
+        return self._broadcast("/pause_generation", body, expect_success=False, drop_lost=True)
 
     def continue_generation(self) -> list[dict[str, Any]]:
-        """Resume scheduling on every server."""
+        """Resume scheduling on every server (behind a router, a lost worker is dropped, as in a pause)."""
         self.paused_in_place = False
-        return self._broadcast("/continue_generation", {}, expect_success=False)
+        return self._broadcast("/continue_generation", {}, expect_success=False, drop_lost=True)
 
     def flush_cache(self) -> list[dict[str, Any]]:
-        """Flush every server's prefix cache (SGLang answers 400 while requests are running)."""
-        return self._broadcast("/flush_cache", {}, expect_success=False)
+        """Flush every server's prefix cache (SGLang answers 400 while requests are running).
+
+        Behind a router a lost worker is dropped, as in a pause: the others' weights are in place.
+        """
+        return self._broadcast("/flush_cache", {}, expect_success=False, drop_lost=True)
 
     def release_memory_occupation(self, tags: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """Free GPU memory (``tags``: ``weights``, ``kv_cache``); needs ``--enable-memory-saver``."""
@@ -254,25 +261,45 @@ class ControlMixin:
         retry: bool = True,
         expect_success: bool = True,
         timeout_s: float | None = None,
+        drop_lost: bool = False,
     ) -> list[dict[str, Any]]:
-        """POST to every server at once (one body for all, or one per server); all answers or an error."""
-        bodies = [body] * len(self.urls) if isinstance(body, Mapping) else list(body)
+        """POST to every server at once (one body for all, or one per server); all answers or an error.
+
+        `drop_lost`: an unreachable server is handed to `drop_lost_workers` (behind a router it
+        leaves the fleet and its failure is not raised).
+        """
+        urls = list(self.urls)
+        bodies = [body] * len(urls) if isinstance(body, Mapping) else list(body)
         call = functools.partial(
-            self._control_call, retry=retry, expect_success=expect_success, timeout_s=timeout_s
+            self._control_call,
+            retry=retry and not drop_lost,  # a dead worker is known at once; a live one is retried below
+            expect_success=expect_success,
+            timeout_s=timeout_s,
         )
-        if not self.urls:  # a fleet emptied by removals (its FleetTooSmallError is on its way up)
+        if not urls:  # a fleet emptied by removals (its FleetTooSmallError is on its way up)
             return []
-        if len(self.urls) == 1:  # no thread to start for one server
-            return [call(self.urls[0], path, bodies[0])]
-        with cf.ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="sglang-broadcast") as pool:
-            futures = [pool.submit(call, url, path, b) for url, b in zip(self.urls, bodies)]
-            cf.wait(futures)
-        failures = [(url, f.exception()) for url, f in zip(self.urls, futures) if f.exception() is not None]
+        if len(urls) == 1:  # no thread to start for one server
+            futures = [_done(call, urls[0], path, bodies[0])]
+        else:
+            with cf.ThreadPoolExecutor(len(urls), thread_name_prefix="sglang-broadcast") as pool:
+                futures = [pool.submit(call, url, path, b) for url, b in zip(urls, bodies)]
+                cf.wait(futures)
+        failures = [(url, f.exception()) for url, f in zip(urls, futures) if f.exception() is not None]
+        if drop_lost and failures:
+            unreachable = {u: e for u, e in failures if isinstance(e, RolloutServerError)}
+            alive = self.drop_lost_workers(unreachable, path) if unreachable else {}
+            again = functools.partial(call, retry=retry)
+            futures = [
+                _done(again, u, path, b) if u in alive else f for u, b, f in zip(urls, bodies, futures)
+            ]
+            failures = [(u, f.exception()) for u, f in zip(urls, futures) if f.exception() is not None]
+            failures = [(u, e) for u, e in failures if u not in unreachable or u in alive]
+            futures = [f for u, f in zip(urls, futures) if u in self.urls]
         if not failures:
             return [f.result() for f in futures]
         url, first = failures[0]
-        if len(self.urls) > 1 and isinstance(first, WeightUpdateError):
-            failed = f"{len(failures)} of {len(self.urls)} failed: " + ", ".join(u for u, _ in failures)
+        if len(urls) > 1 and isinstance(first, WeightUpdateError):
+            failed = f"{len(failures)} of {len(urls)} failed: " + ", ".join(u for u, _ in failures)
             raise WeightUpdateError(
                 url=url,
                 path=path,
@@ -307,3 +334,13 @@ class ControlMixin:
                 server_message=str(answer.get("message", f"no success field in {answer!r}")),
             )
         return answer
+
+
+def _done(call: Callable[..., Any], *args: Any) -> cf.Future:
+    """`call(*args)` run here, as a finished future (its result or its exception)."""
+    future: cf.Future = cf.Future()
+    try:
+        future.set_result(call(*args))
+    except Exception as err:  # noqa: BLE001 - handed over like a pool's future
+        future.set_exception(err)
+    return future

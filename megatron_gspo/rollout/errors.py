@@ -69,6 +69,10 @@ class RolloutBatchTimeoutError(RolloutFault):
         )
 
 
+class GenerationCancelledError(RolloutFault):
+    """A `generate` call was cancelled (`SGLangClient.cancel_generation`: the run is stopping)."""
+
+
 class RolloutRequestError(RuntimeError):
     """A server refused a request with a 4xx status; retrying the same body cannot help.
 

@@ -18,11 +18,18 @@ So a worker that does not answer ``/destroy_weights_update_group`` within a boun
 sync's `release_timeout_s`) is *held*: it is set aside like a lost one (its weights may be
 half-updated: SGLang loads each bucket as it arrives) and comes back once it answers the
 session's end and the group's destruction, i.e. once its own collective timed out.
+
+A worker lost while the fleet pauses or continues generation (`rollout.update_mode` pause /
+partial) is dropped the same way (`drop_lost_workers`), so the others are still paused, synced
+and continued; the size check is the sync's. A worker left paused (by a run killed mid-sync)
+answers SGLang's ``GET /ready`` with 503: start-up continues it (`continue_paused_workers`).
+Every removal and readmission is logged with its reason.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 import time
 from dataclasses import dataclass
 
@@ -30,6 +37,7 @@ import httpx
 
 from megatron_gspo.rollout.errors import RolloutFault, RolloutServerError
 
+logger = logging.getLogger(__name__)
 REMOVAL_WAIT_S = 10.0
 """How long a removal may take to show in the router's list (it is queued there)."""
 HELD_PROBE_S = 5.0
@@ -128,6 +136,8 @@ class FleetMixin:
 
     def _init_fleet(self, router_url: str | None, min_workers: int) -> None:
         self.min_workers = min_workers
+        self._unreported: dict[str, str] = {}
+        """Workers dropped outside a sync (pause, continue) -> why: named by the next size check."""
         self._removed: dict[str, str | None] = {}
         """Workers out of the router -> the group they are held in (None: lost); probed before a sync."""
         self.fleet = FleetStats(workers=len(self.urls))
@@ -140,7 +150,7 @@ class FleetMixin:
         return {url: self._health_problem(url) is None for url in self.urls}
 
     def wait_until_healthy(self, timeout_s: float = 300.0, poll_s: float = 0.5) -> None:
-        """Block until every server answers ``/health`` with 200.
+        """Block until every server answers ``/health`` with 200 (a paused one is continued first).
 
         Raises:
             RolloutServerError: some server is still unhealthy after ``timeout_s``.
@@ -161,6 +171,7 @@ class FleetMixin:
                     last_error=f"{problem} (waited {timeout_s:.1f}s)",
                 )
             time.sleep(poll_s)
+        self.continue_paused_workers()  # else its /health waits out the pause: 503, retried to the deadline
         pending = list(self.urls)
         problems: dict[str, str] = {}
         polls = 0
@@ -207,8 +218,8 @@ class FleetMixin:
             return []
         self.refresh_workers()
         dead = {url: p for url in self.urls if (p := self._liveness_problem(url)) is not None}
-        for url in dead:
-            self.router.remove(url)
+        for url, problem in dead.items():
+            self._remove(url, f"/model_info: {problem}")
         back = [url for url, group in self._removed.items() if self._back_problem(url, group) is None]
         self._removed = {u: g for u, g in self._removed.items() if u not in back} | dict.fromkeys(dead)
         self.urls = sorted((set(self.urls) - set(dead)) | set(back))
@@ -244,8 +255,8 @@ class FleetMixin:
         }
         if self.router is None:
             return []
-        for url in held:
-            self.router.remove(url)
+        for url, problem in held.items():
+            self._remove(url, problem)
         self._removed |= dict.fromkeys(held, group_name)
         self.urls = [url for url in self.urls if url not in held]
         self.fleet.workers = len(self.urls)
@@ -260,10 +271,57 @@ class FleetMixin:
         missing = [url for url in self.urls if url not in self.router.list()]
         for url in missing:
             self.router.add(url)
+            logger.info("rollout worker %s readmitted to the router: synced to the current weights", url)
         self.fleet.rejoined += len(missing)
         return missing
 
+    def drop_lost_workers(self, failed: dict[str, BaseException], path: str) -> dict[str, BaseException]:
+        """Behind a router: remove the workers of `failed` that no longer answer; the failures left.
+
+        For control calls sent to the whole fleet (pause, continue): a worker that failed one and
+        does not answer ``/model_info`` is lost, removed as `remove_unhealthy_workers` does (the
+        fleet's size is checked by the next sync, on every rank). Without a router nothing is
+        removed: every failure is left.
+        """
+        if self.router is None:
+            return failed
+        lost = {url: err for url, err in failed.items() if self._liveness_problem(url) is not None}
+        for url, err in lost.items():
+            self._remove(url, f"{path}: {err}")
+            self._unreported[url] = f"{path}: {err}"
+        self._removed |= dict.fromkeys(lost)
+        self.urls = [url for url in self.urls if url not in lost]
+        self.fleet.workers = len(self.urls)
+        self.fleet.removed += len(lost)
+        return {url: err for url, err in failed.items() if url not in lost}
+
+    def continue_paused_workers(self) -> list[str]:
+        """Continue every server that says it is paused (SGLang's ``GET /ready``: 503); those continued.
+
+        A run stopped between pausing the fleet and continuing it (killed mid-sync) leaves its
+        servers paused: every request would wait there until `rollout.batch_timeout_s`. A
+        server without ``/ready`` (404) or not answering is left to the health wait.
+        """
+        paused = []
+        for url in self.urls:
+            try:
+                ready = self._http.get(f"{url}/ready", timeout=self.health_timeout_s).status_code
+                if ready != 503 or self._liveness_problem(url) is not None:
+                    continue  # ready, without /ready, or still starting
+                self._http.post(f"{url}/continue_generation", json={}, timeout=self.health_timeout_s)
+            except httpx.HTTPError:
+                continue
+            logger.warning("start-up: rollout server %s was paused (GET /ready: 503): continued it", url)
+            paused.append(url)
+        return paused
+
+    def _remove(self, url: str, reason: str) -> None:
+        """Take `url` out of the router's rotation (the caller updates `urls`), saying why."""
+        self.router.remove(url)
+        logger.warning("rollout worker %s removed from the fleet: %s", url, reason)
+
     def _check_size(self, lost: dict[str, str]) -> None:
+        lost, self._unreported = {**self._unreported, **lost}, {}
         if len(self.urls) < self.min_workers:
             names = "; ".join(f"{u}: {p}" for u, p in lost.items()) or "none this time"
             held = sorted(url for url, group in self._removed.items() if group is not None)

@@ -64,6 +64,7 @@ from megatron_gspo.model.hf_export import export_hf_checkpoint
 from megatron_gspo.model.optim import build_optimizer, ddp_options, wrap_ddp
 from megatron_gspo.model.packing import packing_layout
 from megatron_gspo.rollout import RolloutBatch
+from megatron_gspo.rollout.fleet import FleetTooSmallError
 from megatron_gspo.tasks import PromptStream, evaluate_accuracy
 from megatron_gspo.tasks.prompt_check import check_prompts
 from megatron_gspo.tasks.tokenizer import resolve_add_bos
@@ -75,10 +76,7 @@ from megatron_gspo.training.run_setup import load_tokenizer, weight_sync_dir
 from megatron_gspo.training.server_checks import check_servers, refuse_unreachable_endpoints
 from megatron_gspo.training.sft import run_sft
 from megatron_gspo.training.shm_exports import claim_export_dir
-from megatron_gspo.training.step.metrics import (
-    peak_memory_metrics,
-    progress_label,
-)
+from megatron_gspo.training.step.metrics import peak_memory_metrics, progress_label
 from megatron_gspo.training.step.micro_batches import DataLayout
 from megatron_gspo.training.step.rollouts import RolloutEngine, rollout_servers
 from megatron_gspo.training.step.routing import StepRouting
@@ -420,9 +418,14 @@ class Trainer:
             self.counters["skipped_steps"] += int(metrics["train/skipped_steps"])
         t2 = time.perf_counter()
         bump = 2 if cfg.debug.version_gap_at_step == self.step else 1
-        with self.ahead.around_sync() if self.ahead else contextlib.nullcontext():
-            sync = self.weight_sync.sync(engine.client if self.rank0 else None, self.weight_version + bump)
-            self.weight_version += bump
+        try:
+            with self.ahead.around_sync() if self.ahead else contextlib.nullcontext():
+                sync = self.weight_sync.sync(engine and engine.client, self.weight_version + bump)
+                self.weight_version += bump
+        except FleetTooSmallError:  # every rank: the step trained is kept, the run stops by name
+            with self._rollouts_paused():
+                self._save(reshardable=cfg.trainer.reshardable_at_end)
+            raise
         metrics.update(sync.metrics())
         t3 = time.perf_counter()
         metrics.update(
@@ -528,10 +531,7 @@ class Trainer:
         return {"last": log.last, "evals": evals}
 
     def _start_producer(self, engine: RolloutEngine | None) -> contextlib.AbstractContextManager:
-        """Rank 0 with `rollout.max_staleness >= 1`: start sampling ahead (closed with the servers).
-
-        Batches left in the queue at exit are not trained; a resumed run starts with an empty queue.
-        """
+        """Rank 0 with `rollout.max_staleness >= 1`: sample ahead; batches queued at exit are not trained."""
         k = self.cfg.rollout.max_staleness
         if not (self.rank0 and k):
             return contextlib.nullcontext()

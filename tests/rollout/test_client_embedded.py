@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from megatron_gspo.model.config import tiny
@@ -15,6 +16,7 @@ from megatron_gspo.rollout import (
     build_generate_request,
     parse_generate_response,
 )
+from megatron_gspo.rollout.errors import GenerationCancelledError
 from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 
@@ -112,3 +114,24 @@ def test_generate_batched_equals_single_requests_and_keeps_order(client):
         )
         assert sample.response_length == len(a["output_ids"]) >= 1
     assert client.generate_batched([]) == []
+
+
+def test_cancel_generation_ends_a_batch_under_way(client):
+    """A stopping run (its producer closed) ends the batch it generates instead of waiting for it."""
+    url, long = client.urls[0], 400
+
+    def generated() -> int:
+        return int(httpx.get(f"{url}/get_server_info", timeout=30).json()["num_generated_tokens"])
+
+    before = generated()
+    params = {"max_new_tokens": long, "temperature": 1.0, "ignore_eos": True}
+    bodies = [
+        build_generate_request([1, 2, 3], {**params, "sampling_seed": j}, rid=f"c{j}") for j in range(4)
+    ]
+    call = client._background.submit(client.generate_batched, bodies)
+    while generated() < before + 8:  # the batch is generating (hang guard: the call's own)
+        assert not call.done(), call.exception()
+    client.cancel_generation()
+    with pytest.raises(GenerationCancelledError):
+        call.result(timeout=60)
+    assert generated() < before + 4 * long  # aborted on the server, not generated to the end

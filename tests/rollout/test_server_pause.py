@@ -117,12 +117,14 @@ def test_weight_update_while_paused_mid_generation(server, checkpoints, mode):
         (400, "Flush cache failed.\n") if mode == "in_place" else (200, "Cache flushed.\n")
     )
     assert httpx.get(f"{url}/health_generate", timeout=30).status_code == 503  # paused: no token came
+    assert httpx.get(f"{url}/ready", timeout=30).status_code == 503  # SGLang's flag check, at once
     update = httpx.post(
         f"{url}/update_weights_from_disk", json={"model_path": str(b), "weight_version": "1"}, timeout=60
     )
     assert update.json()["success"] is True  # ran while the request was held mid-generation
     assert thread.is_alive()
     httpx.post(f"{url}/continue_generation", json={})
+    assert httpx.get(f"{url}/ready", timeout=30).status_code == 200
     thread.join(300)
     assert httpx.post(f"{url}/flush_cache").status_code == 200  # idle again
     response = holder["r"]

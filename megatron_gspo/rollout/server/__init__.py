@@ -30,8 +30,8 @@ What it implements, and how it differs from SGLang:
   /flush_cache (nothing is cached between requests, yet refused with 400 when SGLang refuses
   it: unless idle, see `BatchScheduler.idle_for_flush`); GET /health and /health_generate
   (as SGLang's: one token through the batcher, 503 after SGLANG_HEALTH_CHECK_TIMEOUT s, so
-  while paused a 503 after that wait), /model_info (the live `model_path` and
-  `weight_version`), /server_info (the launch arguments: launch `model_path` and
+  while paused a 503 after that wait), /ready (503 while paused, at once), /model_info (the
+  live `model_path` and `weight_version`), /server_info (the launch arguments: launch `model_path` and
   `weight_version`, never updated), and their `/get_` aliases. /get_server_info also
   reports `num_generated_tokens` (not SGLang's): the output tokens decoded since start, so that
   a caller sees a generation under way and how far it got (tests land a weight sync after the

@@ -122,6 +122,10 @@ class RolloutService:
             return HTTPStatus.OK, ""
         return self.health_generate(body)
 
+    def ready(self, body: Any) -> tuple[int, Any]:
+        """GET /ready: 503 while generation is paused, else 200, nothing generated (SGLang's `is_ready`)."""
+        return (HTTPStatus.SERVICE_UNAVAILABLE if self.scheduler.paused else HTTPStatus.OK), ""
+
     def health_generate(self, body: Any) -> tuple[int, Any]:
         """GET /health_generate: 200 once the batcher shows life, 503 after SGLang's health timeout.
 
@@ -388,6 +392,7 @@ class RolloutService:
 GET_ROUTES = {
     "/health": RolloutService.health,
     "/health_generate": RolloutService.health_generate,
+    "/ready": RolloutService.ready,
     "/get_model_info": RolloutService.model_info,
     "/model_info": RolloutService.model_info,
     "/get_server_info": RolloutService.server_info,

@@ -8,6 +8,9 @@ producer's gate still holds them, so a batch starts at a known version):
   the weights are updated while requests are held, and generation continues;
 - `partial`: `PartialRollouts.sync` aborts the requests in flight (their tokens so far kept) and
   resubmits them under the new weights once the sync is done.
+
+Behind a router a worker lost before or during the sync is dropped from the pause, the sync and
+the continue (`fleet.FleetMixin.drop_lost_workers`); the others are continued whatever happened.
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ class InFlightUpdates:
                 with self.partial.sync():
                     yield
                 return
-            self.client.pause_generation(self.pause_mode)
-            try:
+            try:  # a pause that failed on one server still continues those it paused
+                self.client.pause_generation(self.pause_mode)
                 yield
             finally:
                 self.client.continue_generation()

@@ -61,6 +61,8 @@ class RolloutProducer:
             with requests in flight (`inflight_updates`).
         bound_version: the version of a batch the bound is checked on (default: the version it
             was started at; responses spanning versions pass their oldest token's).
+        cancel: ends the batch being generated (`close` calls it): a stopping run does not wait
+            for a batch it will not train on.
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class RolloutProducer:
         *,
         wait_in_flight: bool = True,
         bound_version: Callable[[VersionedBatch], int] | None = None,
+        cancel: Callable[[], None] | None = None,
     ):
         if max_staleness < 1:
             raise ValueError(f"max_staleness must be >= 1 for a producer, got {max_staleness}")
@@ -79,6 +82,7 @@ class RolloutProducer:
         self._wait_in_flight = wait_in_flight
         self._bound_version = bound_version or (lambda item: item.weight_version)
         self._version, self._groups_of = current_version, groups_of
+        self._cancel = cancel
         self._cond = threading.Condition()
         self._queue: deque[VersionedBatch] = deque()
         self._outstanding = 0  # started and not yet taken (in generation + queued)
@@ -101,10 +105,12 @@ class RolloutProducer:
         self.close()
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Stop the producer after its current batch (no new batch starts) and join it."""
+        """Stop the producer: no new batch starts, the current one is cancelled (or finished); join it."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        if self._cancel is not None and self._thread.is_alive():
+            self._cancel()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 

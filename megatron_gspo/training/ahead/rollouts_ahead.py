@@ -82,6 +82,7 @@ class RolloutsAhead:
             lambda b: b.batch_size // b.group_size,
             wait_in_flight=rollout.update_mode == "drain",
             bound_version=bound,
+            cancel=engine.client.cancel_generation,  # a stopping run (SIGTERM) waits for no batch
         )
         if rollout.update_mode == "drain":  # a sync waits for the batch's responses, not its scoring
             engine.on_responses = self.producer.requests_done
