@@ -241,6 +241,7 @@ def load_sharded(
             _set_bucket_steps(filled["param_state"], step)
         with torch.no_grad():  # distributed optimizer: main params are views of model parameters
             leaf.load_state_dict(filled)
+        _drop_group_steps(leaf)
 
 
 def load_model_sharded(directory: Path, model: torch.nn.Module) -> None:
@@ -283,6 +284,20 @@ def _set_step(leaf_state: dict[str, Any], step: int | None, distributed: bool) -
         return
     state = leaf_state["optimizer"]["state"] if "optimizer" in leaf_state else leaf_state["state"]
     state["common_step"] = torch.tensor(float(step))
+
+
+def _drop_group_steps(leaf) -> None:
+    """Leave a step count only where the inner optimizer advances it (as in a run never resumed).
+
+    Megatron's DistributedOptimizer hands its saved param groups, `step` included, to torch's
+    Adam, which keeps the key but counts per parameter: the group copy would stay at the resumed
+    step while the parameters' counts advance, and the next save would find them apart.
+    TE/apex FusedAdam count per group and keep no per-parameter step; theirs stays.
+    """
+    inner = leaf.optimizer
+    if any("step" in s for s in inner.state.values()):
+        for group in inner.param_groups:
+            group.pop("step", None)
 
 
 def _set_bucket_steps(param_state: Any, step: int) -> None:

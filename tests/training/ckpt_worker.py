@@ -5,11 +5,13 @@
                                  (--save-at 0: a checkpoint before the first optimizer step;
                                  --routine: layout-bound saves, `reshardable=False`)
     python ckpt_worker.py resume --root R --out O [--steps 5] [--ep 2] [--distopt] [--fallback]
+                                 [--routine --resave]
 
 Under torchrun every rank writes `O.rank<r>.pt`: the metrics of the steps after the checkpoint,
 one draw from each RNG stream right after the (first) save (full) or the load (resume), the
 final global weights and the trainer state at the end. `--fallback` resumes as the trainer's
-`--resume` does: from the newest intact checkpoint.
+`--resume` does: from the newest intact checkpoint; `--resave` saves the resumed run once more at
+the end and loads that checkpoint back before the weights are taken.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from ckpt_common import build_run, draw_probes, train_step  # noqa: E402
 
+from megatron_gspo.checkpoint.dist import optimizer_step_count
 from megatron_gspo.checkpoint.load import load_checkpoint
 from megatron_gspo.checkpoint.save import save_checkpoint
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed  # noqa: E402
@@ -42,6 +45,7 @@ def main() -> None:
     parser.add_argument("--distopt", action="store_true")
     parser.add_argument("--fallback", action="store_true")
     parser.add_argument("--routine", action="store_true")
+    parser.add_argument("--resave", action="store_true")
     args = parser.parse_args()
     run = build_run(ParallelConfig(expert_parallel=args.ep, distributed_optimizer=args.distopt))
     metrics, probes = [], None
@@ -76,12 +80,24 @@ def main() -> None:
         run.load_trainer_state(state)
         while run.step < args.steps:
             metrics.append(train_step(run))
+        if args.resave:
+            save_checkpoint(
+                args.root,
+                run.step,
+                model=run.ddp,
+                optimizer=run.optimizer,
+                scheduler=run.scheduler,
+                trainer_state=run.trainer_state(),
+                reshardable=not args.routine,
+            )
+            load_checkpoint(args.root, model=run.ddp, optimizer=run.optimizer, scheduler=run.scheduler)
     result = {
         "metrics": metrics,
         "probes": probes,
         "weights": gather_global_state_dict(run.model),
         "trainer_state": run.trainer_state(),
         "loss_std": run.stats.std,
+        "optimizer_step": optimizer_step_count(run.optimizer),
     }
     torch.save(result, f"{args.out}.rank{dist.get_rank()}.pt")
     destroy_distributed()

@@ -1,6 +1,6 @@
 """Resume in a fresh process equals the uninterrupted run: world 1 (also from a checkpoint saved
-before the first optimizer step), and EP2 x DP2 under torchrun, also when the newest checkpoint
-is damaged on one rank (all ranks fall back together)."""
+before the first optimizer step), and EP2 x DP2 under torchrun (the resumed run saving again),
+also when the newest checkpoint is damaged on one rank (all ranks fall back together)."""
 
 import os
 import subprocess
@@ -73,9 +73,12 @@ def test_expert_parallel_distributed_optimizer_resume_is_exact(tmp_path, routine
     assert ours == {"rank_00000.pt", "rank_00001.pt", "trainer_state.pt"}
     # Both ranks wrote megatron data files (fully parallel save).
     assert {"dist/__0_0.distcp", "dist/__1_0.distcp"} <= set(meta["files"])
-    resumed = _launch("resume", tmp_path / "ckpt", tmp_path / "resumed", world=2, extra=args)
+    # The resumed run saves once more and loads that checkpoint back (its weights are compared).
+    resumed = _launch("resume", tmp_path / "ckpt", tmp_path / "resumed", world=2, extra=(*args, "--resave"))
     for rank in range(2):
         _assert_same_continuation(full[rank], resumed[rank])
+        assert resumed[rank]["optimizer_step"] == full[rank]["optimizer_step"] == 5
+    assert read_meta(tmp_path / "ckpt" / "step_00000005")["optimizer_step"] == 5
     # Each rank restored its own RNG streams (they differ between ranks).
     assert full[0]["probes"]["python"] != full[1]["probes"]["python"]
     # The same checkpoint refused by a single process (a different layout).
