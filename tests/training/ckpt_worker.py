@@ -34,6 +34,19 @@ from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed 
 from megatron_gspo.model.sharding import gather_global_state_dict  # noqa: E402
 
 
+def save(run, args) -> None:
+    """Checkpoint `run` at its step into `--root`."""
+    save_checkpoint(
+        args.root,
+        run.step,
+        model=run.ddp,
+        optimizer=run.optimizer,
+        scheduler=run.scheduler,
+        trainer_state=run.trainer_state(),
+        reshardable=not args.routine,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["full", "resume"])
@@ -52,15 +65,7 @@ def main() -> None:
     if args.mode == "full":
         while True:
             if run.step in args.save_at:  # step 0: before the first optimizer step
-                save_checkpoint(
-                    args.root,
-                    run.step,
-                    model=run.ddp,
-                    optimizer=run.optimizer,
-                    scheduler=run.scheduler,
-                    trainer_state=run.trainer_state(),
-                    reshardable=not args.routine,
-                )
+                save(run, args)
                 if run.step == min(args.save_at):
                     probes = draw_probes()
             if run.step == args.steps:
@@ -81,15 +86,7 @@ def main() -> None:
         while run.step < args.steps:
             metrics.append(train_step(run))
         if args.resave:
-            save_checkpoint(
-                args.root,
-                run.step,
-                model=run.ddp,
-                optimizer=run.optimizer,
-                scheduler=run.scheduler,
-                trainer_state=run.trainer_state(),
-                reshardable=not args.routine,
-            )
+            save(run, args)
             load_checkpoint(args.root, model=run.ddp, optimizer=run.optimizer, scheduler=run.scheduler)
     result = {
         "metrics": metrics,
