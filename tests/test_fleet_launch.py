@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_in_process import run_cli_in_process
 
 pytestmark = pytest.mark.slow  # plan and both launch scripts' dry runs: ~36 s
 
@@ -14,8 +15,7 @@ PATH = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 def plan(*args):
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "plan", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return run_cli_in_process("plan", *args)
 
 
 def script(name, **env):
