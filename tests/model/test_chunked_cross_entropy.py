@@ -144,6 +144,9 @@ def test_no_fp32_copy_of_the_logits_is_kept(world_one_model, monkeypatch):
     2x bf16 logits."""
     monkeypatch.setattr(chunked, "MIN_CHUNK_BYTES", 2**18)  # 16 MiB of logits: chunks of 1/8
     target = torch.randint(0, 2048, (512, 8), generator=torch.Generator().manual_seed(1))
+    # Once unmeasured: in a fresh process the first pass also allocates what the dispatch mode and
+    # the ops set up on first use (~7 MiB, seen when this test runs alone).
+    _peak_extra(lambda x, t: chunked.chunked_vocab_parallel_cross_entropy(x, t), target)
     ours = _peak_extra(lambda x, t: chunked.chunked_vocab_parallel_cross_entropy(x, t), target)
     theirs = _peak_extra(megatron_reference, target)
     assert theirs[0] >= 2.0, theirs  # the meter sees an fp32 copy of the logits when there is one
