@@ -33,6 +33,9 @@ VENV=${VENV:-$DEFAULT_VENV}
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 . "$VENV/bin/activate"
+# --no-compile: pip would byte-compile every file of every wheel (~75 s of CPU for torch,
+# transformers and the rest); Python compiles what is imported instead, once, on first import.
+pip() { command pip "$@" --no-compile; }
 pip install -q --upgrade pip
 # torch first. On Python 3.11 this is the 2.13.0 CPU wheel (any other version would pull a
 # multi-GB CUDA build); on 3.12 there is only the CUDA build (~4.7 GB), which runs on CPU.
@@ -41,4 +44,6 @@ pip install -q torch==2.13.0
 pip install -q -e ".[dev,wandb,router]"
 # SGLang's request/response contract types (sglang/api/v1/api_types.py) without its GPU stack.
 pip install -q --no-deps "sglang==0.5.23"
-python -W ignore -c "import sys, importlib.metadata as m, megatron_gspo, megatron.core, torch; print('megatron-gspo ready in $VENV: Python', sys.version.split()[0], '| torch', torch.__version__, '| megatron-core', m.version('megatron-core'))"
+# The check imports what a trainer rank and an embedded server import, so their bytecode is
+# written here even where PYTHONDONTWRITEBYTECODE is set.
+env -u PYTHONDONTWRITEBYTECODE python -W ignore -c "import sys, importlib.metadata as m, megatron_gspo.training.trainer, megatron_gspo.rollout.server.main, megatron_gspo.cli, megatron.core, torch; print('megatron-gspo ready in $VENV: Python', sys.version.split()[0], '| torch', torch.__version__, '| megatron-core', m.version('megatron-core'))"

@@ -23,7 +23,8 @@ if ! "$PY" -c '' >/dev/null 2>&1; then
   PY=$found
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip() { "$VENV/bin/python" -m pip "$@"; }
+# --no-compile: Python compiles what is imported, on first import, instead of every file at install.
+pip() { "$VENV/bin/python" -m pip "$@" --no-compile; }
 pip install -q --upgrade pip
 # torch 2.13.0: the CPU wheel on Python 3.11 (SGLang pins 2.14.1, a CUDA build; the receiver
 # code used here runs on any torch >= 2.6).
@@ -34,7 +35,7 @@ pip install -q torch==2.13.0
 pip install -q numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic \
   pyzmq tqdm ipython aiohttp triton
 pip install -q --no-deps "sglang==0.5.23"
-"$VENV/bin/python" -W ignore -c "
+env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" -W ignore -c "
 from sglang.srt.utils.common import init_custom_process_group
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 import importlib.metadata as m, torch

@@ -112,3 +112,41 @@ def pytest_runtest_makereport(item, call):
     if not any(allowed in reason for allowed in SKIP_ALLOWED_REASONS):
         report.outcome = "failed"
         report.longrepr = f"skipped, and MEGATRON_GSPO_NO_SKIPS=1 wants it run: {reason}"
+
+
+class StageTimeline:
+    """Where a `-n 2` run's wall time ends: each worker's last tests and how long it idled at the end.
+
+    On with MEGATRON_GSPO_TIMELINE=1 (`.ci/run`). A test's span runs from its set-up's start to its
+    tear-down's end, so a module fixture made by its first test counts there.
+    """
+
+    def __init__(self) -> None:
+        self.spans: dict[str, list] = {}  # nodeid -> [worker, start, stop]
+
+    def pytest_runtest_logreport(self, report) -> None:
+        worker = getattr(getattr(report, "node", None), "gateway", None)
+        where = worker.id if worker else "main"
+        span = self.spans.setdefault(report.nodeid, [where, report.start, report.stop])
+        span[1], span[2] = min(span[1], report.start), max(span[2], report.stop)
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.spans:
+            return
+        start = min(s for _, s, _ in self.spans.values())
+        end = max(e for _, _, e in self.spans.values())
+        terminalreporter.section("stage timeline (seconds from the first test's start)")
+        for worker in sorted({w for w, _, _ in self.spans.values()}):
+            mine = sorted((e, s, nodeid) for nodeid, (w, s, e) in self.spans.items() if w == worker)
+            busy = sum(e - s for e, s, _ in mine)
+            terminalreporter.write_line(
+                f"{worker}: {len(mine)} tests, busy {busy:.0f} s, done at {mine[-1][0] - start:.0f} s "
+                f"(idle for the last {end - mine[-1][0]:.0f} s); its last tests:"
+            )
+            for e, s, nodeid in mine[-5:]:
+                terminalreporter.write_line(f"  {s - start:7.0f} -> {e - start:7.0f}  {nodeid}")
+
+
+def pytest_configure(config):
+    if os.environ.get("MEGATRON_GSPO_TIMELINE") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        config.pluginmanager.register(StageTimeline(), "megatron-gspo-stage-timeline")
