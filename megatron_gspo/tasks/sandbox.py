@@ -346,15 +346,19 @@ def _system_binds(python: str) -> list[str]:
 
 
 @functools.cache
-def sandbox_runner(kind: str) -> _Runner:
+def sandbox_runner(kind: str, python: str | None = None) -> _Runner:
     """The runner for `task.options.sandbox` ("bwrap" or "none"), built and probed once per process.
+
+    Args:
+        kind: "bwrap" or "none".
+        python: the interpreter programs run with (None: `base_python()`).
 
     Raises:
         SandboxUnavailableError: "bwrap" on a machine where bubblewrap cannot run.
         ValueError: an unknown kind.
     """
     if kind == "bwrap":
-        return BubblewrapSandbox()
+        return BubblewrapSandbox(python=python)
     if kind == "none":
-        return UnsandboxedRunner()
+        return UnsandboxedRunner(python=python)
     raise ValueError(f"sandbox must be 'bwrap' or 'none', got {kind!r}")
