@@ -119,6 +119,7 @@ class CodeTask(Task):
         self.max_prompt_len, self.max_answer_len = max_prompt_len, max_answer_len
         self.scorer = CodeScorer(self.options, workers)
         self.problems = self._read(path, "task.options.path")
+        self.eval_problems: list[Problem] | None = None
 
     def _value(self, row: dict, key: str, name: str, where: str):
         try:
@@ -163,9 +164,23 @@ class CodeTask(Task):
             raise ValueError(f"{option}={path} holds no problems")
         return problems
 
+    def use_eval_file(self, path: str) -> None:
+        """Take held-out problems from `path` (same keys and templates) and train on every training row."""
+        self.eval_problems = self._read(path, "eval.path")
+
+    def is_heldout(self, problem: Problem) -> bool:
+        """The prompt-hash split, or never for a training row once a separate eval file is used."""
+        return False if self.eval_problems is not None else super().is_heldout(problem)
+
+    def heldout(self, n: int, seed: int = 0) -> list[Problem]:
+        """The first `n` rows of the eval file (all of them when it has fewer), else the hash split."""
+        if self.eval_problems is None:
+            return super().heldout(n, seed)
+        return self.eval_problems[:n]
+
     def all_problems(self) -> list[Problem]:
-        """Every problem of the data set."""
-        return self.problems
+        """Every problem the run can see: training rows and eval-file rows."""
+        return self.problems + (self.eval_problems or [])
 
     def draw_problem(self, rng: np.random.Generator) -> Problem:
         """A uniformly chosen row."""

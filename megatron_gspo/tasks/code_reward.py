@@ -8,6 +8,9 @@ of tests passed (`reward="fraction"`) or 1.0 only when all pass (`reward="all"`,
 the first failure). It never raises: no program, a compile error, a crash or a timeout is a
 failed test, and the result's `outcome` says which came first.
 
+A program that does not compile is an error without being run, when the sandbox's interpreter
+is this one's version (its syntax is then this one's).
+
 `CodeScorer` scores a batch in a bounded thread pool (each thread waits on its own sandboxed
 process; the same program for the same problem runs once) and reports the outcomes' shares as
 `reward/code_*` metrics.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -99,11 +103,22 @@ def _result(passed: int, total: int, first_failure: Outcome | None, options: Sco
     return CodeResult(reward, passed, total, first_failure or Outcome.PASS)
 
 
+def _compiles(program: str) -> bool:
+    """Whether `program` compiles (checked here, not run: compiling executes none of its code)."""
+    try:
+        compile(program, "main.py", "exec")
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return False
+    return True
+
+
 def score_program(program: str | None, tests: TestSuite, options: ScoringOptions) -> CodeResult:
     """Run `program` on `tests` in the sandbox and score it (see the module docstring); never raises."""
     if program is None:
         return CodeResult(0.0, 0, len(tests), Outcome.NO_PROGRAM)
     runner = sandbox_runner(options.sandbox, options.python)
+    if runner.version == sys.version_info[:2] and not _compiles(program):
+        return CodeResult(0.0, 0, len(tests), Outcome.ERROR)  # no need to start a sandbox to learn that
     if tests.fn_name is not None:
         return _score_function(runner, program, tests, options)
     passed, first_failure = 0, None

@@ -139,6 +139,9 @@ def _status(returncode: int, timed_out: bool) -> RunStatus:
 class _Runner:
     """Writes the program's files, starts the command, waits out the wall limit, kills, reads."""
 
+    python: str
+    version: tuple[int, int] | None = None  # (major, minor) of `python`, when known
+
     def command(self, code_dir: str, argv: list[str], limits: Limits, info_fd: int) -> list[str]:
         raise NotImplementedError
 
@@ -263,12 +266,13 @@ class BubblewrapSandbox(_Runner):
             raise SandboxUnavailableError("no prlimit on PATH: install util-linux")
         self.python = python or base_python()
         self.binds = _system_binds(self.python)
-        probe = self.run({}, [self.python, "-c", "pass"], b"", Limits(wall_s=30.0))
+        probe = self.run({}, [self.python, "-c", _VERSION_PROBE], b"", Limits(wall_s=30.0))
         if probe.status is not RunStatus.OK:
             raise SandboxUnavailableError(
                 f"bubblewrap at {self.bwrap} cannot start a sandbox here (exit {probe.returncode}): "
                 f"{probe.stderr.strip()[-500:]} (task.options.python chooses the interpreter)"
             )
+        self.version = _parse_version(probe.stdout)
 
     def popen_user(self) -> dict:
         """As root, start bwrap as `nobody`: root's own processes ignore the process-count limit."""
@@ -304,11 +308,21 @@ class UnsandboxedRunner(_Runner):
     def __init__(self, python: str | None = None):
         self.python = python or base_python()
         self.prlimit = shutil.which("prlimit")
+        probe = subprocess.run([self.python, "-c", _VERSION_PROBE], capture_output=True, timeout=30)
+        self.version = _parse_version(probe.stdout)
 
     def command(self, code_dir: str, argv: list[str], limits: Limits, info_fd: int) -> list[str]:
         """`argv` with its code paths pointed at the host directory, under prlimit when available."""
         argv = [arg.replace(CODE_DIR + "/", code_dir + "/") for arg in argv]
         return [self.prlimit, *limits.prlimit_args(), "--", *argv] if self.prlimit else argv
+
+
+_VERSION_PROBE = "import sys; print(*sys.version_info[:2])"
+
+
+def _parse_version(stdout: bytes) -> tuple[int, int] | None:
+    parts = stdout.split()
+    return (int(parts[0]), int(parts[1])) if len(parts) == 2 and all(p.isdigit() for p in parts) else None
 
 
 def base_python() -> str:
