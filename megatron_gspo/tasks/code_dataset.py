@@ -85,7 +85,7 @@ class CodeTask(Task):
         max_tests: int | None = None,
         sandbox: str = "bwrap",
         python: str | None = None,
-        workers: int = 2,
+        workers: int = 4,
         max_prompt_len: int = 2048,
         max_answer_len: int = 4096,
     ):

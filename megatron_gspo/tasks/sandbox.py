@@ -189,11 +189,8 @@ class _Runner:
                     )
                 finally:
                     os.close(info_write)
-                timed_out = False
                 try:
-                    proc.wait(timeout=limits.wall_s)
-                except subprocess.TimeoutExpired:
-                    timed_out = True
+                    timed_out = not _exits_within(proc, limits.wall_s)
                 finally:
                     _kill_group(proc)
                     _wait_for_namespace(info_read)
@@ -207,6 +204,15 @@ class _Runner:
 def _read_head(path: Path, limit: int) -> bytes:
     with open(path, "rb") as f:
         return f.read(limit)
+
+
+def _exits_within(proc: subprocess.Popen, seconds: float) -> bool:
+    """Whether `proc` exits within `seconds`: woken by its pidfd, not by `Popen.wait`'s polling sleeps."""
+    pidfd = os.pidfd_open(proc.pid)
+    try:
+        return bool(select.select([pidfd], [], [], seconds)[0])
+    finally:
+        os.close(pidfd)
 
 
 def _wait_for_namespace(info_read: int) -> None:

@@ -6,7 +6,9 @@ runs a well-behaved program to show the sandbox still works.
 """
 
 import os
+import shutil
 import socket
+import tempfile
 import threading
 from pathlib import Path
 
@@ -33,29 +35,41 @@ def run(sandbox, source: str, stdin: bytes = b"", limits: Limits = LIMITS):
     return sandbox.run({"main.py": source}, [sandbox.python, "/code/main.py"], stdin, limits)
 
 
-def sandbox_processes() -> list[int]:
-    """PIDs of live bwrap processes started by this test process's sandboxes (children of ours)."""
+@pytest.fixture(scope="module")
+def host_dir():
+    """A directory of this module's own under which every run keeps its files (and so its command line).
+
+    Outside pytest's own (private to root) temporary directory: the sandbox starts as `nobody`.
+    """
+    mine = tempfile.mkdtemp(prefix="mgspo-test-host-")
+    os.chmod(mine, 0o755)
+    old, tempfile.tempdir = tempfile.tempdir, mine
+    yield mine
+    tempfile.tempdir = old
+    shutil.rmtree(mine)
+
+
+def sandbox_processes(marker: str) -> list[int]:
+    """PIDs of live processes of this module's sandboxes: bwrap and its namespace init carry `marker`.
+
+    The program cannot outlive the init (a PID namespace dies with its init), so none left means
+    nothing of a run is left.
+    """
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
         try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
         except OSError:
             continue
-        fields = stat.rsplit(")", 1)[1].split()
-        ppid = int(fields[1])
-        if b"mgspo-sandbox-" in cmdline or (ppid == os.getpid() and b"bwrap" in cmdline):
-            found.append(int(entry.name))
     return found
 
 
 @pytest.fixture
-def still_works(sandbox):
+def still_works(sandbox, host_dir):
     """After the test: no sandbox process left, this process alive, and a normal program still runs."""
     yield
-    assert sandbox_processes() == []
+    assert sandbox_processes(host_dir) == []
     after = run(sandbox, "print(sum(map(int, input().split())))", b"2 3\n")
     assert (after.status, after.stdout) == (RunStatus.OK, b"5\n")
 
