@@ -7,7 +7,6 @@ response is a program (the demo's form, the whole completion), so the rewards ar
 import json
 
 import pytest
-
 from rollout_standin import TOKENIZER, VOCAB, generate_response
 
 from megatron_gspo.config import RolloutConfig
