@@ -11,7 +11,7 @@ from megatron_gspo.tasks.base import Problem, Task, register_task
 from megatron_gspo.tasks.code_reward import CodeResult, CodeScorer, ScoringOptions, outcome_metrics
 from megatron_gspo.tasks.code_tests import extract_program, fence, parse_tests
 from megatron_gspo.tasks.data_files import chat_messages, field, read_rows
-from megatron_gspo.tasks.sandbox import Limits, sandbox_runner
+from megatron_gspo.tasks.sandbox import Limits, SandboxUnavailableError, sandbox_runner
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,13 @@ class CodeTask(Task):
                 "(only CPU, memory, file-size and process limits); they can read and write your files "
                 "and reach the network. Use it only on a throwaway machine."
             )
-        sandbox_runner(sandbox, python)  # refuse now, naming what to install, rather than at the first reward
+        try:  # refuse now, naming what to install, rather than at the first reward
+            sandbox_runner(sandbox, python)
+        except SandboxUnavailableError as err:
+            raise ValueError(
+                f"task.options.sandbox={sandbox}: {err}; task.options.sandbox=none runs programs without "
+                "isolation (unsafe)"
+            ) from None
         self.keys = {"prompt_key": prompt_key, "tests_key": tests_key}
         self.fn_name_key, self.solution_key, self.max_tests = fn_name_key, solution_key, max_tests
         self.template, self.function_template, self.extract = template, function_template, extract

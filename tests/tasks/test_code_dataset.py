@@ -9,6 +9,7 @@ import pytest
 
 from megatron_gspo.tasks import get_task
 from megatron_gspo.tasks.code_tests import extract_program, fence, parse_tests
+from megatron_gspo.tasks.sandbox import sandbox_runner
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -135,6 +136,17 @@ def test_bad_options_are_refused(tmp_path):
         get_task("code", path=path, sandbox="docker")
     with pytest.raises(ValueError, match="extract must be"):
         get_task("code", path=path, extract="first_block")
+
+
+def test_a_run_without_bubblewrap_is_refused_by_name(tmp_path, monkeypatch):
+    path = str(write_jsonl(tmp_path / "code.jsonl", [STDIN_ROW]))
+    sandbox_runner.cache_clear()  # probe again, on a PATH without bwrap
+    monkeypatch.setenv("PATH", str(tmp_path))
+    try:
+        with pytest.raises(ValueError, match=r"sandbox=bwrap: no bubblewrap .*apt-get install -y bubblewrap"):
+            get_task("code", path=path)
+    finally:
+        sandbox_runner.cache_clear()
 
 
 def test_sandbox_none_warns_loudly(tmp_path, caplog):
