@@ -256,8 +256,8 @@ class BubblewrapSandbox(_Runner):
 
     Args:
         bwrap: the bubblewrap executable (default: `bwrap` on PATH).
-        python: the interpreter programs run with (default: this one's base installation, so a
-            virtual environment's packages stay outside).
+        python: the interpreter programs run with (default: `base_python()`, the system's python3,
+            so no virtual environment's packages are inside).
 
     Raises:
         SandboxUnavailableError: bubblewrap or prlimit is missing, or cannot create the namespaces.
