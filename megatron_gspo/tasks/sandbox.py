@@ -141,6 +141,7 @@ class _Runner:
 
     python: str
     version: tuple[int, int] | None = None  # (major, minor) of `python`, when known
+    host_dir: str | None = None  # where each run's files are kept on the host (None: the temp dir)
 
     def command(self, code_dir: str, argv: list[str], limits: Limits, info_fd: int) -> list[str]:
         raise NotImplementedError
@@ -161,7 +162,7 @@ class _Runner:
         Returns:
             The run's result; never raises for anything the program does.
         """
-        with tempfile.TemporaryDirectory(prefix="mgspo-sandbox-") as host_dir:
+        with tempfile.TemporaryDirectory(prefix="mgspo-sandbox-", dir=self.host_dir) as host_dir:
             code_dir = Path(host_dir, "code")
             code_dir.mkdir()
             os.chmod(host_dir, 0o755)  # readable by the unprivileged user the sandbox starts as
@@ -258,19 +259,22 @@ class BubblewrapSandbox(_Runner):
         bwrap: the bubblewrap executable (default: `bwrap` on PATH).
         python: the interpreter programs run with (default: `base_python()`, the system's python3,
             so no virtual environment's packages are inside).
+        host_dir: where each run's files (code, input, output) are kept on the host, in a
+            directory of their own removed after the run (default: the system's temp dir). As
+            root it must be reachable by `nobody`.
 
     Raises:
         SandboxUnavailableError: bubblewrap or prlimit is missing, or cannot create the namespaces.
     """
 
-    def __init__(self, bwrap: str | None = None, python: str | None = None):
+    def __init__(self, bwrap: str | None = None, python: str | None = None, host_dir: str | None = None):
         self.bwrap = bwrap or shutil.which("bwrap")
         self.prlimit = shutil.which("prlimit")
         if self.bwrap is None:
             raise SandboxUnavailableError(f"no bubblewrap (bwrap) on PATH: {INSTALL_HINT}")
         if self.prlimit is None:
             raise SandboxUnavailableError("no prlimit on PATH: install util-linux")
-        self.python = python or base_python()
+        self.python, self.host_dir = python or base_python(), host_dir
         self.binds = _system_binds(self.python)
         probe = self.run({}, [self.python, "-c", _VERSION_PROBE], b"", Limits(wall_s=30.0))
         if probe.status is not RunStatus.OK:

@@ -20,19 +20,9 @@ from megatron_gspo.tasks.sandbox import (
     RunStatus,
     SandboxUnavailableError,
     UnsandboxedRunner,
-    sandbox_runner,
 )
 
 LIMITS = Limits(cpu_s=1, wall_s=4.0, memory_mb=256, file_size_mb=4, disk_mb=8, processes=8)
-
-
-@pytest.fixture(scope="module")
-def sandbox() -> BubblewrapSandbox:
-    return sandbox_runner("bwrap")
-
-
-def run(sandbox, source: str, stdin: bytes = b"", limits: Limits = LIMITS):
-    return sandbox.run({"main.py": source}, [sandbox.python, "/code/main.py"], stdin, limits)
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +33,17 @@ def host_dir():
     """
     mine = tempfile.mkdtemp(prefix="mgspo-test-host-")
     os.chmod(mine, 0o755)
-    old, tempfile.tempdir = tempfile.tempdir, mine
     yield mine
-    tempfile.tempdir = old
     shutil.rmtree(mine)
+
+
+@pytest.fixture(scope="module")
+def sandbox(host_dir) -> BubblewrapSandbox:
+    return BubblewrapSandbox(host_dir=host_dir)
+
+
+def run(sandbox, source: str, stdin: bytes = b"", limits: Limits = LIMITS):
+    return sandbox.run({"main.py": source}, [sandbox.python, "/code/main.py"], stdin, limits)
 
 
 def sandbox_processes(marker: str) -> list[int]:
