@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -31,6 +32,8 @@ from pathlib import Path
 from megatron_gspo.tasks.code_compare import COMPARE_MODES, outputs_match, values_match
 from megatron_gspo.tasks.code_tests import TestSuite
 from megatron_gspo.tasks.sandbox import CODE_DIR, Limits, RunStatus, sandbox_runner
+
+logger = logging.getLogger(__name__)
 
 REWARD_MODES = ("fraction", "all")
 HARNESS = Path(__file__).with_name("function_harness.py")
@@ -202,7 +205,18 @@ class CodeScorer:
             key = (program, id(tests))
             if key not in futures:
                 futures[key] = self._pool.submit(score_program, program, tests, self.options)
-        return [futures[(program, id(tests))].result() for program, tests in jobs]
+        return [self._result(futures[(program, id(tests))], tests) for program, tests in jobs]
+
+    @staticmethod
+    def _result(future, tests: TestSuite) -> CodeResult:
+        """The job's result; a failure of the machinery itself (e.g. a full temp dir) is logged, scored 0."""
+        try:
+            return future.result()
+        except Exception as err:  # the reward never raises; the log says what broke
+            logger.warning(
+                "scoring a program failed outside the program (%s: %s); reward 0", type(err).__name__, err
+            )
+            return CodeResult(0.0, 0, len(tests), Outcome.ERROR)
 
     def close(self) -> None:
         """Stop the pool's threads (the running programs finish first)."""

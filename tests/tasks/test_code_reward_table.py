@@ -140,3 +140,17 @@ def test_outcome_metrics_are_shares():
     assert metrics["reward/code_no_program_frac"] == 0.25
     assert metrics["reward/code_wrong_frac"] == 0.0
     assert metrics["reward/code_tests_passed_frac"] == 4 / 12
+
+
+def test_a_failure_of_the_machinery_scores_zero_and_is_logged(monkeypatch, caplog):
+    def broken(program, tests, options):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(code_reward, "score_program", broken)
+    scorer = CodeScorer(ScoringOptions(limits=LIMITS), workers=1)
+    try:
+        (result,) = scorer.score_many([("print(1)", SUM)])
+    finally:
+        scorer.close()
+    assert result == CodeResult(0.0, 0, 3, ERROR)
+    assert "No space left on device" in caplog.text
