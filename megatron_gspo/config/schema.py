@@ -40,7 +40,7 @@ class TaskConfig:
     """The verifiable task that supplies prompts and rewards."""
 
     name: str = "addition"
-    """Registered task name (addition, sort_digits, math_jsonl)."""
+    """Registered task name (addition, sort_digits, math_jsonl, code)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the task's constructor (e.g. min_digits, max_digits)."""
     add_bos: bool | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +64,23 @@ class Task(ABC):
     @abstractmethod
     def reward(self, problem: Problem, completion: str) -> float:
         """Scalar reward of `completion` (decoded text after the prompt, special tokens removed)."""
+
+    def score_batch(
+        self, problems: Sequence[Problem], completions: Sequence[str]
+    ) -> tuple[list[float], dict[str, float]]:
+        """Rewards of a batch's completions (one per problem, in order) and the task's own metrics.
+
+        The default calls `reward` on each; a task whose reward is costly (running programs)
+        scores the batch at once and reports its outcomes as metrics (e.g. `reward/code_*`).
+        """
+        return [float(self.reward(p, c)) for p, c in zip(problems, completions, strict=True)], {}
+
+    def judge_batch(
+        self, problems: Sequence[Problem], completions: Sequence[str]
+    ) -> tuple[list[float], list[bool]]:
+        """(rewards, correct) of one completion per problem, for evaluation (`reward`, `is_correct`)."""
+        pairs = list(zip(problems, completions, strict=True))
+        return [float(self.reward(p, c)) for p, c in pairs], [self.is_correct(p, c) for p, c in pairs]
 
     def is_correct(self, problem: Problem, completion: str) -> bool:
         """Exact match of the stripped completion with the reference answer."""

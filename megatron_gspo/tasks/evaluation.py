@@ -13,7 +13,7 @@ def evaluate_accuracy(
     """Mean reward and exact-match accuracy of one completion per problem.
 
     Args:
-        task: scores the completions (`reward`, `is_correct`).
+        task: scores the completions (`judge_batch`: `reward`, `is_correct`).
         problems: [N] problems.
         completions: [N] decoded completions, `completions[i]` answering `problems[i]`.
 
@@ -24,7 +24,6 @@ def evaluate_accuracy(
         raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
     if not problems:
         raise ValueError("evaluate_accuracy needs at least one problem")
-    rewards = [task.reward(p, c) for p, c in zip(problems, completions)]
-    correct = [task.is_correct(p, c) for p, c in zip(problems, completions)]
+    rewards, correct = task.judge_batch(problems, completions)
     n = len(problems)
     return {"mean_reward": sum(rewards) / n, "accuracy": sum(correct) / n, "count": float(n)}

@@ -87,9 +87,8 @@ def heldout_accuracy(
         eos_token_id=tokenizer.eos_token_id,
         pad_multiple=layout.pad_multiple,
     )
-    correct = sum(
-        task.is_correct(p, tokenizer.decode(ids, skip_special_tokens=True)) for p, ids in zip(mine, outputs)
-    )
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
+    correct = sum(task.judge_batch(mine, texts)[1])
     total = torch.tensor([float(correct)], device=compute_device())
     if layout.dp_size > 1:
         from megatron.core import parallel_state as ps

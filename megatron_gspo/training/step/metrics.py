@@ -22,7 +22,7 @@ def progress_label(cfg: RunConfig) -> str:
 
 
 def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
-    """Reward and length statistics of a rollout batch."""
+    """Reward and length statistics of a batch, the seconds spent scoring it and the task's metrics."""
     lengths = batch.response_lengths.float()
     return {
         "rollout/reward_mean": float(batch.rewards.mean()),
@@ -35,4 +35,6 @@ def rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
         "rollout/no_answer_frac": float(batch.stats.get("no_answer_frac", 0.0)),
         "rollout/samples": float(batch.batch_size),
         "rollout/routed_experts_bytes": float(sum(r.nbytes for r in batch.routed_experts or ())),
+        "time/reward_s": float(batch.stats.get("reward_s", 0.0)),
+        **{key: float(value) for key, value in batch.stats.get("task_metrics", {}).items()},
     }

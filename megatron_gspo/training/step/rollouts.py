@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -116,8 +117,10 @@ class RolloutEngine:
                 neither replay (R3) nor measure drift leave them out.
 
         Returns:
-            A batch whose `rewards` are filled; its `stats` add `unparseable_samples`,
-            `no_answer_frac` (scored completions without an answer, `Task.has_answer`) and
+            A batch whose `rewards` are filled (`Task.score_batch`, the whole batch at once); its
+            `stats` add `unparseable_samples`, `reward_s` (seconds scoring), `task_metrics` (the
+            task's own, e.g. `reward/code_*`), `no_answer_frac` (scored completions without an
+            answer, `Task.has_answer`) and
             `sample_rows` (`samples_per_step` rows spread over the groups, for the samples log).
 
         Raises:
@@ -152,7 +155,7 @@ class RolloutEngine:
         responses = generate(bodies)
         if self.on_responses is not None:
             self.on_responses()
-        samples, unparseable, no_answer, rows = [], 0, 0, []
+        samples, unparseable, texts, extras = [], 0, [], []
         for row, (ids, body, response) in enumerate(zip(prompts, bodies, responses)):
             try:
                 layout = dict(zip(("num_layers", "topk", "num_experts"), routing or ()))
@@ -174,12 +177,9 @@ class RolloutEngine:
                     raise
                 unparseable += 1  # its group becomes incomplete and is dropped with it
                 continue
-            problem = problems[row // g]
             sample.group_index = row // g
-            text = self.completion_text(sample)
-            sample.reward = float(self.task.reward(problem, text))
-            no_answer += not self.task.has_answer(text)
             samples.append(sample)
+            texts.append(self.completion_text(sample))
             extra = {"segments": response["segments"]} if "segments" in response else {}
             if not extra and sample.segments is not None and len(sample.segments) > 1:
                 extra = {"segments": [s.to_json() for s in sample.segments]}  # pause: spans a sync
@@ -188,7 +188,15 @@ class RolloutEngine:
                 if sample.routed_experts is not None:  # rows for positions 0 .. P + R - 2
                     extra["prompt_tokens"] = sample.prompt_length
                     extra["routed_positions"] = int(sample.routed_experts.shape[0])
-            rows.append((problem, text, sample.reward, extra))
+            extras.append(extra)
+        scored_problems = [problems[sample.group_index] for sample in samples]
+        start = time.perf_counter()
+        rewards, task_metrics = self.task.score_batch(scored_problems, texts)  # the whole batch at once
+        reward_s = time.perf_counter() - start
+        for sample, reward in zip(samples, rewards, strict=True):
+            sample.reward = float(reward)
+        no_answer = sum(not self.task.has_answer(text) for text in texts)
+        rows = list(zip(scored_problems, texts, (s.reward for s in samples), extras))
         one_version = self.cfg.check_weight_version and self.cfg.update_mode == "drain"  # else spans syncs
         batch = RolloutBatch.from_samples(
             samples,
@@ -199,6 +207,8 @@ class RolloutEngine:
         )
         batch.stats["unparseable_samples"] = unparseable
         batch.stats["no_answer_frac"] = no_answer / max(len(samples), 1)
+        batch.stats["reward_s"] = reward_s
+        batch.stats["task_metrics"] = task_metrics
         batch.stats["sample_rows"] = sample_rows(rows, self.samples_per_step, g)
         return batch
 
