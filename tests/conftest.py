@@ -68,6 +68,8 @@ def pytest_collection_modifyitems(items):
         expensive = item.get_closest_marker("multiprocess") is not None or "short_run" in item.fixturenames
         if expensive and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("slow") is None and _module(item.path) in ONE_STACK_MODULES:
+            item.add_marker(pytest.mark.one_stack)
     # The modules holding slow tests first, the longest of them first: under pytest-xdist
     # (`-n 2 --dist loadscope`, a module's tests on one worker, its module-scoped fixtures made
     # once) a worker takes the next module when it is free, so the run's tail is a quick module's
@@ -97,9 +99,71 @@ MODULE_SECONDS = {  # wall seconds under `-n 2`, roughly (* estimated): an order
 }
 
 
+def _module(path: Path) -> str:
+    return path.relative_to(REPO / "tests").as_posix()
+
+
 def module_seconds(path: Path) -> int:
     """A module's measured run time (0 when not measured: it keeps its place)."""
-    return MODULE_SECONDS.get(path.relative_to(REPO / "tests").as_posix(), 0)
+    return MODULE_SECONDS.get(_module(path), 0)
+
+
+# Modules whose quick tests never import megatron-core nor start torch.distributed, in the test's
+# process or in any process it starts (servers, CLIs): `one_stack`, which `.ci/run` runs on the
+# 3.11 stage only. Found by running each module's quick tests alone with an import hook in every
+# process (tests/README.md, "One stage only"); the fixture below fails a listed test that imports
+# megatron-core where it was not imported yet.
+ONE_STACK_MODULES = frozenset(
+    """
+algorithms/test_drift.py algorithms/test_group_advantages.py
+algorithms/test_gspo_token_equivalence.py algorithms/test_kl_and_aggregation.py
+algorithms/test_mismatch_by_length.py algorithms/test_policy_loss_errors.py
+algorithms/test_policy_loss_properties.py algorithms/test_policy_loss_values.py
+algorithms/test_rollout_correction.py algorithms/test_split_invariance.py
+algorithms/test_token_kl.py
+analysis/test_drift_report.py analysis/test_logprob_mismatch.py analysis/test_run_report.py
+analysis/test_tool_prompts.py
+benchmarks/test_reproduce_quick.py benchmarks/test_run_quick.py
+benchmarks/test_stability_grid.py benchmarks/test_staleness_sweep.py
+model/test_fp8.py model/test_hf_checkpoint.py model/test_hf_stream.py
+model/test_routing_layout.py
+rollout/test_batch.py rollout/test_client.py rollout/test_client_embedded.py
+rollout/test_client_router_args.py rollout/test_parent_watch.py rollout/test_partial_merge.py
+rollout/test_serve_checkpoints.py rollout/test_server.py rollout/test_server_engine.py
+rollout/test_server_robustness.py rollout/test_server_scheduler.py rollout/test_update_group.py
+rollout/test_validation.py rollout/test_weight_version_spans.py
+tasks/test_arithmetic_tasks.py tasks/test_code_dataset.py tasks/test_code_reward_table.py
+tasks/test_math_data_files.py tasks/test_math_dataset.py tasks/test_math_reward.py
+tasks/test_math_reward_table.py tasks/test_prompt_stream.py tasks/test_sandbox.py
+tasks/test_task_evaluation.py tasks/test_task_registry.py tasks/test_task_tokenizer.py
+test_config.py test_docs.py test_fp8_serving.py test_gpu_smoke_wheels.py test_import_floors.py
+test_plan.py test_sglang_launcher.py test_sglang_launcher_bind.py
+training/test_async_rollouts.py training/test_balance.py training/test_batch_scoring.py
+training/test_checkpoint_source.py training/test_drift_sampling.py training/test_export.py
+training/test_math_run.py training/test_metrics_wandb.py training/test_micro_batching.py
+training/test_progress_bar.py training/test_rollout_queue.py training/test_rollout_step.py
+training/test_rollouts_ahead.py training/test_samples_log.py training/test_sampling_seeds.py
+training/test_save_schedule.py training/test_segment_staleness.py training/test_shm_exports.py
+training/test_termination.py
+""".split()
+)
+
+
+def _on_megatron_or_distributed() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    started = dist is not None and dist.is_available() and dist.is_initialized()
+    return started or "megatron.core" in sys.modules
+
+
+@pytest.fixture(autouse=True)
+def _one_stack_stays_off_megatron(request):
+    watch = request.node.get_closest_marker("one_stack") is not None and not _on_megatron_or_distributed()
+    yield
+    assert not (watch and _on_megatron_or_distributed()), (
+        f"{request.node.nodeid} imports megatron-core or starts torch.distributed: take "
+        f"{_module(request.node.path)} out of ONE_STACK_MODULES (tests/conftest.py), so that it runs on "
+        "both megatron-core lines"
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)
