@@ -211,9 +211,16 @@ def _exits_within(proc: subprocess.Popen, seconds: float) -> bool:
     """Whether `proc` exits within `seconds`: woken by its pidfd, not by `Popen.wait`'s polling sleeps."""
     pidfd = os.pidfd_open(proc.pid)
     try:
-        return bool(select.select([pidfd], [], [], seconds)[0])
+        return _readable_within(pidfd, seconds)
     finally:
         os.close(pidfd)
+
+
+def _readable_within(fd: int, seconds: float) -> bool:
+    """poll, not select: a trainer or a test process can hold more than select's 1,024 descriptors."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(seconds * 1000))
 
 
 def _wait_for_namespace(info_read: int) -> None:
@@ -238,7 +245,7 @@ def _wait_for_namespace(info_read: int) -> None:
     except ProcessLookupError:
         return  # already gone
     try:
-        select.select([pidfd], [], [], 10.0)  # readable once it has exited; bounded, never hangs the pool
+        _readable_within(pidfd, 10.0)  # readable once it has exited; bounded, never hangs the pool
     finally:
         os.close(pidfd)
 

@@ -246,3 +246,23 @@ def test_unsandboxed_runner_still_applies_limits(tmp_path):
     assert result.status is RunStatus.TIMEOUT
     ok = runner.run({"main.py": "print(6 * 7)"}, [runner.python, "/code/main.py"], b"", LIMITS)
     assert (ok.status, ok.stdout) == (RunStatus.OK, b"42\n")
+
+
+def test_a_caller_holding_over_1024_descriptors_still_runs_programs(sandbox):
+    """A trainer (or a long test worker) can hold descriptors past select()'s 1,024: waits use poll."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        for _ in range(2):  # a timeout and a normal exit: both waits see the high descriptors
+            result = run(sandbox, "print(6 * 7)")
+            assert (result.status, result.stdout) == (RunStatus.OK, b"42\n")
+        assert run(sandbox, "while True:\n    pass").status is RunStatus.TIMEOUT
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
