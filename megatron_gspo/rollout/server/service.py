@@ -20,6 +20,7 @@ from megatron_gspo.rollout.server.fields import (
     check_str,
     show,
 )
+from megatron_gspo.rollout.server.memory import MemoryOccupationError, check_tags
 from megatron_gspo.rollout.server.protocol import (
     TENSOR_LOAD_FORMAT,
     build_response,
@@ -102,8 +103,12 @@ class RolloutService:
             return HTTPStatus.BAD_REQUEST, {"error": str(exc)}  # SGLang's own wording and layout
         except ValueError as exc:  # RequestError, or the engine's refusal
             return HTTPStatus.BAD_REQUEST, {"error": {"message": str(exc)}}
-        futures = self.scheduler.submit_many(parsed.rids, parsed.rows)
-        outputs = [f.result() for f in futures]
+        try:  # refused while memory is released (SGLang would run the forward on freed memory)
+            self.engine.memory.check_generation()
+            futures = self.scheduler.submit_many(parsed.rids, parsed.rows)
+            outputs = [f.result() for f in futures]
+        except MemoryOccupationError as exc:  # also rows queued in a pause, released meanwhile
+            return _bad_request(str(exc))
         latency = time.perf_counter() - start
         responses = [
             build_response(parsed, i, out, self.engine.tokenizer, latency) for i, out in enumerate(outputs)
@@ -294,6 +299,36 @@ class RolloutService:
             return _failure(str(exc) if isinstance(exc, WeightSyncError) else f"{type(exc).__name__}: {exc}")
         return _success(message)
 
+    # ------------------------------------------------------------------ memory
+    def release_memory_occupation(self, body: Any) -> tuple[int, Any]:
+        """GET/POST /release_memory_occupation (`tags` of kv_cache, weights, cuda_graph; none: all).
+
+        SGLang answers 200 with a `null` body; it needs `--enable-memory-saver` and an idle server
+        (see `memory.py` for where this refuses what SGLang crashes on).
+        """
+        try:
+            tags = check_tags(check_object(body).get("tags"))
+        except ValueError as exc:  # RequestError too
+            return _bad_request(str(exc))
+        if not self.scheduler.idle_for_flush():  # SGLang's assertion, which kills its scheduler
+            return _bad_request(
+                "ServerBusy: release_memory_occupation should be called only when server is idle."
+            )
+        try:
+            self.engine.release_memory(tags)
+        except MemoryOccupationError as exc:
+            return _bad_request(str(exc))
+        return HTTPStatus.OK, None
+
+    def resume_memory_occupation(self, body: Any) -> tuple[int, Any]:
+        """GET/POST /resume_memory_occupation (`tags` as for release): 200 with a `null` body."""
+        try:
+            tags = check_tags(check_object(body).get("tags"))
+            self.engine.resume_memory(tags)
+        except (ValueError, MemoryOccupationError) as exc:
+            return _bad_request(str(exc))
+        return HTTPStatus.OK, None
+
     # ----------------------------------------------------------------- control
     def pause_generation(self, body: Any) -> tuple[int, Any]:
         """POST /pause_generation (`mode`: abort (default), retract, in_place)."""
@@ -379,6 +414,8 @@ class RolloutService:
             "dp_size": self.dp_size,
             "enable_dp_attention": False,
             "enable_return_routed_experts": True,
+            "enable_memory_saver": self.engine.memory.enabled,
+            "enable_weights_cpu_backup": False,
             "return_original_logprob": self.engine.return_original_logprob,
             "max_running_requests": self.scheduler.max_batch_size,
             "num_pending_requests": self.scheduler.num_pending,
@@ -398,6 +435,8 @@ GET_ROUTES = {
     "/get_server_info": RolloutService.server_info,
     "/server_info": RolloutService.server_info,
     "/flush_cache": RolloutService.flush_cache,
+    "/release_memory_occupation": RolloutService.release_memory_occupation,
+    "/resume_memory_occupation": RolloutService.resume_memory_occupation,
 }
 POST_ROUTES = {
     "/generate": RolloutService.generate,
@@ -412,6 +451,8 @@ POST_ROUTES = {
     "/continue_generation": RolloutService.continue_generation,
     "/abort_request": RolloutService.abort_request,
     "/flush_cache": RolloutService.flush_cache,
+    "/release_memory_occupation": RolloutService.release_memory_occupation,
+    "/resume_memory_occupation": RolloutService.resume_memory_occupation,
 }
 
 
