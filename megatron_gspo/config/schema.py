@@ -343,8 +343,9 @@ class WeightSyncConfig:
     method: Literal["distributed", "tensor", "disk"] = "distributed"
     """distributed: buckets broadcast over a weight-update group the servers join
     (`/update_weights_from_distributed`; NCCL on GPU, gloo on CPU). tensor: buckets through
-    `/update_weights_from_tensor` in the embedded server's safetensors-base64 encoding (real
-    SGLang's colocated CUDA-IPC encoding is not implemented). disk: a full HF checkpoint in
+    `/update_weights_from_tensor` in SGLang's format, handles to the trainer's memory and never the
+    bytes (CUDA IPC on GPU, shared memory on CPU), so for servers on the trainer's own node
+    (colocated; `rollout/tensor_handles.py`). disk: a full HF checkpoint in
     `trainer.weight_sync_dir` that every server re-reads (debugging; servers that cannot join a group)."""
     bucket_mb: float = 1024.0
     """Bucket size: the sender holds about two buckets beyond its own shards."""

@@ -19,8 +19,8 @@ What it implements, and how it differs from SGLang:
   log-probs, constrained decoding. No prefix cache between requests (`cached_tokens` is always 0);
   within one batch, rows with the same prompt share its prefill.
 - POST /update_weights_from_disk: really reloads safetensors from `model_path` (same
-  architecture), all-or-nothing; /update_weights_from_tensor: base64 safetensors payload
-  (`server.protocol.serialize_named_tensors`) instead of SGLang's CUDA-IPC pickle.
+  architecture), all-or-nothing; /update_weights_from_tensor: SGLang's tensor handles
+  (`rollout.tensor_handles`: shared memory on CPU, CUDA IPC on GPU), inside a session as in SGLang.
 - POST /init_weights_update_group, /begin_weight_update, /update_weights_from_distributed
   (plain or `flattened_bucket`), /end_weight_update, /destroy_weights_update_group: SGLang's
   distributed update for real, over torch.distributed (gloo on CPU), one rank per server;

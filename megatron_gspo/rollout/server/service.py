@@ -10,7 +10,7 @@ import uuid
 from http import HTTPStatus
 from typing import Any
 
-from megatron_gspo.rollout import contract
+from megatron_gspo.rollout import contract, tensor_handles
 from megatron_gspo.rollout.server.engine import GenerationEngine, GenerationInput, SamplingOptions
 from megatron_gspo.rollout.server.fields import (
     RequestError,
@@ -21,13 +21,7 @@ from megatron_gspo.rollout.server.fields import (
     show,
 )
 from megatron_gspo.rollout.server.memory import MemoryOccupationError, check_tags
-from megatron_gspo.rollout.server.protocol import (
-    TENSOR_LOAD_FORMAT,
-    build_response,
-    check_response,
-    deserialize_named_tensors,
-    parse_generate,
-)
+from megatron_gspo.rollout.server.protocol import build_response, check_response, parse_generate
 from megatron_gspo.rollout.server.scheduler import BatchScheduler
 from megatron_gspo.rollout.server.weight_receiver import WeightReceiver, WeightSyncError
 
@@ -198,28 +192,41 @@ class RolloutService:
         return body_out
 
     def update_weights_from_tensor(self, body: Any) -> tuple[int, Any]:
-        """POST /update_weights_from_tensor (`serialized_named_tensors` from `serialize_named_tensors`)."""
+        """POST /update_weights_from_tensor: SGLang's tensor handles (`rollout.tensor_handles`), in a session.
+
+        As SGLang 0.5.23: `serialized_named_tensors` holds one base64 `MultiprocessingSerializer`
+        entry per TP rank (this server is TP rank 0 and opens entry 0 only); `load_format` None or
+        `flattened_bucket`; refused outside a begin/end weight-update session with SGLang's message.
+        The tensors are copied out of the sender's memory (shared memory on CPU, CUDA IPC on GPU)
+        and staged; the session's end applies them all at once.
+        """
         try:
             body = check_object(body)
             _, version, abort = _update_fields(body)
+            load_format = body.get("load_format")
+            if load_format is not None:
+                check_str(load_format, "load_format")
         except RequestError as exc:
             return _failure(str(exc))
-        if body.get("load_format") not in (None, TENSOR_LOAD_FORMAT):
+        if load_format not in tensor_handles.LOAD_FORMATS:
             return _failure(
-                f"load_format={body.get('load_format')!r} unsupported; use {TENSOR_LOAD_FORMAT!r}"
+                f"load_format={load_format!r} unsupported; use one of {list(tensor_handles.LOAD_FORMATS)}"
             )
-        if "serialized_named_tensors" not in body:
-            return _failure("serialized_named_tensors is required")
+        entries = body.get("serialized_named_tensors")
+        if not isinstance(entries, list) or not entries:
+            return _failure("serialized_named_tensors must be a list of base64 entries, one per TP rank")
         if self.dp_size > 1:
             return _dp_refusal("update weights from tensor")
         if abort:
             self.scheduler.abort_all()
+        if not self.receiver.session_open:  # SGLang's scheduler refuses it so (weight_updater.py)
+            return _failure(
+                "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+            )
         try:
-            tensors = deserialize_named_tensors(body["serialized_named_tensors"])
-            if self.receiver.session_open:  # staged; applied with the rest at /end_weight_update
-                count = self.receiver.stage(tensors, version)
-            else:
-                count = self.engine.update_weights_from_tensors(tensors, version)
+            opened = tensor_handles.named_tensors(tensor_handles.deserialize(entries[0]), load_format)
+            # Copies: the sender's memory is released once it has our answer.
+            count = self.receiver.stage({name: t.clone() for name, t in opened.items()}, version)
         except Exception as exc:  # noqa: BLE001 - reported to the caller, old weights kept
             return _failure(f"Failed to update weights from tensors: {exc}")
         return _success(f"Succeeded to update {count} tensors.")
