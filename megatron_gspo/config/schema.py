@@ -135,6 +135,15 @@ class RolloutConfig:
     server_expert_parallel: int = 1
     """The SGLang servers' --ep-size (launch/sglang_servers.sh EP); expert TP = TP / EP, and each
     rank serves moe_intermediate_size / expert TP of every expert it holds."""
+    placement: Literal["disaggregated", "colocated"] = "disaggregated"
+    """disaggregated: the rollout servers have GPUs of their own. colocated: they share the
+    trainer's GPUs (one node, as slime's --colocate and verl's hybrid engine): after each
+    generation the servers release their KV cache and weights (`/release_memory_occupation`,
+    servers launched with --enable-memory-saver), the trainer brings its weights, gradients and
+    optimizer state back from pinned host memory, trains, parks them again, and the servers
+    resume and take the new weights by tensor handles (`weight_sync.method: tensor`). Without
+    server_urls / router_url the run starts one embedded server per `server_tensor_parallel`
+    devices of the node."""
     deterministic_inference: bool = False
     """Reproducible rollouts: a row's sampling seed always gives the same tokens. SGLang needs
     `--enable-deterministic-inference` for that (launch/sglang_servers.sh passes it; slower)."""
