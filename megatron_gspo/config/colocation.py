@@ -64,8 +64,3 @@ def check_colocation(cfg: RunConfig, *, world_size: int, devices_per_node: int) 
             f"rollout.server_tensor_parallel={rollout.server_tensor_parallel} cover {covered} GPUs, "
             f"the trainer runs on {world_size}: each GPU hosts exactly one server rank"
         )
-
-
-def embedded_server_count(cfg: RunConfig, devices_per_node: int) -> int:
-    """Embedded servers a colocated run starts on its node: one per `server_tensor_parallel` GPUs."""
-    return devices_per_node // cfg.rollout.server_tensor_parallel

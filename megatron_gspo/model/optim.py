@@ -79,6 +79,16 @@ class OptimConfig:
                 f"optim needs 0 <= min_lr <= lr and lr > 0, got lr={self.lr} min_lr={self.min_lr}"
             )
 
+    def check_hardware(self) -> None:
+        """Refuse what this machine cannot run (kept out of `__post_init__`: GPU configs load anywhere).
+
+        megatron's HybridDeviceOptimizer picks what to move by `param.is_cuda` and builds CUDA
+        streams: with no CUDA parameter its host-side Adam has no GPU copies to map its
+        gradients from, and its first step fails (KeyError in `_set_sub_optimizer_grads`).
+        """
+        if self.optimizer_cpu_offload and not torch.cuda.is_available():
+            raise ValueError("optim.optimizer_cpu_offload needs CUDA (megatron's HybridDeviceOptimizer)")
+
 
 def wrap_ddp(
     model: torch.nn.Module,
