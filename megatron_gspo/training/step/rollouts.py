@@ -225,12 +225,12 @@ def router_options(cfg: RolloutConfig) -> dict:
     }
 
 
-@contextlib.contextmanager
 def embedded_server_count(cfg: RolloutConfig, devices_per_node: int) -> int:
     """Embedded servers a run starts: colocated, one per `server_tensor_parallel` devices of its node."""
     return devices_per_node // cfg.server_tensor_parallel if cfg.placement == "colocated" else 1
 
 
+@contextlib.contextmanager
 def rollout_servers(
     cfg: RolloutConfig, model_dir: str | Path | None, *, weight_version: int, seed: int
 ) -> Iterator[SGLangClient]:
