@@ -53,9 +53,9 @@ def check_colocation(cfg: RunConfig, *, world_size: int, devices_per_node: int) 
     if embedded and world_size != devices_per_node:
         raise ColocationError(
             f"rollout.placement=colocated on {world_size // devices_per_node} nodes: the run starts "
-            "embedded servers on one node only; start each node's servers with "
-            "launch/sglang_servers.sh (COLOCATED=1) and list them in rollout.server_urls or behind "
-            "rollout.router_url"
+            "embedded servers on one node only; start each node's SGLang servers on its own GPUs with "
+            "launch/sglang_servers.sh (it passes --enable-memory-saver) and list them in "
+            "rollout.server_urls or behind rollout.router_url"
         )
     covered = len(rollout.server_urls) * rollout.server_tensor_parallel
     if rollout.server_urls and covered != world_size:
