@@ -160,14 +160,15 @@ def test_server_rss_drops_on_release_and_returns_on_resume(tmp_path):
             RolloutRequestError, match="MemoryReleased: cannot generate while \\['kv_cache'\\]"
         ):
             client.generate([GREEDY])
+        state = load_hf_state_dict(path)  # fp32 throughout: one bucket, every offset aligned
+        flat = tensor_handles.shareable(torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()]))
+        entry = tensor_handles.serialize_flattened_bucket(
+            flat, list(state), ["float32"] * len(state), [list(t.shape) for t in state.values()]
+        )
         client.begin_weight_update()
-        for name, tensor in load_hf_state_dict(path).items():
-            flat = tensor_handles.shareable(tensor.reshape(-1).view(torch.uint8))
-            entry = tensor_handles.serialize_flattened_bucket(
-                flat, [name], [str(tensor.dtype).removeprefix("torch.")], [list(tensor.shape)]
-            )
-            client.update_weights_from_tensor([entry], load_format="flattened_bucket", flush_cache=False)
+        client.update_weights_from_tensor([entry], load_format="flattened_bucket", flush_cache=False)
         client.end_weight_update()
+        del flat, state
         client.resume_memory_occupation(["kv_cache"])
         resumed = proc.memory_info().rss
         after = client.generate([GREEDY])[0]["output_ids"]
