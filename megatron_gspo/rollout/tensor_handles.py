@@ -126,6 +126,13 @@ def serialize_flattened_bucket(
 class FlattenedTensorMetadata:
     """Stand-in for SGLang's class of that name, so a payload from SGLang's own sender decodes."""
 
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
 
 _ALLOWED = {
     ("builtins", "dict"),
@@ -141,11 +148,31 @@ _ALLOWED = {
     ("torch.storage", "TypedStorage"),
     ("torch._utils", "_rebuild_tensor_v2"),
     ("torch.multiprocessing.reductions", "rebuild_tensor"),
-    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
     ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
     ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
 }
-_STAND_INS = {("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): FlattenedTensorMetadata}
+
+
+def _rebuild_cuda_tensor(*args):
+    """Torch's `rebuild_cuda_tensor`, the device given as an index or (as senders here write it) a UUID."""
+    device = args[_CUDA_DEVICE_ARG]
+    if isinstance(device, str):
+        found = [
+            i
+            for i in range(torch.cuda.device_count())
+            if str(torch.cuda.get_device_properties(i).uuid) == device
+        ]
+        if not found:
+            raise TensorPayloadError(f"a tensor handle names GPU {device}, which this process does not see")
+        device = found[0]
+    return reductions.rebuild_cuda_tensor(*args[:_CUDA_DEVICE_ARG], device, *args[_CUDA_DEVICE_ARG + 1 :])
+
+
+_STAND_INS = {
+    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): FlattenedTensorMetadata,
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _rebuild_cuda_tensor,
+    ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"): _rebuild_cuda_tensor,
+}
 
 
 class _HandleUnpickler(pickle.Unpickler):

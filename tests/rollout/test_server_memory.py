@@ -14,6 +14,7 @@ import torch
 
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import load_hf_state_dict, make_tiny_hf_checkpoint
+from megatron_gspo.rollout import tensor_handles
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.errors import RolloutRequestError, WeightUpdateError
 from megatron_gspo.rollout.server.engine import GenerationEngine
@@ -153,9 +154,23 @@ def test_server_rss_drops_on_release_and_returns_on_resume(tmp_path):
             client.generate([GREEDY])
         with pytest.raises(WeightUpdateError, match="MemoryReleased:"):
             client.release_memory_occupation()  # kv_cache and weights are already released
-        client.resume_memory_occupation(["weights", "kv_cache"])
+        # A colocated step's order: weights back, the weights by tensor handles, then the KV cache.
+        client.resume_memory_occupation(["weights"])
+        with pytest.raises(
+            RolloutRequestError, match="MemoryReleased: cannot generate while \\['kv_cache'\\]"
+        ):
+            client.generate([GREEDY])
+        state = load_hf_state_dict(path)  # fp32 throughout: one bucket, every offset aligned
+        flat = tensor_handles.shareable(torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()]))
+        entry = tensor_handles.serialize_flattened_bucket(
+            flat, list(state), ["float32"] * len(state), [list(t.shape) for t in state.values()]
+        )
+        client.begin_weight_update()
+        client.update_weights_from_tensor([entry], load_format="flattened_bucket", flush_cache=False)
+        client.end_weight_update()
+        del flat, state
+        client.resume_memory_occupation(["kv_cache"])
         resumed = proc.memory_info().rss
-        client.update_weights_from_disk(str(path))
         after = client.generate([GREEDY])[0]["output_ids"]
         info = httpx.get(f"{server.url}/server_info").json()
     print(

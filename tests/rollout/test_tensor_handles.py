@@ -1,9 +1,11 @@
 """SGLang's tensor-handle payload: what the trainer writes, and what the receiving side refuses by name."""
 
 import base64
+import dataclasses
 import io
 import os
 import pickle
+import sys
 import types
 
 import pytest
@@ -120,3 +122,31 @@ def test_a_file_descriptor_handle_is_refused_naming_the_strategy():
     ForkingPickler(buf, 4).dump([("a", shared)])
     with pytest.raises(tensor_handles.TensorPayloadError, match="file_system strategy"):
         tensor_handles.deserialize(base64.b64encode(buf.getvalue()).decode())
+
+
+def test_sglang_s_own_metadata_class_decodes(monkeypatch):
+    """What SGLang's ecosystem sends (its `FlattenedTensorMetadata` dataclass by name) opens here."""
+    module = types.ModuleType("sglang.srt.weight_sync.tensor_bucket")
+
+    @dataclasses.dataclass
+    class FlattenedTensorMetadata:
+        name: str
+        shape: torch.Size
+        dtype: torch.dtype
+        start_idx: int
+        end_idx: int
+        numel: int
+
+    FlattenedTensorMetadata.__module__ = module.__name__
+    FlattenedTensorMetadata.__qualname__ = "FlattenedTensorMetadata"
+    module.FlattenedTensorMetadata = FlattenedTensorMetadata
+    for parent in ("sglang", "sglang.srt", "sglang.srt.weight_sync"):  # what pickle imports first
+        monkeypatch.setitem(sys.modules, parent, sys.modules.get(parent, types.ModuleType(parent)))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    want = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    flat = tensor_handles.shareable(want.reshape(-1).view(torch.uint8))
+    meta = [FlattenedTensorMetadata("w", want.shape, want.dtype, 0, 48, 48)]
+    entry = tensor_handles.serialize({"flattened_tensor": flat, "metadata": meta})
+    assert "sglang.srt.weight_sync.tensor_bucket" in base64.b64decode(entry).decode("latin-1")
+    got = tensor_handles.named_tensors(tensor_handles.deserialize(entry), "flattened_bucket")
+    assert torch.equal(got["w"], want)

@@ -78,6 +78,7 @@ def test_handles_carry_no_weight_bytes_and_the_server_gets_the_weights_bit_for_b
             for param in model.parameters():
                 param.mul_(scale)
         bodies.clear()
+        segments = set(Path("/dev/shm").glob(f"torch_{os.getpid()}_*"))
         stats = sync.sync(client, version)
         expected = run_on_hf_stream(model, CFG, lambda stream: {n: t.clone() for n, t in stream})
         served = engine.model.state_dict()
@@ -94,4 +95,4 @@ def test_handles_carry_no_weight_bytes_and_the_server_gets_the_weights_bit_for_b
         assert largest < 4096 < stats.largest_bucket_bytes
         assert total < stats.bytes / 10
         gc.collect()  # the shared-memory segments of the buckets are gone once both sides dropped them
-        assert not list(Path("/dev/shm").glob(f"torch_{os.getpid()}_*"))
+        assert set(Path("/dev/shm").glob(f"torch_{os.getpid()}_*")) <= segments
