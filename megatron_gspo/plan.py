@@ -12,7 +12,8 @@ the step's activations are freed; the larger of the two decides. Communication o
 megatron's own buffers (+0). It also prints the bytes each weight sync sends to a rollout server
 (FP8 with rollout.quantization) and the host memory a checkpoint save needs per rank and per node,
 routine and reshardable (`plan_checkpoint`).
-The KV cache of colocated rollout engines is not included (rollouts run on other nodes).
+With `--placement colocated` (`plan_colocated`) each phase of a colocated step is estimated
+instead: generation (SGLang's weights and KV cache), training, weight sync.
 
 Under pipeline parallelism every stage is estimated on its own: its share of the layers,
 the embedding on the first stage, the final norm and output layer (with tied embeddings, the
@@ -26,6 +27,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
+
+from megatron_gspo.plan_colocated import add_colocated_args, colocated_plan
 
 GIB = 1024**3
 
@@ -285,6 +288,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         default=8,
         help="ranks per node, for the host memory of a save",
     )
+    add_colocated_args(parser)
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. parallel.expert_parallel=8")
 
 
@@ -388,7 +392,8 @@ def run_plan(args: argparse.Namespace) -> int:
     """Validate and print the plan; non-zero exit when the estimate does not fit the GPU."""
     from megatron_gspo.config import build_model_config, build_task, load_config, validate
 
-    cfg = load_config(args.config, args.overrides)
+    placement = [] if args.placement == "config" else [f"rollout.placement={args.placement}"]
+    cfg = load_config(args.config, [*args.overrides, *placement])
     validate(cfg, world_size=args.world_size)
     model = build_model_config(cfg)
     tokens, seq_len, cut = micro_batch_shape(cfg, build_task(cfg), args.world_size)
@@ -462,6 +467,8 @@ def run_plan(args: argparse.Namespace) -> int:
         "after the step's activations are freed"
     )
     print_save_host_memory(stages, cfg, args.world_size, args.gpus_per_node)
+    if cfg.rollout.placement == "colocated":
+        return colocated_plan(args, cfg, model, plan, act.total_bytes, sender)
     train = plan.total_bytes + act.total_bytes
     need = max(train, rank0) + args.reserve_gb * GIB
     over = need - args.gpu_memory_gb * GIB

@@ -532,3 +532,22 @@ def test_plan_counts_a_bos_only_when_the_tokenizer_has_one(tmp_path, bos):
     task = build_task(cfg)
     _, seq_len, _ = micro_batch_shape(cfg, task, 1)
     assert seq_len == task.max_prompt_len + int(bos) + cfg.rollout.max_new_tokens
+
+
+def test_colocated_30b_on_one_node_reports_each_phase_and_refuses_what_does_not_fit(math_data):
+    """By hand: EP 8 leaves 1541M dense + 3624M expert params per rank (~5.2B); the expert Adam
+    state, unsharded (expert DP 1), is 3624M x 12 bytes = 40.5 GiB; SGLang's bf16 weights over TP 4
+    are 30.5B x 2 / 4 = 14.2 GiB per GPU."""
+    args = ["--config", "configs/qwen3_30b_a3b_gspo_colocated.yaml", f"task.options.path={math_data}"]
+    result = plan(*args, "--world-size", "8")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "per rank: 1541M dense + 3624M expert params" in result.stdout
+    assert "SGLang weights 14.2 GiB + KV cache 16 GiB per GPU" in result.stdout
+    assert "optimizer 42.7 GiB x 1 stepped on the host" in result.stdout  # 40.5 expert + 2.2 dense
+    for phase in ("generation", "training", "weight sync"):
+        assert f"phase {phase}: peak " in result.stdout
+    assert "colocated fits: the training phase decides" in result.stdout
+    no_offload = ["optim.optimizer_cpu_offload=false", "optim.overlap_cpu_optimizer_d2h_h2d=false"]
+    refused = plan(*args, "--world-size", "8", *no_offload)
+    assert refused.returncode == 1
+    assert "DOES NOT FIT (colocated, training phase)" in refused.stdout

@@ -135,6 +135,15 @@ class RolloutConfig:
     server_expert_parallel: int = 1
     """The SGLang servers' --ep-size (launch/sglang_servers.sh EP); expert TP = TP / EP, and each
     rank serves moe_intermediate_size / expert TP of every expert it holds."""
+    placement: Literal["disaggregated", "colocated"] = "disaggregated"
+    """disaggregated: the rollout servers have GPUs of their own. colocated: they share the
+    trainer's GPUs (one node, as slime's --colocate and verl's hybrid engine): after each
+    generation the servers release their KV cache and weights (`/release_memory_occupation`,
+    servers launched with --enable-memory-saver), the trainer brings its weights, gradients and
+    optimizer state back from pinned host memory, trains, parks them again, and the servers
+    resume and take the new weights by tensor handles (`weight_sync.method: tensor`). Without
+    server_urls / router_url the run starts one embedded server per `server_tensor_parallel`
+    devices of the node."""
     deterministic_inference: bool = False
     """Reproducible rollouts: a row's sampling seed always gives the same tokens. SGLang needs
     `--enable-deterministic-inference` for that (launch/sglang_servers.sh passes it; slower)."""
@@ -343,8 +352,9 @@ class WeightSyncConfig:
     method: Literal["distributed", "tensor", "disk"] = "distributed"
     """distributed: buckets broadcast over a weight-update group the servers join
     (`/update_weights_from_distributed`; NCCL on GPU, gloo on CPU). tensor: buckets through
-    `/update_weights_from_tensor` in the embedded server's safetensors-base64 encoding (real
-    SGLang's colocated CUDA-IPC encoding is not implemented). disk: a full HF checkpoint in
+    `/update_weights_from_tensor` in SGLang's format, handles to the trainer's memory and never the
+    bytes (CUDA IPC on GPU, shared memory on CPU), so for servers on the trainer's own node
+    (colocated; `rollout/tensor_handles.py`). disk: a full HF checkpoint in
     `trainer.weight_sync_dir` that every server re-reads (debugging; servers that cannot join a group)."""
     bucket_mb: float = 1024.0
     """Bucket size: the sender holds about two buckets beyond its own shards."""

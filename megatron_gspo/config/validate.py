@@ -6,8 +6,10 @@ values are `config.value_checks`.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from megatron_gspo.config.colocation import check_colocation
 from megatron_gspo.config.loading import build_model_config, build_task, prompts_start_with_bos
 from megatron_gspo.config.schema import AlgorithmConfig, RolloutConfig, RunConfig, SFTConfig
 from megatron_gspo.config.value_checks import (
@@ -66,6 +68,14 @@ def validate(cfg: RunConfig, world_size: int = 1) -> None:
     except ValueCheckError as err:
         raise ConfigError(str(err)) from None
     _check_fp8_rollouts(cfg.rollout)
+    check_colocation(
+        cfg, world_size=world_size, devices_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    )
+    if cfg.optim.use_precision_aware_optimizer and not cfg.parallel.distributed_optimizer:
+        raise ConfigError(
+            "optim.use_precision_aware_optimizer needs parallel.distributed_optimizer=true "
+            "(megatron keeps its lower-precision main weights in the distributed optimizer's shards)"
+        )
     if cfg.logging.tensorboard and not installed("tensorboard"):
         raise ConfigError(
             missing_message("tensorboard", "logging.tensorboard (on by default)")

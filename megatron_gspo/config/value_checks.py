@@ -131,10 +131,12 @@ def check_weight_sync(sync: Any, rollout: Any) -> None:
         raise ValueCheckError(f"weight_sync.retries must be >= 0, got {sync.retries}")
     if not 0 <= sync.master_port <= 65535:
         raise ValueCheckError(f"weight_sync.master_port={sync.master_port} is not a port (0: any free port)")
-    if sync.method == "tensor" and (rollout.server_urls or rollout.router_url):
+    colocated = getattr(rollout, "placement", "disaggregated") == "colocated"
+    if sync.method == "tensor" and (rollout.server_urls or rollout.router_url) and not colocated:
         raise ValueCheckError(
-            "weight_sync.method=tensor sends the embedded server's safetensors-base64 buckets; real SGLang "
-            "takes CUDA-IPC handles from a colocated trainer, which is not implemented: use distributed"
+            "weight_sync.method=tensor hands the servers handles to the trainer's memory (CUDA IPC on "
+            "GPU, shared memory on CPU), which only servers on the trainer's own GPUs can open "
+            "(rollout.placement=colocated): use distributed for servers elsewhere"
         )
     if rollout.quantization == "fp8" and sync.method == "disk":
         raise ValueCheckError(

@@ -42,6 +42,19 @@ class OptimConfig:
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Global gradient-norm clip (0 disables)."""
+    optimizer_cpu_offload: bool = False
+    """Megatron-Core's HybridDeviceOptimizer: the Adam states (and fp32 main weights) of
+    `optimizer_offload_fraction` of the parameters live and step in host memory (pinned), the
+    rest on the GPU. Needs CUDA (it builds CUDA streams) and `optim.optimizer: adam`."""
+    optimizer_offload_fraction: float = 1.0
+    """Share of the parameters (by count) whose optimizer steps on the host, in [0, 1]."""
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    """Copy gradients to the host and updated weights back on side CUDA streams, overlapped with
+    the host's Adam (optimizer_cpu_offload only)."""
+    use_precision_aware_optimizer: bool = False
+    """Megatron's precision-aware optimizer (main weights and Adam moments may be kept in lower
+    precision; here fp32 throughout). Needs `parallel.distributed_optimizer` and adam, and either
+    TransformerEngine's FusedAdam or `optimizer_cpu_offload`."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "sgd"):
@@ -50,10 +63,31 @@ class OptimConfig:
             raise ValueError(
                 f"optim.lr_decay_style must be constant, linear or cosine, got {self.lr_decay_style!r}"
             )
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ValueError(
+                f"optim.optimizer_offload_fraction must be in [0, 1], got {self.optimizer_offload_fraction}"
+            )
+        if (self.optimizer_cpu_offload or self.use_precision_aware_optimizer) and self.optimizer != "adam":
+            raise ValueError(
+                "optim.optimizer_cpu_offload and optim.use_precision_aware_optimizer need "
+                f"optim.optimizer=adam (megatron's CPU Adam), got {self.optimizer!r}"
+            )
+        if self.overlap_cpu_optimizer_d2h_h2d and not self.optimizer_cpu_offload:
+            raise ValueError("optim.overlap_cpu_optimizer_d2h_h2d needs optim.optimizer_cpu_offload=true")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(
                 f"optim needs 0 <= min_lr <= lr and lr > 0, got lr={self.lr} min_lr={self.min_lr}"
             )
+
+    def check_hardware(self) -> None:
+        """Refuse what this machine cannot run (kept out of `__post_init__`: GPU configs load anywhere).
+
+        megatron's HybridDeviceOptimizer picks what to move by `param.is_cuda` and builds CUDA
+        streams: with no CUDA parameter its host-side Adam has no GPU copies to map its
+        gradients from, and its first step fails (KeyError in `_set_sub_optimizer_grads`).
+        """
+        if self.optimizer_cpu_offload and not torch.cuda.is_available():
+            raise ValueError("optim.optimizer_cpu_offload needs CUDA (megatron's HybridDeviceOptimizer)")
 
 
 def wrap_ddp(
@@ -175,6 +209,10 @@ def build_optimizer(
             fp16=False,
             params_dtype=config.params_dtype,
             use_distributed_optimizer=distributed_optimizer,
+            optimizer_cpu_offload=cfg.optimizer_cpu_offload,
+            optimizer_offload_fraction=cfg.optimizer_offload_fraction,
+            overlap_cpu_optimizer_d2h_h2d=cfg.overlap_cpu_optimizer_d2h_h2d,
+            use_precision_aware_optimizer=cfg.use_precision_aware_optimizer,
         ),
         model_chunks(ddp_model),
     )

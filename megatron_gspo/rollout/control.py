@@ -63,22 +63,38 @@ class ControlMixin:
 
     def update_weights_from_tensor(
         self,
-        serialized_named_tensors: Sequence[str],
+        serialized_named_tensors: Sequence[str] | Sequence[Sequence[str]],
         *,
         load_format: str | None = None,
         flush_cache: bool = True,
         weight_version: str | int | None = None,
     ) -> list[dict[str, Any]]:
-        """Send serialized tensor handles (one string per TP rank, base64) to every server."""
-        body: dict[str, Any] = {
-            "serialized_named_tensors": list(serialized_named_tensors),
-            "flush_cache": flush_cache,
-        }
-        if load_format is not None:
-            body["load_format"] = load_format
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
-        return self._broadcast("/update_weights_from_tensor", body)
+        """Send tensor handles (`rollout.tensor_handles`): one base64 entry per TP rank of a server.
+
+        Args:
+            serialized_named_tensors: one list of entries for every server, or one list per server
+                (in `urls` order). A CPU handle is opened by exactly one server rank (its shared
+                memory is reference-counted), so with several servers give each its own entries.
+            load_format: None (a list of (name, tensor) pairs) or ``"flattened_bucket"``.
+            flush_cache: SGLang's flag (the trainer flushes once after the last bucket).
+            weight_version: the version the servers report once this update is applied.
+        """
+        per_server = (
+            [list(serialized_named_tensors)] * len(self.urls)
+            if all(isinstance(entry, str) for entry in serialized_named_tensors)
+            else [list(entries) for entries in serialized_named_tensors]
+        )
+        if len(per_server) != len(self.urls):
+            raise ValueError(f"{len(per_server)} lists of serialized tensors for {len(self.urls)} servers")
+        bodies = []
+        for entries in per_server:
+            body: dict[str, Any] = {"serialized_named_tensors": entries, "flush_cache": flush_cache}
+            if load_format is not None:
+                body["load_format"] = load_format
+            if weight_version is not None:
+                body["weight_version"] = str(weight_version)
+            bodies.append(body)
+        return self._broadcast("/update_weights_from_tensor", bodies)
 
     def init_weights_update_group(
         self,

@@ -9,6 +9,9 @@ instead of failing the first weight sync after minutes of retries:
   runs one server per DP replica (`launch/sglang_servers.sh` does with DP > 1), each URL in
   `rollout.server_urls`; `weight_sync.method: disk` works with any dp_size.
 - Routing Replay R3 and the drift metrics need `--enable-return-routed-experts`.
+- A colocated run (`memory_saver=True`) releases the servers' memory while it trains: SGLang
+  without `--enable-memory-saver` answers `/release_memory_occupation` with 200 and frees
+  nothing, so each server must report `enable_memory_saver: true`.
 
 A server that does not serve the trainer's weights (version or checkpoint) is synced before the
 first evaluation. The launch checks read one `/get_server_info` per server, the served weights
@@ -73,7 +76,12 @@ def refuse_unreachable_endpoints(rollout: RolloutConfig, poll_s: float = 0.5) ->
 
 
 def refuse_unfit_servers(
-    urls: Sequence[str], infos: Sequence[Mapping[str, Any]], *, sync_method: str, routed_experts: bool
+    urls: Sequence[str],
+    infos: Sequence[Mapping[str, Any]],
+    *,
+    sync_method: str,
+    routed_experts: bool,
+    memory_saver: bool = False,
 ) -> None:
     """Raise a `ConfigError` naming the first server the run cannot use.
 
@@ -82,10 +90,12 @@ def refuse_unfit_servers(
         infos: each server's `/get_server_info` answer (SGLang's server arguments).
         sync_method: `weight_sync.method` (distributed, tensor or disk).
         routed_experts: the run needs routed experts from the servers (R3 or drift).
+        memory_saver: the run releases the servers' memory (colocated): `--enable-memory-saver`.
 
     Raises:
         ConfigError: a server with dp_size > 1 for the distributed (or tensor, without DP
-            attention) method, or without routed experts when they are needed.
+            attention) method, without routed experts when they are needed, or without the
+            memory saver when it is needed.
     """
     for url, info in zip(urls, infos, strict=True):
         dp = int(info.get("dp_size", 1))
@@ -102,6 +112,12 @@ def refuse_unfit_servers(
                 f"rollout server {url} was launched without --enable-return-routed-experts, which "
                 "algorithm.routing_replay=r3 and drift.enabled need; relaunch it with the flag "
                 "(launch/sglang_servers.sh ROUTED_EXPERTS=1) or turn both off"
+            )
+        if memory_saver and info.get("enable_memory_saver") is not True:
+            raise ConfigError(
+                f"rollout server {url} was launched without --enable-memory-saver (its server_info "
+                f"says enable_memory_saver={info.get('enable_memory_saver')!r}), which a colocated run "
+                "needs to release its weights and KV cache while training; relaunch it with the flag"
             )
 
 
@@ -159,6 +175,7 @@ def check_servers(
     routed_experts: bool,
     version: int,
     expected_path: str | os.PathLike | None,
+    memory_saver: bool = False,
 ) -> list[str]:
     """`refuse_unfit_servers`, then `servers_not_serving`: one `/get_server_info` and one `/model_info` each.
 
@@ -172,5 +189,7 @@ def check_servers(
         ConfigError: a server the run cannot use (see `refuse_unfit_servers`).
     """
     infos = client.server_info()
-    refuse_unfit_servers(client.urls, infos, sync_method=sync_method, routed_experts=routed_experts)
+    refuse_unfit_servers(
+        client.urls, infos, sync_method=sync_method, routed_experts=routed_experts, memory_saver=memory_saver
+    )
     return servers_not_serving(served_weights(client.urls, client.model_info()), version, expected_path)

@@ -69,7 +69,9 @@ from megatron_gspo.tasks import PromptStream, evaluate_accuracy
 from megatron_gspo.tasks.prompt_check import check_prompts
 from megatron_gspo.tasks.tokenizer import resolve_add_bos
 from megatron_gspo.training.ahead.rollouts_ahead import RolloutsAhead
+from megatron_gspo.training.colocation import Colocated, Placement
 from megatron_gspo.training.metrics import MetricsLogger, ZeroRewardWatch
+from megatron_gspo.training.offload import TrainerOffload
 from megatron_gspo.training.reference import ReferencePolicy
 from megatron_gspo.training.run_lock import RunLock, lock_path
 from megatron_gspo.training.run_setup import load_tokenizer, weight_sync_dir
@@ -105,6 +107,7 @@ class Trainer:
         validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         try:
             cfg.engine.check_hardware()  # TransformerEngine / fused kernels asked for where unavailable
+            cfg.optim.check_hardware()  # optimizer_cpu_offload without CUDA
         except ValueError as err:
             raise ConfigError(str(err)) from None
         init_distributed(cfg.parallel, seed=cfg.trainer.seed)
@@ -180,6 +183,7 @@ class Trainer:
         self.step, self.weight_version = 0, 0
         self.sample_rows: list[dict] = []
         self.ahead: RolloutsAhead | None = None  # rank 0 with rollout.max_staleness >= 1
+        self.placement = Placement()  # colocated: set once the optimizer exists
         self.ckpt_root = self.run_dir / "checkpoints"
         if self.rank0 and str(self.sync_dir).startswith("/dev/shm/"):
             claim_export_dir(self.sync_dir.parent)  # after removing the exports of runs that died
@@ -195,8 +199,6 @@ class Trainer:
             self.tokenizer,
             quantization=cfg.rollout.quantization,
         )
-
-    # ------------------------------------------------------------------ setup
 
     def _lock_directories(self) -> None:
         """Lock the run dir and the weight-sync dir (rank 0); refuse a sync dir that is not an export."""
@@ -242,6 +244,8 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(
             self.model, cfg.optim, distributed_optimizer=cfg.parallel.distributed_optimizer, total_steps=total
         )
+        if cfg.rollout.placement == "colocated":
+            self.placement = Colocated(TrainerOffload(self.model, self.optimizer))
         if resume_step is not None:
             try:
                 state = load_checkpoint(  # a damaged newest checkpoint falls back to an older intact one
@@ -311,8 +315,6 @@ class Trainer:
             return Path(hf_path), changed
         return export_hf_checkpoint(self.model, self.sync_dir, self.model_cfg, self.tokenizer), False
 
-    # ------------------------------------------------------------------ one step
-
     def _evaluate(self, engine: RolloutEngine | None) -> dict[str, float]:
         def run() -> dict[str, float]:
             completions = engine.greedy_completions(self.heldout)
@@ -366,7 +368,7 @@ class Trainer:
         shared = broadcast_from_rank0(local[2] if isinstance(local, tuple) else local)
         batch, advantages = local[:2] if isinstance(local, tuple) else (None, None)
         t1 = time.perf_counter()
-        metrics = dict(shared["metrics"])
+        metrics = {**shared["metrics"], **self.placement.to_training(engine and engine.client)}
         if self.rank0:  # one warning, not one per rank
             self.zero_reward.update(self.step, metrics)
         self.counters["dropped_groups"] += shared["dropped_groups"]
@@ -418,15 +420,17 @@ class Trainer:
             self.counters["skipped_steps"] += int(metrics["train/skipped_steps"])
         t2 = time.perf_counter()
         bump = 2 if cfg.debug.version_gap_at_step == self.step else 1
+        version = self.weight_version + bump
         try:
             with self.ahead.around_sync() if self.ahead else contextlib.nullcontext():
-                sync = self.weight_sync.sync(engine and engine.client, self.weight_version + bump)
+                client = engine and engine.client  # colocated: the servers resume around the sync
+                sync, hand_over = self.placement.sync(client, lambda: self.weight_sync.sync(client, version))
                 self.weight_version += bump
         except FleetTooSmallError:  # every rank: the step trained is kept, the run stops by name
             with self._rollouts_paused():
                 self._save(reshardable=cfg.trainer.reshardable_at_end)
             raise
-        metrics.update(sync.metrics())
+        metrics.update({**sync.metrics(), **hand_over})
         t3 = time.perf_counter()
         metrics.update(
             {
@@ -441,8 +445,6 @@ class Trainer:
             }
         )
         return metrics
-
-    # ------------------------------------------------------------------ the run
 
     def run(self) -> dict[str, Any]:
         """Cold start (or resume), then RL steps; returns the last step's record plus the eval history."""
@@ -484,6 +486,7 @@ class Trainer:
                     routed_experts=self._routed_experts_layout() is not None,
                     version=self.weight_version,
                     expected_path=start_dir or cfg.model.hf_path,
+                    memory_saver=self.placement.colocated,
                 )
             )
             for problem in stale:  # named even when a sync is due anyway (SFT ran, a resume)
@@ -496,6 +499,7 @@ class Trainer:
                 self.weight_sync.sync(client, self.weight_version)
             else:
                 logger.info("start-up: the servers already serve the trainer's weights; nothing sent")
+            self.placement.start(client)  # colocated: the trainer's state leaves the GPUs to the servers
             if self.step == 0 and cfg.eval.at_start:
                 record = {**start_metrics, **self._evaluate(engine), "weight_version": 0.0}
                 log.log(0, record)
@@ -557,18 +561,11 @@ class Trainer:
 
     def _save(self, *, reshardable: bool) -> None:
         """Checkpoint the current step (collective); `reshardable`: loadable at any layout."""
-        save_checkpoint(
-            self.ckpt_root,
-            self.step,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            trainer_state=self._trainer_state(),
-            keep_last=self.cfg.trainer.keep_last,
-            model_cfg=self.model_cfg,
-            tokenizer=self.tokenizer,
-            reshardable=reshardable,
-        )
+        with self.placement.state_on_device(None):  # colocated: the state is parked between steps
+            save_checkpoint(self.ckpt_root, self.step, model=self.model, optimizer=self.optimizer,
+                            scheduler=self.scheduler, trainer_state=self._trainer_state(),
+                            keep_last=self.cfg.trainer.keep_last, model_cfg=self.model_cfg,
+                            tokenizer=self.tokenizer, reshardable=reshardable)  # fmt: skip
 
     def _needs_routed_experts(self) -> bool:
         """Whether this step's rows must carry the rollout engine's routing (R3 targets, measured drift)."""

@@ -10,7 +10,9 @@ TP/EP gathers, global rank 0 alone converts, buckets and sends. Per sync:
   `/end_weight_update` and one `/flush_cache` (SGLang's 400 while requests run is waited
   out, then warned about: the weights are in place either way; inside an `in_place` pause,
   which keeps its requests running, it is asked once).
-* tensor: the same buckets as `/update_weights_from_tensor` requests inside a session.
+* tensor: the same buckets as `/update_weights_from_tensor` requests inside a session, in SGLang's
+  format: handles to each bucket's memory (CUDA IPC on GPU, shared memory on CPU), never its
+  bytes (`rollout/tensor_handles.py`); for servers on the trainer's own node (colocated).
 * disk: a full HF checkpoint written atomically and `/update_weights_from_disk`.
 
 With `rollout.quantization=fp8` the stream's decoder projections are quantised to blockwise
@@ -59,10 +61,10 @@ from megatron_gspo.model.distributed import compute_device
 from megatron_gspo.model.fp8 import quantize_stream
 from megatron_gspo.model.hf_export import export_hf_checkpoint
 from megatron_gspo.model.hf_stream import Bucket, iter_buckets, refuse_non_finite, run_on_hf_stream
+from megatron_gspo.rollout import tensor_handles
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.errors import RolloutFault, WeightUpdateError
 from megatron_gspo.rollout.fleet import FleetTooSmallError
-from megatron_gspo.rollout.server.protocol import TENSOR_LOAD_FORMAT, serialize_named_tensors
 from megatron_gspo.rollout.server.weight_receiver import FLATTENED_BUCKET
 from megatron_gspo.rollout.update_group import (
     abort_update_group,
@@ -222,19 +224,37 @@ class WeightSync:
         return iter_buckets(stream, int(self.cfg.bucket_mb * 2**20))
 
     def _send_tensors(self, client: SGLangClient, buckets: Iterator[Bucket], version: int) -> SyncStats:
+        """Send each bucket as SGLang's tensor handles (`rollout.tensor_handles`), never its bytes.
+
+        One flat copy per bucket where a server can open it (the GPU's own memory on CUDA, shared
+        memory on CPU), one handle pickle per TP rank of every server; the copy is kept until every
+        server has answered, then dropped before the next bucket is packed.
+        """
         stats = SyncStats()
+        tp_sizes = [int(info.get("tp_size", 1)) for info in client.server_info()]
+        device = compute_device()
         for bucket in buckets:
-            payload = serialize_named_tensors(list(zip(bucket.names, bucket.tensors)))
+            flat = tensor_handles.shareable(bucket.flatten_and_release(device))
+            per_server = [
+                [
+                    tensor_handles.serialize_flattened_bucket(
+                        flat, bucket.names, bucket.dtypes, bucket.shapes
+                    )
+                    for _ in range(tp_size)
+                ]
+                for tp_size in tp_sizes
+            ]
             _at_bucket(
                 bucket,
-                lambda b=bucket, p=payload: client.update_weights_from_tensor(
-                    [p],
-                    load_format=TENSOR_LOAD_FORMAT,
+                lambda b=bucket, p=per_server: client.update_weights_from_tensor(
+                    p,
+                    load_format=tensor_handles.FLATTENED_BUCKET,
                     flush_cache=False,
                     weight_version=version if b.last else None,
                 ),
             )
             stats.add(bucket)
+            del flat, per_server  # answered: the servers hold their own copies now
         return stats
 
     def _send_distributed(self, client: SGLangClient, buckets: Iterator[Bucket], version: int) -> SyncStats:

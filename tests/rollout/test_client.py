@@ -442,6 +442,11 @@ def test_distributed_update_calls_send_the_right_fields(servers):
             ["w.a", "w.b"], ["bfloat16", "torch.float32"], [[2, 3], [4]], weight_version="7"
         )
         client.update_weights_from_tensor(["c2VyaWFsaXplZA=="], weight_version=7)
+        tensor_posts = {id(s): len(s.posts) for s in (a, b)}
+        client.update_weights_from_tensor([["YQ=="], ["Yg==", "Yw=="]], load_format="flattened_bucket")
+        per_server = [s.posts[tensor_posts[id(s)]][1]["serialized_named_tensors"] for s in (a, b)]
+        client.release_memory_occupation(["kv_cache"])
+        client.resume_memory_occupation()
         client.destroy_weights_update_group()
         client.pause_generation(mode="retract")
         client.flush_cache()
@@ -464,11 +469,16 @@ def test_distributed_update_calls_send_the_right_fields(servers):
         "flush_cache": True,
         "weight_version": "7",
     }
-    assert posts["/update_weights_from_tensor"] == {
+    assert next(body for path, body in b.posts if path == "/update_weights_from_tensor") == {
         "serialized_named_tensors": ["c2VyaWFsaXplZA=="],
         "flush_cache": True,
         "weight_version": "7",
     }
+    assert per_server == [["YQ=="], ["Yg==", "Yw=="]]  # one list per server: its TP ranks' entries
+    for server in (a, b):  # memory calls reach every server
+        memory = dict(server.posts)
+        assert memory["/release_memory_occupation"] == {"tags": ["kv_cache"]}
+        assert memory["/resume_memory_occupation"] == {}
     assert posts["/destroy_weights_update_group"] == {"group_name": "weight_update_group"}
     assert posts["/pause_generation"] == {"mode": "retract"}
     assert [p for p, _ in b.posts][-3:] == ["/pause_generation", "/flush_cache", "/continue_generation"]

@@ -12,9 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import load_hf_state_dict, make_tiny_hf_checkpoint, save_hf_state_dict
-from megatron_gspo.rollout import contract
+from megatron_gspo.rollout import contract, tensor_handles
 from megatron_gspo.rollout.server.launch import launch_embedded_server
-from megatron_gspo.rollout.server.protocol import serialize_named_tensors
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 
 TOKENIZER = build_char_tokenizer()
@@ -40,6 +39,21 @@ def server(checkpoints):
 def client():
     with httpx.Client(timeout=120) as c:
         yield c
+
+
+def _tensor_update(client, server, named, **fields):
+    """/update_weights_from_tensor inside a session, as SGLang requires: (its answer, the end's answer)."""
+    assert client.post(f"{server.url}/begin_weight_update", json={}).json()["success"]
+    entry = tensor_handles.serialize(
+        [
+            (n, tensor_handles.shareable(t.reshape(-1).view(torch.uint8)).view(t.dtype).reshape(t.shape))
+            for n, t in named.items()
+        ]
+    )
+    r = client.post(
+        f"{server.url}/update_weights_from_tensor", json={"serialized_named_tensors": [entry], **fields}
+    )
+    return r, client.post(f"{server.url}/end_weight_update", json={})
 
 
 def _reference(path):
@@ -302,11 +316,15 @@ def test_update_weights_from_tensor_loads_the_tensors(server, client, checkpoint
     state_b = load_hf_state_dict(b)
     # Layer 1's experts and router from b, everything else from a: a genuinely new model.
     partial = {k: v for k, v in state_b.items() if k.startswith("model.layers.1.mlp.")}
-    r = client.post(
+    outside = client.post(
         f"{server.url}/update_weights_from_tensor",
-        json={"serialized_named_tensors": [serialize_named_tensors(partial)], "weight_version": "3"},
+        json={"serialized_named_tensors": [tensor_handles.serialize(list(partial.items()))]},
     )
-    assert r.status_code == 200 and r.json()["success"], r.text
+    assert (
+        outside.status_code == 400 and "between begin_weight_update() and end_weight_update()" in outside.text
+    )
+    r, end = _tensor_update(client, server, partial, weight_version="3")
+    assert r.status_code == 200 and r.json()["success"] and end.json()["success"], r.text
     ref_mixed_dir = save_hf_state_dict(
         b.parent / "mixed", {**load_hf_state_dict(a), **partial}, CFG, TOKENIZER
     )
@@ -314,11 +332,9 @@ def test_update_weights_from_tensor_loads_the_tensors(server, client, checkpoint
     resp, got = _logprobs(client, server, PROMPT)
     assert resp["meta_info"]["weight_version"] == "3"
     assert (got - _ref_logprobs(mixed, resp)).abs().max() < 1e-5
-    bad = client.post(
-        f"{server.url}/update_weights_from_tensor",
-        json={"serialized_named_tensors": [serialize_named_tensors({"model.nope.weight": torch.ones(2)})]},
-    )
+    bad, end = _tensor_update(client, server, {"model.nope.weight": torch.ones(2)})
     assert bad.status_code == 400 and "model.nope.weight" in bad.json()["message"]
+    assert end.json()["success"] is False
     resp, got = _logprobs(client, server, PROMPT)  # all-or-nothing: still the mixed model
     assert (got - _ref_logprobs(mixed, resp)).abs().max() < 1e-5
 
@@ -371,10 +387,7 @@ def test_non_finite_weight_updates_are_refused_and_old_weights_keep_serving(serv
     poisoned[name][1, 1] = bad
     # Tensor update: a good tensor first, the poisoned one after it (nothing may be applied).
     partial = {"model.norm.weight": state["model.norm.weight"] * 2, name: poisoned[name]}
-    r = client.post(
-        f"{server.url}/update_weights_from_tensor",
-        json={"serialized_named_tensors": [serialize_named_tensors(partial)], "weight_version": "bad"},
-    )
+    r, _ = _tensor_update(client, server, partial, weight_version="bad")
     assert r.status_code == 400 and f"tensor {name} has 1 non-finite" in r.json()["message"], r.text
     # Disk update of a whole checkpoint with one poisoned tensor.
     bad_dir = save_hf_state_dict(a.parent / f"poisoned-{bad}", poisoned, CFG, TOKENIZER)

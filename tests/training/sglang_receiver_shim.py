@@ -11,7 +11,10 @@ What is SGLang's (0.5.23, as installed), run as it is:
   `/begin_weight_update` and `/end_weight_update`, weight_version recording, TP barriers),
   `BaseTpWorker.init/destroy_weights_update_group`, and `WeightUpdater` (group join as rank
   `rank_offset + tp_rank` through `init_custom_process_group`, receive of one broadcast per bucket
-  into a `FlattenedTensorBucket` and its reconstruction, `load_weights_from_distributed`);
+  into a `FlattenedTensorBucket` and its reconstruction, `load_weights_from_distributed`;
+  `/update_weights_from_tensor`: `BaseTpWorker.deserialize_own_rank` (each rank opens its own entry
+  with `MultiprocessingSerializer` and its `SafeUnpickler`, after `monkey_patch_torch_reductions`)
+  and `WeightUpdater.update_weights_from_tensor` with `load_format="flattened_bucket"`);
 - the answers' merge (`FanOutCommunicator.merge_results`) and status codes of `http_server.py`.
 Their modules import torchvision (a CUDA build of SGLang's torch 2.14.1), so these classes and
 functions are compiled from the installed source files, unchanged, into one namespace beside what
@@ -62,6 +65,7 @@ REQUESTS = {  # endpoint -> (io_struct request type, scheduler manager method)
         "UpdateWeightsFromDistributedReqInput",
         "update_weights_from_distributed",
     ),
+    "/update_weights_from_tensor": ("UpdateWeightsFromTensorReqInput", "update_weights_from_tensor"),
 }
 IO_TYPES = [name for name, _ in REQUESTS.values()] + [
     f"{name.removesuffix('Input')}Output" for name, _ in REQUESTS.values()
@@ -104,9 +108,10 @@ def compile_from_sglang(namespace: types.ModuleType, relpath: str, names: list[s
 
 def sglang_namespace(stand_ins: dict) -> types.ModuleType:
     """A module holding SGLang's receiver code compiled from source, its real helpers and `stand_ins`."""
-    from sglang.srt.utils.common import init_custom_process_group
-    from sglang.srt.utils.msgspec_utils import msgspec_struct_pydantic_core_schema
+    from sglang.srt.utils.common import MultiprocessingSerializer, init_custom_process_group
+    from sglang.srt.utils.msgspec_utils import Base64Bytes, msgspec_struct_pydantic_core_schema
     from sglang.srt.utils.network import NetworkAddress
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
 
     namespace = types.ModuleType("sglang_receiver_source")
@@ -124,6 +129,9 @@ def sglang_namespace(stand_ins: dict) -> types.ModuleType:
         field=field,
         init_custom_process_group=init_custom_process_group,
         msgspec_struct_pydantic_core_schema=msgspec_struct_pydantic_core_schema,
+        Base64Bytes=Base64Bytes,
+        MultiprocessingSerializer=MultiprocessingSerializer,
+        monkey_patch_torch_reductions=monkey_patch_torch_reductions,
         NetworkAddress=NetworkAddress,
         FlattenedTensorBucket=FlattenedTensorBucket,
         FlattenedTensorMetadata=FlattenedTensorMetadata,
@@ -143,7 +151,11 @@ def sglang_namespace(stand_ins: dict) -> types.ModuleType:
     compile_from_sglang(
         namespace,
         "srt/managers/tp_worker.py",
-        ["BaseTpWorker.init_weights_update_group", "BaseTpWorker.destroy_weights_update_group"],
+        [
+            "BaseTpWorker.init_weights_update_group",
+            "BaseTpWorker.destroy_weights_update_group",
+            "BaseTpWorker.deserialize_own_rank",
+        ],
     )
     compile_from_sglang(namespace, "srt/managers/communicator.py", ["FanOutCommunicator.merge_results"])
     return namespace
@@ -179,7 +191,9 @@ class TpWorker:
         )
         ns = sglang_namespace(
             {
-                "get_parallel": lambda: SimpleNamespace(tp_group=SimpleNamespace(cpu_group=dist.group.WORLD)),
+                "get_parallel": lambda: SimpleNamespace(
+                    tp_group=SimpleNamespace(cpu_group=dist.group.WORLD), tp_rank=tp_rank
+                ),
                 "get_model": lambda: SimpleNamespace(weight_cache_mode="off"),
                 "DefaultModelLoader": no_repacking,
                 "post_load_weights": lambda model: None,
@@ -201,6 +215,7 @@ class TpWorker:
         # SGLang's BaseTpWorker methods, which the manager calls on its tp_worker
         self.init_weights_update_group = types.MethodType(ns.init_weights_update_group, self)
         self.destroy_weights_update_group = types.MethodType(ns.destroy_weights_update_group, self)
+        self.deserialize_own_rank = types.MethodType(ns.deserialize_own_rank, self)
         self.manager = ns.SchedulerWeightUpdaterManager(
             tp_worker=self,
             draft_worker=None,

@@ -137,6 +137,18 @@ def test_dp_attention_servers_take_tensor_updates_and_routed_experts_are_checked
     refuse_unfit_servers(urls, [{}, without], sync_method="distributed", routed_experts=False)
 
 
+def test_a_colocated_run_refuses_servers_without_the_memory_saver():
+    urls = ["http://a:1", "http://b:2"]
+    saver, plain = {"enable_memory_saver": True}, {"enable_memory_saver": False}
+    refuse_unfit_servers(urls, [saver, saver], sync_method="tensor", routed_experts=False, memory_saver=True)
+    refuse_unfit_servers(urls, [plain, {}], sync_method="tensor", routed_experts=False)  # disaggregated
+    for other in (plain, {}):  # SGLang without the flag would answer 200 and free nothing
+        with pytest.raises(ConfigError, match=r"http://b:2 was launched without --enable-memory-saver"):
+            refuse_unfit_servers(
+                urls, [saver, other], sync_method="tensor", routed_experts=False, memory_saver=True
+            )
+
+
 def train_tiny(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
     """`megatron-gspo train` of the tiny config for one step with `overrides`, as a user runs it."""
     repo = Path(__file__).resolve().parents[2]

@@ -71,7 +71,7 @@ def test_fp8_sync_serves_the_dequantised_weights_and_a_small_real_mismatch(setup
     client.update_weights_from_disk(str(reference_dir), weight_version="3")
     # Bit for bit: the served FP8 weights give exactly the reference's log-probs.
     assert torch.equal(served_logprobs(client, TOKENS), served)
-    sync(model, work, client, 4, "fp8", method="tensor")  # safetensors carries float8 too
+    sync(model, work, client, 4, "fp8", method="tensor")  # the handles carry float8 too
     assert torch.equal(served_logprobs(client, TOKENS), served)
 
     gap = (served - exact).abs()

@@ -1,4 +1,4 @@
-"""The trainer's distributed weight sync against SGLang's own receiving code, over gloo.
+"""The trainer's distributed and tensor weight syncs against SGLang's own receiving code.
 
 Two servers of TP 2 (`sglang_receiver_shim.py`, in the SGLang environment that
 `launch/setup_sglang_receiver.sh` makes) join the weight-update group at rank offsets 1 and 3
@@ -142,6 +142,26 @@ def test_a_restarted_trainer_closes_the_session_its_predecessor_left_open(setup)
     sync.close(client)
     assert stats.attempts == 2
     assert [i["weight_version"] for i in client.model_info()] == ["6"] * SERVERS
+
+
+def test_sglang_opens_the_trainer_tensor_handles_bit_for_bit(setup):
+    """`weight_sync.method: tensor`: every TP rank opens its own entry with SGLang's
+    `MultiprocessingSerializer` (its `SafeUnpickler`), reads the shared-memory handles the trainer
+    wrote and rebuilds the tensors through `FlattenedTensorBucket`, inside SGLang's session."""
+    model, client, servers, export_dir = setup
+    stats = make_sync(model, export_dir, method="tensor", bucket_mb=0.05).sync(client, 7)
+    expected = run_on_hf_stream(model, CFG, lambda stream: {name: t.clone() for name, t in stream})
+    assert stats.buckets > 3
+    for server in servers:
+        for tp_rank in range(TP_SIZE):
+            got = server.received(tp_rank)
+            assert got["weight_version"] == "7" and got["loads"] == stats.buckets
+            assert sorted(got["tensors"]) == sorted(expected)
+            for name, want in expected.items():
+                assert torch.equal(raw(got["tensors"][name]), raw(want)), (
+                    f"{name} differs on a receiving rank"
+                )
+    assert [i["weight_version"] for i in client.model_info()] == ["7"] * SERVERS
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp8", "bf16"])  # bf16 last: it casts the model

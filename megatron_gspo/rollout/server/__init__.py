@@ -5,7 +5,8 @@
   as a subprocess and waiting until it is healthy;
 - `engine` (batched generation, log-probs, routed experts), `scheduler` (continuous batching),
   `protocol` (/generate bodies <-> engine rows), `fields` (request field checks), `http_app`
-  (aiohttp in front of the route tables), `weight_receiver` (SGLang's distributed weight update).
+  (aiohttp in front of the route tables), `weight_receiver` (SGLang's distributed weight update),
+  `memory` (SGLang's memory release and resume).
 
 SGLang cannot run on CPU machines, so CPU runs (development, CI, the demo) serve rollouts
 with this server; the trainer talks to it with the same client it uses for real SGLang.
@@ -18,8 +19,8 @@ What it implements, and how it differs from SGLang:
   log-probs, constrained decoding. No prefix cache between requests (`cached_tokens` is always 0);
   within one batch, rows with the same prompt share its prefill.
 - POST /update_weights_from_disk: really reloads safetensors from `model_path` (same
-  architecture), all-or-nothing; /update_weights_from_tensor: base64 safetensors payload
-  (`server.protocol.serialize_named_tensors`) instead of SGLang's CUDA-IPC pickle.
+  architecture), all-or-nothing; /update_weights_from_tensor: SGLang's tensor handles
+  (`rollout.tensor_handles`: shared memory on CPU, CUDA IPC on GPU), inside a session as in SGLang.
 - POST /init_weights_update_group, /begin_weight_update, /update_weights_from_distributed
   (plain or `flattened_bucket`), /end_weight_update, /destroy_weights_update_group: SGLang's
   distributed update for real, over torch.distributed (gloo on CPU), one rank per server;
@@ -36,6 +37,9 @@ What it implements, and how it differs from SGLang:
   reports `num_generated_tokens` (not SGLang's): the output tokens decoded since start, so that
   a caller sees a generation under way and how far it got (tests land a weight sync after the
   first N tokens by it, not by a sleep). See docs/sglang-conformance.md.
+- GET/POST /release_memory_occupation, /resume_memory_occupation (`tags`: kv_cache, weights,
+  cuda_graph) with `--enable-memory-saver`: weights and the `--kv-pool-mb` KV pool really freed and
+  re-allocated (RSS drops and returns); generation refused while released (`memory.py`).
 - `--dp-size N` makes /get_server_info report SGLang's `dp_size: N` and, above 1, refuses
   what SGLang refuses on a server launched with --dp-size > 1 (/init_weights_update_group,
   /update_weights_from_tensor: its assertion's 500); generation stays one replica.

@@ -43,6 +43,7 @@ from megatron_gspo.model.hf_checkpoint import (
     hf_to_module_state,
     load_hf_state_dict,
 )
+from megatron_gspo.rollout.server.memory import MemoryOccupation
 
 GREEDY_EPS = 1e-6  # SGLang treats temperature below this as greedy
 
@@ -135,6 +136,8 @@ class GenerationEngine:
         seed: int = 0,
         device: str = "cpu",
         decode_delay_s: float = 0.0,
+        enable_memory_saver: bool = False,
+        kv_pool_bytes: int = 0,
     ) -> None:
         self.model_path = str(model_path)
         self.decode_delay_s = decode_delay_s
@@ -177,6 +180,8 @@ class GenerationEngine:
             )
         for router in self._routers:
             router.register_forward_hook(self._capture_routing)
+        self.memory = MemoryOccupation(self.model, enabled=enable_memory_saver, kv_pool_bytes=kv_pool_bytes)
+        """SGLang's /release_memory_occupation and /resume_memory_occupation (`memory.py`)."""
 
     def _capture_routing(self, module, inputs, output) -> None:
         self._captured.append(output[2])  # (router_logits, router_scores, router_indices [tokens, k])
@@ -189,6 +194,7 @@ class GenerationEngine:
         finite values; on any error the served weights and version are unchanged (tensors are
         all read and checked first).
         """
+        self.memory.check_update()  # before the shapes are compared with released (empty) ones
         path = Path(model_path)
         cfg_file = path / "config.json"
         if not cfg_file.exists():
@@ -219,7 +225,9 @@ class GenerationEngine:
                     f"{path}: {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}"
                 )
         with self._lock:
+            self.memory.check_update()
             copy_into_model(self.model, fused)
+            self.memory.after_update()
             self.model_path = str(path)
             self._bump_version(weight_version)
 
@@ -233,7 +241,9 @@ class GenerationEngine:
         """
         check_finite(named_tensors, "update_weights_from_tensor")
         with self._lock:
+            self.memory.check_update()
             count = copy_into_model(self.model, named_tensors)
+            self.memory.after_update()
             self._bump_version(weight_version)
         return count
 
@@ -242,6 +252,16 @@ class GenerationEngine:
             self.weight_version = str(weight_version)
         elif self.weight_version.isdigit():
             self.weight_version = str(int(self.weight_version) + 1)
+
+    def release_memory(self, tags: tuple[str, ...]) -> None:
+        """Free the memory regions `tags` (`memory.MemoryOccupation.release`), between batches."""
+        with self._lock:
+            self.memory.release(tags)
+
+    def resume_memory(self, tags: tuple[str, ...]) -> None:
+        """Re-allocate the memory regions `tags` (`memory.MemoryOccupation.resume`)."""
+        with self._lock:
+            self.memory.resume(tags)
 
     # ------------------------------------------------------------------ pause
     def pause(self, *, retract: bool) -> None:
@@ -313,6 +333,7 @@ class GenerationEngine:
             return self._generate_locked(items)
 
     def _generate_locked(self, items: list[GenerationInput]) -> list[GenerationOutput]:
+        self.memory.check_generation()
         bsz = len(items)
         lens = [len(it.input_ids) for it in items]
         width = max(lens)

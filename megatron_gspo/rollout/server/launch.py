@@ -93,6 +93,8 @@ def launch_embedded_server(
     timeout: float = 120.0,
     exit_with_parent: bool = True,
     env: Mapping[str, str] | None = None,
+    enable_memory_saver: bool = False,
+    kv_pool_mb: float = 0.0,
 ) -> EmbeddedServer:
     """Start `python -m megatron_gspo.rollout.server` on `model_dir` and wait until /health answers.
 
@@ -108,6 +110,9 @@ def launch_embedded_server(
             launching *thread* ends).
         env: more environment variables of the server, e.g. ``{"SGLANG_HEALTH_CHECK_TIMEOUT": "2"}``
             (SGLang's, which the server reads as SGLang does).
+        enable_memory_saver: serve `/release_memory_occupation` and `/resume_memory_occupation`
+            (SGLang's `--enable-memory-saver`; a colocated run needs it).
+        kv_pool_mb: MiB the server reserves for its KV cache pool, released with tag `kv_cache`.
 
     Returns:
         The running server; `.url` is its base URL.
@@ -124,6 +129,7 @@ def launch_embedded_server(
             cmd.append("--death-signal")
     cmd += ["-m", "megatron_gspo.rollout.server", "--model", str(model_dir)]
     cmd += ["--host", host, "--port", str(port if port is not None else 0), *extra_args]
+    cmd += memory_saver_args(enable_memory_saver, kv_pool_mb)
     env = {**os.environ, **(env or {})}
     if num_threads is not None:
         env["OMP_NUM_THREADS"] = str(num_threads)
@@ -164,3 +170,9 @@ def launch_embedded_server(
     except BaseException:
         server.terminate()
         raise
+
+
+def memory_saver_args(enable_memory_saver: bool, kv_pool_mb: float = 0.0) -> list[str]:
+    """The `serve` arguments of SGLang's memory occupation API and of the KV pool reservation."""
+    args = ["--enable-memory-saver"] if enable_memory_saver else []
+    return args + (["--kv-pool-mb", f"{kv_pool_mb:g}"] if kv_pool_mb > 0 else [])

@@ -90,6 +90,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help=f"test aid: wait this long before each decode step, so that generation is slow enough "
         f"for a weight sync to land mid-response (default: ${DECODE_DELAY_ENV}, else 0: off)",
     )
+    parser.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="allow /release_memory_occupation and /resume_memory_occupation (SGLang's flag; "
+        "without it they are refused)",
+    )
+    parser.add_argument(
+        "--kv-pool-mb",
+        type=float,
+        default=0.0,
+        help="MiB reserved at start for the KV cache pool SGLang preallocates (released and resumed "
+        "with tag kv_cache); batches keep their own caches, so 0 (default) reserves nothing",
+    )
     parser.add_argument("--log-level", default="warning", help="python logging level")
     return parser
 
@@ -103,6 +116,8 @@ def build_service(args: argparse.Namespace) -> RolloutService:
         weight_version=args.weight_version,
         seed=args.seed,
         decode_delay_s=args.decode_delay_ms / 1000,
+        enable_memory_saver=args.enable_memory_saver,
+        kv_pool_bytes=int(args.kv_pool_mb * 2**20),
     )
     scheduler = BatchScheduler(
         engine, batch_window_s=args.batch_window_ms / 1000, max_batch_size=args.max_batch_size
@@ -140,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_body_mb <= 0:
         parser.error(f"--max-body-mb must be > 0, got {args.max_body_mb}")
+    if args.kv_pool_mb < 0:
+        parser.error(f"--kv-pool-mb must be >= 0, got {args.kv_pool_mb}")
     if args.dp_size < 1:
         parser.error(f"--dp-size must be >= 1, got {args.dp_size}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -1,14 +1,11 @@
-"""SGLang /generate bodies <-> engine rows, and the tensor serializer of /update_weights_from_tensor.
+"""SGLang /generate bodies <-> engine rows.
 
 Every body first passes SGLang's own contract (`GenerateRequest.from_json_value`), so bad
 types and unknown `sampling_params` keys get the real server's 400 text. Features the
 embedded engine does not implement (streaming, stop strings, penalties, n > 1, top
 log-probs, ...) are refused with a 400 naming the field, never silently ignored.
 
-Tensor updates: real SGLang's `serialized_named_tensors` holds, per TP rank, base64 of its
-`MultiprocessingSerializer` pickle (CUDA IPC handles, meaningful only on the same GPU host).
-The embedded server instead takes base64 of a safetensors blob (`serialize_named_tensors`),
-which carries the tensor data itself and works across processes on CPU.
+(/update_weights_from_tensor's payload, SGLang's tensor handles, is `rollout/tensor_handles.py`.)
 """
 
 from __future__ import annotations
@@ -19,10 +16,6 @@ import os
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any
-
-import torch
-from safetensors.torch import load as safetensors_load
-from safetensors.torch import save as safetensors_save
 
 from megatron_gspo.rollout import contract
 from megatron_gspo.rollout.server.engine import GenerationInput, GenerationOutput, SamplingOptions
@@ -37,9 +30,6 @@ from megatron_gspo.rollout.server.fields import (
     per_row,
     show,
 )
-
-TENSOR_LOAD_FORMAT = "safetensors_base64"
-"""`load_format` naming the embedded server's tensor serialization (None is accepted as the same)."""
 
 # Sampling parameters the engine does not implement -> the value that means "off".
 _UNSUPPORTED_SAMPLING = {
@@ -413,26 +403,3 @@ def check_response(response: dict[str, Any]) -> None:
     api = contract.load()
     if api is not None:
         api.GenerateResponse.from_json_value(response)
-
-
-def serialize_named_tensors(named_tensors: dict[str, torch.Tensor] | list[tuple[str, torch.Tensor]]) -> str:
-    """Base64 of a safetensors blob of `named_tensors`: the embedded server's `serialized_named_tensors`."""
-    items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-    blob = safetensors_save({name: t.detach().to("cpu").contiguous() for name, t in items})
-    return base64.b64encode(blob).decode("ascii")
-
-
-def deserialize_named_tensors(payload: str | list[str]) -> dict[str, torch.Tensor]:
-    """Inverse of `serialize_named_tensors`; a list (SGLang: one entry per TP rank) must have one entry."""
-    if isinstance(payload, list):
-        if len(payload) != 1:
-            raise RequestError(
-                f"serialized_named_tensors has {len(payload)} entries; the embedded server has one rank"
-            )
-        payload = payload[0]
-    if not isinstance(payload, str):
-        raise RequestError("serialized_named_tensors must be a base64 string (or a one-element list of them)")
-    try:
-        return safetensors_load(base64.b64decode(payload, validate=True))
-    except Exception as exc:  # safetensors raises its own error types
-        raise RequestError(f"serialized_named_tensors is not base64 safetensors data: {exc}") from exc

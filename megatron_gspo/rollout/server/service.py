@@ -10,7 +10,7 @@ import uuid
 from http import HTTPStatus
 from typing import Any
 
-from megatron_gspo.rollout import contract
+from megatron_gspo.rollout import contract, tensor_handles
 from megatron_gspo.rollout.server.engine import GenerationEngine, GenerationInput, SamplingOptions
 from megatron_gspo.rollout.server.fields import (
     RequestError,
@@ -20,13 +20,8 @@ from megatron_gspo.rollout.server.fields import (
     check_str,
     show,
 )
-from megatron_gspo.rollout.server.protocol import (
-    TENSOR_LOAD_FORMAT,
-    build_response,
-    check_response,
-    deserialize_named_tensors,
-    parse_generate,
-)
+from megatron_gspo.rollout.server.memory import MemoryOccupationError, check_tags
+from megatron_gspo.rollout.server.protocol import build_response, check_response, parse_generate
 from megatron_gspo.rollout.server.scheduler import BatchScheduler
 from megatron_gspo.rollout.server.weight_receiver import WeightReceiver, WeightSyncError
 
@@ -102,8 +97,12 @@ class RolloutService:
             return HTTPStatus.BAD_REQUEST, {"error": str(exc)}  # SGLang's own wording and layout
         except ValueError as exc:  # RequestError, or the engine's refusal
             return HTTPStatus.BAD_REQUEST, {"error": {"message": str(exc)}}
-        futures = self.scheduler.submit_many(parsed.rids, parsed.rows)
-        outputs = [f.result() for f in futures]
+        try:  # refused while memory is released (SGLang would run the forward on freed memory)
+            self.engine.memory.check_generation()
+            futures = self.scheduler.submit_many(parsed.rids, parsed.rows)
+            outputs = [f.result() for f in futures]
+        except MemoryOccupationError as exc:  # also rows queued in a pause, released meanwhile
+            return _bad_request(str(exc))
         latency = time.perf_counter() - start
         responses = [
             build_response(parsed, i, out, self.engine.tokenizer, latency) for i, out in enumerate(outputs)
@@ -193,28 +192,41 @@ class RolloutService:
         return body_out
 
     def update_weights_from_tensor(self, body: Any) -> tuple[int, Any]:
-        """POST /update_weights_from_tensor (`serialized_named_tensors` from `serialize_named_tensors`)."""
+        """POST /update_weights_from_tensor: SGLang's tensor handles (`rollout.tensor_handles`), in a session.
+
+        As SGLang 0.5.23: `serialized_named_tensors` holds one base64 `MultiprocessingSerializer`
+        entry per TP rank (this server is TP rank 0 and opens entry 0 only); `load_format` None or
+        `flattened_bucket`; refused outside a begin/end weight-update session with SGLang's message.
+        The tensors are copied out of the sender's memory (shared memory on CPU, CUDA IPC on GPU)
+        and staged; the session's end applies them all at once.
+        """
         try:
             body = check_object(body)
             _, version, abort = _update_fields(body)
+            load_format = body.get("load_format")
+            if load_format is not None:
+                check_str(load_format, "load_format")
         except RequestError as exc:
             return _failure(str(exc))
-        if body.get("load_format") not in (None, TENSOR_LOAD_FORMAT):
+        if load_format not in tensor_handles.LOAD_FORMATS:
             return _failure(
-                f"load_format={body.get('load_format')!r} unsupported; use {TENSOR_LOAD_FORMAT!r}"
+                f"load_format={load_format!r} unsupported; use one of {list(tensor_handles.LOAD_FORMATS)}"
             )
-        if "serialized_named_tensors" not in body:
-            return _failure("serialized_named_tensors is required")
+        entries = body.get("serialized_named_tensors")
+        if not isinstance(entries, list) or not entries:
+            return _failure("serialized_named_tensors must be a list of base64 entries, one per TP rank")
         if self.dp_size > 1:
             return _dp_refusal("update weights from tensor")
         if abort:
             self.scheduler.abort_all()
+        if not self.receiver.session_open:  # SGLang's scheduler refuses it so (weight_updater.py)
+            return _failure(
+                "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+            )
         try:
-            tensors = deserialize_named_tensors(body["serialized_named_tensors"])
-            if self.receiver.session_open:  # staged; applied with the rest at /end_weight_update
-                count = self.receiver.stage(tensors, version)
-            else:
-                count = self.engine.update_weights_from_tensors(tensors, version)
+            opened = tensor_handles.named_tensors(tensor_handles.deserialize(entries[0]), load_format)
+            # Copies: the sender's memory is released once it has our answer.
+            count = self.receiver.stage({name: t.clone() for name, t in opened.items()}, version)
         except Exception as exc:  # noqa: BLE001 - reported to the caller, old weights kept
             return _failure(f"Failed to update weights from tensors: {exc}")
         return _success(f"Succeeded to update {count} tensors.")
@@ -293,6 +305,36 @@ class RolloutService:
             logger.warning("weight-update protocol step failed: %s", exc)
             return _failure(str(exc) if isinstance(exc, WeightSyncError) else f"{type(exc).__name__}: {exc}")
         return _success(message)
+
+    # ------------------------------------------------------------------ memory
+    def release_memory_occupation(self, body: Any) -> tuple[int, Any]:
+        """GET/POST /release_memory_occupation (`tags` of kv_cache, weights, cuda_graph; none: all).
+
+        SGLang answers 200 with a `null` body; it needs `--enable-memory-saver` and an idle server
+        (see `memory.py` for where this refuses what SGLang crashes on).
+        """
+        try:
+            tags = check_tags(check_object(body).get("tags"))
+        except ValueError as exc:  # RequestError too
+            return _bad_request(str(exc))
+        if not self.scheduler.idle_for_flush():  # SGLang's assertion, which kills its scheduler
+            return _bad_request(
+                "ServerBusy: release_memory_occupation should be called only when server is idle."
+            )
+        try:
+            self.engine.release_memory(tags)
+        except MemoryOccupationError as exc:
+            return _bad_request(str(exc))
+        return HTTPStatus.OK, None
+
+    def resume_memory_occupation(self, body: Any) -> tuple[int, Any]:
+        """GET/POST /resume_memory_occupation (`tags` as for release): 200 with a `null` body."""
+        try:
+            tags = check_tags(check_object(body).get("tags"))
+            self.engine.resume_memory(tags)
+        except (ValueError, MemoryOccupationError) as exc:
+            return _bad_request(str(exc))
+        return HTTPStatus.OK, None
 
     # ----------------------------------------------------------------- control
     def pause_generation(self, body: Any) -> tuple[int, Any]:
@@ -379,6 +421,8 @@ class RolloutService:
             "dp_size": self.dp_size,
             "enable_dp_attention": False,
             "enable_return_routed_experts": True,
+            "enable_memory_saver": self.engine.memory.enabled,
+            "enable_weights_cpu_backup": False,
             "return_original_logprob": self.engine.return_original_logprob,
             "max_running_requests": self.scheduler.max_batch_size,
             "num_pending_requests": self.scheduler.num_pending,
@@ -398,6 +442,8 @@ GET_ROUTES = {
     "/get_server_info": RolloutService.server_info,
     "/server_info": RolloutService.server_info,
     "/flush_cache": RolloutService.flush_cache,
+    "/release_memory_occupation": RolloutService.release_memory_occupation,
+    "/resume_memory_occupation": RolloutService.resume_memory_occupation,
 }
 POST_ROUTES = {
     "/generate": RolloutService.generate,
@@ -412,6 +458,8 @@ POST_ROUTES = {
     "/continue_generation": RolloutService.continue_generation,
     "/abort_request": RolloutService.abort_request,
     "/flush_cache": RolloutService.flush_cache,
+    "/release_memory_occupation": RolloutService.release_memory_occupation,
+    "/resume_memory_occupation": RolloutService.resume_memory_occupation,
 }
 
 

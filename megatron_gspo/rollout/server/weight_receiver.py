@@ -30,6 +30,7 @@ from megatron_gspo.model.fp8 import dequantize_named
 from megatron_gspo.model.hf_checkpoint import check_finite, check_fits_model
 from megatron_gspo.model.hf_stream import flat_nbytes, tensor_dtype, unflatten_bucket
 from megatron_gspo.rollout.server.engine import GenerationEngine
+from megatron_gspo.rollout.server.memory import MemoryOccupationError
 from megatron_gspo.rollout.update_group import destroy_update_group, init_update_group
 
 FLATTENED_BUCKET = "flattened_bucket"
@@ -163,8 +164,9 @@ class WeightReceiver:
             try:
                 received = dequantize_named(received, session.fp8_pending)
                 check_finite(received, "weight update")
+                self.engine.memory.check_update()
                 check_fits_model(self.engine.model, received)
-            except (KeyError, ValueError) as exc:
+            except (KeyError, ValueError, MemoryOccupationError) as exc:
                 session.failure = f"bucket {session.buckets}: {exc}"
                 session.staged.clear()
         if session.failure is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -234,29 +235,39 @@ def router_options(cfg: RolloutConfig) -> dict:
     }
 
 
+def embedded_server_count(cfg: RolloutConfig, devices_per_node: int) -> int:
+    """Embedded servers a run starts: colocated, one per `server_tensor_parallel` devices of its node."""
+    return devices_per_node // cfg.server_tensor_parallel if cfg.placement == "colocated" else 1
+
+
 @contextlib.contextmanager
 def rollout_servers(
     cfg: RolloutConfig, model_dir: str | Path | None, *, weight_version: int, seed: int
 ) -> Iterator[SGLangClient]:
-    """A client for the configured servers, or for an embedded server started on `model_dir`.
+    """A client for the configured servers, or for embedded servers started on `model_dir`.
 
     Servers given by URL serve what they were launched with; the trainer syncs its weights
-    to them when those differ (`Trainer._startup_weights`). The embedded server is stopped on exit.
+    to them when those differ (`Trainer._startup_weights`). Embedded servers are stopped on exit;
+    a colocated run's (one per `server_tensor_parallel` devices of the node) are launched with
+    the memory saver, as SGLang's must be.
     """
     with contextlib.ExitStack() as stack:
         urls = list(cfg.server_urls)
         if not urls and cfg.router_url is None:
+            embedded = embedded_server_count(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             args = ["--weight-version", str(weight_version), "--seed", str(seed)]
-            server = stack.enter_context(
-                launch_embedded_server(
-                    model_dir,
-                    extra_args=(*args, "--dtype", SERVER_DTYPES[cfg.dtype]),
-                    num_threads=cfg.server_threads,
-                    timeout=cfg.server_start_timeout_s,
+            for _ in range(embedded):
+                server = stack.enter_context(
+                    launch_embedded_server(
+                        model_dir,
+                        extra_args=(*args, "--dtype", SERVER_DTYPES[cfg.dtype]),
+                        num_threads=cfg.server_threads,
+                        timeout=cfg.server_start_timeout_s,
+                        enable_memory_saver=cfg.placement == "colocated",
+                    )
                 )
-            )
-            urls = [server.url]
-            logger.info("embedded rollout server on %s serving %s", server.url, model_dir)
+                urls.append(server.url)
+                logger.info("embedded rollout server on %s serving %s", server.url, model_dir)
         client = stack.enter_context(
             SGLangClient(
                 urls,

@@ -1,0 +1,109 @@
+"""Where the trainer and the rollout servers take turns on the same GPUs (`rollout.placement`).
+
+A colocated step, in order:
+
+1. the servers generate (the trainer's state is parked in host memory);
+2. `to_training`: the servers release their KV cache, then their weights; the trainer brings
+   its parameters, gradient buffers and optimizer state back (`offload.TrainerOffload`);
+3. the trainer trains;
+4. `sync`: the trainer parks its state; the servers resume their weights' memory; the new
+   weights arrive by tensor handles; the servers resume their KV cache, ready to generate.
+
+A disaggregated run has the same calls, with nothing released or parked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+from megatron_gspo.model.control_plane import on_rank0
+from megatron_gspo.training.offload import TrainerOffload
+
+T = TypeVar("T")
+
+KV_CACHE, WEIGHTS = "kv_cache", "weights"
+
+
+class Placement:
+    """Disaggregated: the servers keep their GPUs; every hand-over is a no-op but the sync itself."""
+
+    colocated = False
+
+    def start(self, client) -> None:
+        """Before the first generation (collective)."""
+
+    def to_training(self, client) -> dict[str, float]:
+        """After a generation, before training (collective); returns `colocate/*` timings."""
+        return {}
+
+    def sync(self, client, send: Callable[[], T]) -> tuple[T, dict[str, float]]:
+        """After training: the weight sync `send` (collective) and its `colocate/*` timings."""
+        return send(), {}
+
+    @contextlib.contextmanager
+    def state_on_device(self, client) -> Iterator[None]:
+        """The trainer's state on its device inside (a checkpoint reads it)."""
+        yield
+
+
+class Colocated(Placement):
+    """The trainer's state and the servers' memory take turns on the same GPUs.
+
+    Args:
+        offload: the rank's training state (parameters, gradient buffers, optimizer state).
+    """
+
+    colocated = True
+
+    def __init__(self, offload: TrainerOffload) -> None:
+        self.offload = offload
+
+    def start(self, client) -> None:
+        """The trainer parks its state before the servers' first generation."""
+        self.offload.offload()
+
+    def to_training(self, client) -> dict[str, float]:
+        """Servers free the KV cache, then the weights (rank 0 asks); every rank onloads."""
+        t0 = time.perf_counter()
+        on_rank0(lambda: _release(client))  # collective: no rank onloads before the servers freed
+        t1 = time.perf_counter()
+        self.offload.onload()
+        return {"colocate/release_s": t1 - t0, "colocate/onload_s": time.perf_counter() - t1}
+
+    def sync(self, client, send: Callable[[], T]) -> tuple[T, dict[str, float]]:
+        """Park the trainer's state, resume the servers' weights, send them, resume the KV cache."""
+        t0 = time.perf_counter()
+        moved = self.offload.offload()
+        t1 = time.perf_counter()
+        on_rank0(lambda: client.resume_memory_occupation([WEIGHTS]))
+        result = send()
+        t2 = time.perf_counter()
+        on_rank0(lambda: client.resume_memory_occupation([KV_CACHE]))
+        timings = {
+            "colocate/offload_s": t1 - t0,
+            "colocate/offload_bytes": float(moved),
+            "colocate/resume_s": time.perf_counter() - t2,
+        }
+        return result, timings
+
+    @contextlib.contextmanager
+    def state_on_device(self, client) -> Iterator[None]:
+        """Onload around a read of the trainer's state, then park it again.
+
+        The servers keep their memory: the state comes back beside them, so a checkpoint of a
+        colocated run needs that headroom for its duration (`plan --placement colocated`).
+        """
+        self.offload.onload()
+        try:
+            yield
+        finally:
+            self.offload.offload()
+
+
+def _release(client) -> None:
+    """Rank 0: every server frees its KV cache, then its weights (SGLang's order)."""
+    client.release_memory_occupation([KV_CACHE])
+    client.release_memory_occupation([WEIGHTS])

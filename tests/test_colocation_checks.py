@@ -1,0 +1,66 @@
+"""`rollout.placement: colocated` start-up checks, and the optimizer-offload options, refused by name."""
+
+from pathlib import Path
+
+import pytest
+
+from megatron_gspo.config import load_config, validate
+from megatron_gspo.config.colocation import ColocationError
+from megatron_gspo.errors import ConfigError
+from megatron_gspo.model.optim import OptimConfig
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "configs" / "tiny_moe_cpu.yaml"
+COLOCATED = ["rollout.placement=colocated", "weight_sync.method=tensor"]
+
+
+def check(overrides, world_size=2):
+    validate(load_config(DEMO, overrides), world_size=world_size)
+
+
+def test_a_colocated_demo_run_is_accepted():
+    check(COLOCATED)
+    check([*COLOCATED, "rollout.server_tensor_parallel=2"])
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["rollout.placement=colocated"], "needs weight_sync.method=tensor, got distributed"),
+        ([*COLOCATED, "rollout.max_staleness=1"], "needs rollout.max_staleness=0, got 1"),
+        (
+            [*COLOCATED, "rollout.server_tensor_parallel=4"],
+            "rollout.server_tensor_parallel=4 does not divide",
+        ),
+        (
+            [*COLOCATED, "rollout.server_urls=[http://a:1]"],
+            "1 servers x rollout.server_tensor_parallel=1 cover 1",
+        ),
+    ],
+)
+def test_what_colocation_cannot_do_is_refused_by_name(overrides, named):
+    with pytest.raises(ColocationError, match="rollout.placement=colocated") as err:
+        check(overrides)
+    assert named in str(err.value)
+
+
+def test_embedded_servers_on_two_nodes_are_refused(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ColocationError, match="embedded servers on one node only"):
+        check(COLOCATED, world_size=4)
+
+
+def test_optimizer_offload_options():
+    with pytest.raises(
+        ConfigError, match="use_precision_aware_optimizer needs parallel.distributed_optimizer"
+    ):
+        check(["optim.use_precision_aware_optimizer=true"], world_size=1)
+    with pytest.raises(ValueError, match="need optim.optimizer=adam"):
+        OptimConfig(optimizer="sgd", optimizer_cpu_offload=True)
+    with pytest.raises(ValueError, match="overlap_cpu_optimizer_d2h_h2d needs optim.optimizer_cpu_offload"):
+        OptimConfig(overlap_cpu_optimizer_d2h_h2d=True)
+    with pytest.raises(ValueError, match="optimizer_offload_fraction must be in"):
+        OptimConfig(optimizer_offload_fraction=1.5)
+    if not __import__("torch").cuda.is_available():  # megatron's HybridDeviceOptimizer builds CUDA streams
+        with pytest.raises(ValueError, match="optimizer_cpu_offload needs CUDA"):
+            OptimConfig(optimizer_cpu_offload=True).check_hardware()
