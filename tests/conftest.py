@@ -91,6 +91,7 @@ MODULE_SECONDS = {  # wall seconds under `-n 2`, roughly (* estimated): an order
     "model/test_pipeline_weights.py": 90,
     "training/test_sft_target_multiprocess.py": 85,  # one test: never the run's tail
     "training/test_fleet_loss.py": 75,
+    "training/test_colocated_run.py": 75,  # one test, two runs
     "training/test_weight_sync_multiprocess.py": 70,
     "training/test_startup_sync.py": 60,  # *
     "training/test_async_rollouts.py": 60,  # *
