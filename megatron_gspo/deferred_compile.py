@@ -11,6 +11,12 @@ CUDA is available (the same compiled function as before, made when first needed)
 itself without CUDA, as the engine's other fusions are CUDA only (`model/engine.py`;
 megatron-core's own `disable_jit_fuser` runs them so). Calls to `torch.compile` after import are
 untouched.
+
+Megatron-core's `timers.py` (and, on 0.16, its inference engine's context) also import wandb when
+it is installed (`try: import wandb`), ~0.9 s of CPU in every process, for `Timers.write` to a wandb
+writer and the inference engine's metrics, which this project never uses (its own metrics import
+wandb where `logging.wandb` asks for it). While those modules execute, `import wandb` finds nothing,
+as where wandb is not installed.
 """
 
 from __future__ import annotations
@@ -23,6 +29,12 @@ from typing import Any
 
 PACKAGE = "megatron.core"
 _COMPILE_OUTSIDE: list[Callable] = []  # `torch.compile` as it was outside megatron's imports
+_NOT_IMPORTED_BY = {  # megatron module -> the optional import it goes without
+    "megatron.core.timers": "wandb",
+    "megatron.core.inference.contexts.dynamic_context": "wandb",  # megatron's own inference engine
+    "megatron.core.inference.engines.dynamic_engine": "wandb",
+}
+_EXECUTING: list[str] = []  # the megatron-core modules executing, innermost last
 
 
 def compile_on_first_call(fn: Callable | None = None, **options: Any) -> Callable:
@@ -54,6 +66,8 @@ class _DeferWhileMegatronImports(importlib.abc.MetaPathFinder):
     """
 
     def find_spec(self, name, path, target=None):
+        if _EXECUTING and _NOT_IMPORTED_BY.get(_EXECUTING[-1]) == name:
+            raise ModuleNotFoundError(f"{name!r} is not imported by {_EXECUTING[-1]}", name=name)
         if name != PACKAGE and not name.startswith(PACKAGE + "."):
             return None
         spec = _find_elsewhere(self, name, path, target)
@@ -79,9 +93,11 @@ def _deferring(exec_module: Callable) -> Callable:
         if compile_before is not compile_on_first_call:
             _COMPILE_OUTSIDE[:] = [compile_before]
         torch.compile = compile_on_first_call
+        _EXECUTING.append(module.__name__)
         try:
             exec_module(module)
         finally:  # a module that imports another restores its own caller's value
+            _EXECUTING.pop()
             torch.compile = compile_before
 
     return exec_deferring

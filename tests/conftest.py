@@ -68,7 +68,7 @@ def pytest_collection_modifyitems(items):
         expensive = item.get_closest_marker("multiprocess") is not None or "short_run" in item.fixturenames
         if expensive and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("slow") is None and _module(item.path) in ONE_STACK_MODULES:
+        if _one_stack(item):
             item.add_marker(pytest.mark.one_stack)
     # The modules holding slow tests first, the longest of them first: under pytest-xdist
     # (`-n 2 --dist loadscope`, a module's tests on one worker, its module-scoped fixtures made
@@ -78,25 +78,30 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: (item.path not in slow_modules, -module_seconds(item.path)))
 
 
-MODULE_SECONDS = {  # wall seconds under `-n 2`, roughly (* estimated): an ordering hint, never a bound
-    "training/test_train_multiprocess.py": 240,
-    "training/test_checkpoint_reshard.py": 200,
-    "model/test_parity_cli.py": 200,
-    "training/test_checkpoint_resume.py": 150,
+MODULE_SECONDS = {  # a worker's seconds in the 3.12 stage (-n 2, 2026-11-29): an ordering hint, not a bound
+    "model/test_parity_cli.py": 570,
+    "training/test_train_multiprocess.py": 540,
+    "training/test_checkpoint_reshard.py": 355,
+    "training/test_checkpoint_resume.py": 320,
+    "training/test_user_flows.py": 295,
+    "training/test_fleet_sync.py": 240,
+    "training/test_train_cli.py": 240,
+    "training/test_export.py": 210,
+    "model/test_pipeline_weights.py": 155,
     "patches/test_patches.py": 150,
-    "training/test_train_cli.py": 130,
-    "training/test_user_flows.py": 130,
-    "training/test_export.py": 110,
-    "training/test_fleet_sync.py": 100,
-    "model/test_pipeline_weights.py": 90,
-    "training/test_sft_target_multiprocess.py": 85,  # one test: never the run's tail
-    "training/test_fleet_loss.py": 75,
-    "training/test_colocated_run.py": 75,  # one test, two runs
-    "training/test_weight_sync_multiprocess.py": 70,
-    "training/test_startup_sync.py": 60,  # *
-    "training/test_async_rollouts.py": 60,  # *
-    "training/test_reference_multiprocess.py": 40,
-    "model/test_convert_multiprocess.py": 40,
+    "test_cli_user_errors.py": 145,
+    "training/test_startup_sync.py": 140,
+    "training/test_sft_target_multiprocess.py": 140,  # one test: never the run's tail
+    "training/test_weight_sync_multiprocess.py": 120,
+    "training/test_train_routing_replay.py": 120,
+    "training/test_colocated_run.py": 110,  # one test, two runs
+    "training/test_fleet_loss.py": 105,
+    "rollout/test_router_fleet.py": 100,
+    "training/test_async_rollouts.py": 90,
+    "training/test_launcher_signals.py": 90,
+    "training/test_math_run.py": 75,
+    "training/test_reference_multiprocess.py": 65,
+    "model/test_convert_multiprocess.py": 45,
 }
 
 
@@ -150,6 +155,32 @@ training/test_termination.py
 )
 
 
+# End-to-end modules of the control plane: what they check is processes, signals, HTTP, files, the
+# rollout fleet and the run directory. Their runs use megatron-core only as the default model at a
+# world of one (or two plain data-parallel ranks), which the modules left on both stages train, save,
+# resume, reshard and compare at every layout on each megatron-core line. Their slow tests run on the
+# 3.11 stage only (tests/README.md, "One stage only").
+ONE_STACK_RUN_MODULES = frozenset(
+    """
+analysis/test_drift_report.py analysis/test_logprob_mismatch.py analysis/test_tool_prompts.py
+rollout/test_partial_rollouts.py rollout/test_router_fleet.py rollout/test_serve_checkpoints.py
+rollout/test_server_pause.py
+test_cli_user_errors.py
+training/test_async_rollouts.py training/test_checkpoint_kill.py training/test_colocated_run.py
+training/test_fleet_loss.py training/test_fleet_sync.py training/test_infer_train_drift_server.py
+training/test_inflight_updates.py training/test_launcher_signals.py training/test_math_run.py
+training/test_sender_memory.py training/test_server_checks.py training/test_startup_sync.py
+training/test_termination.py training/test_train_cli.py training/test_user_flows.py
+training/test_weight_sync.py training/test_weight_sync_tensor_handles.py
+""".split()
+)
+
+
+def _one_stack(item) -> bool:
+    module, slow = _module(item.path), item.get_closest_marker("slow") is not None
+    return module in (ONE_STACK_RUN_MODULES if slow else ONE_STACK_MODULES)
+
+
 def _on_megatron_or_distributed() -> bool:
     dist = sys.modules.get("torch.distributed")
     started = dist is not None and dist.is_available() and dist.is_initialized()
@@ -158,7 +189,8 @@ def _on_megatron_or_distributed() -> bool:
 
 @pytest.fixture(autouse=True)
 def _one_stack_stays_off_megatron(request):
-    watch = request.node.get_closest_marker("one_stack") is not None and not _on_megatron_or_distributed()
+    quick = request.node.get_closest_marker("slow") is None
+    watch = quick and request.node.get_closest_marker("one_stack") and not _on_megatron_or_distributed()
     yield
     assert not (watch and _on_megatron_or_distributed()), (
         f"{request.node.nodeid} imports megatron-core or starts torch.distributed: take "
@@ -213,5 +245,10 @@ class StageTimeline:
 
 
 def pytest_configure(config):
+    # pytest-xdist >= 3.8 hands out `--dist loadscope` modules largest (most tests) first, which put
+    # the long multi-process modules with few tests (test_train_multiprocess: 4 tests, ~4 min) at
+    # the stage's end with the other worker idle. The order of collection above is the schedule.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     if os.environ.get("MEGATRON_GSPO_TIMELINE") and not os.environ.get("PYTEST_XDIST_WORKER"):
         config.pluginmanager.register(StageTimeline(), "megatron-gspo-stage-timeline")

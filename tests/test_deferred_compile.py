@@ -68,3 +68,19 @@ def test_runs_the_function_itself_without_cuda(monkeypatch):
             return 3 * x
 
     assert Router().scale(2) == 6 and Router.scale.__name__ == "scale"
+
+
+def test_megatron_goes_without_wandb_and_the_run_still_imports_the_real_one():
+    probe = """
+import sys
+import megatron_gspo
+import megatron.core, megatron.core.timers
+from megatron.core.models.gpt import GPTModel
+assert "wandb" not in sys.modules, "megatron-core imported wandb"
+assert megatron.core.timers.wandb is None
+import wandb  # as megatron_gspo.training.metrics does for logging.wandb
+assert callable(wandb.init) and wandb.__file__.endswith("wandb/__init__.py")
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
