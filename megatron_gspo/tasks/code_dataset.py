@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import numpy as np
-
-from megatron_gspo.tasks.base import Problem, Task, register_task
+from megatron_gspo.tasks.base import Problem, register_task
 from megatron_gspo.tasks.code_reward import CodeResult, CodeScorer, ScoringOptions, outcome_metrics
 from megatron_gspo.tasks.code_tests import extract_program, fence, parse_tests
 from megatron_gspo.tasks.data_files import chat_messages, field, read_rows
+from megatron_gspo.tasks.file_task import FileTask
 from megatron_gspo.tasks.sandbox import Limits, SandboxUnavailableError, sandbox_runner
 
 logger = logging.getLogger(__name__)
@@ -26,7 +25,7 @@ FUNCTION_TEMPLATE = (
 
 
 @register_task("code")
-class CodeTask(Task):
+class CodeTask(FileTask):
     """One programming problem per row; the reward runs the completion's program on the row's tests.
 
     The data set is a JSON-lines file, a Parquet file or a `datasets` `save_to_disk` directory
@@ -124,8 +123,7 @@ class CodeTask(Task):
         self.chat_template = chat_template
         self.max_prompt_len, self.max_answer_len = max_prompt_len, max_answer_len
         self.scorer = CodeScorer(self.options, workers)
-        self.problems = self._read(path, "task.options.path")
-        self.eval_problems: list[Problem] | None = None
+        self._load(path)
 
     def _value(self, row: dict, key: str, name: str, where: str):
         try:
@@ -169,28 +167,6 @@ class CodeTask(Task):
         if not problems:
             raise ValueError(f"{option}={path} holds no problems")
         return problems
-
-    def use_eval_file(self, path: str) -> None:
-        """Take held-out problems from `path` (same keys and templates) and train on every training row."""
-        self.eval_problems = self._read(path, "eval.path")
-
-    def is_heldout(self, problem: Problem) -> bool:
-        """The prompt-hash split, or never for a training row once a separate eval file is used."""
-        return False if self.eval_problems is not None else super().is_heldout(problem)
-
-    def heldout(self, n: int, seed: int = 0) -> list[Problem]:
-        """The first `n` rows of the eval file (all of them when it has fewer), else the hash split."""
-        if self.eval_problems is None:
-            return super().heldout(n, seed)
-        return self.eval_problems[:n]
-
-    def all_problems(self) -> list[Problem]:
-        """Every problem the run can see: training rows and eval-file rows."""
-        return self.problems + (self.eval_problems or [])
-
-    def draw_problem(self, rng: np.random.Generator) -> Problem:
-        """A uniformly chosen row."""
-        return self.problems[int(rng.integers(len(self.problems)))]
 
     def program(self, completion: str) -> str | None:
         """The program in `completion` (`extract`), or None."""

@@ -2,17 +2,16 @@ r"""Math problems from a data file (JSON lines, Parquet, `datasets` directory), 
 
 from __future__ import annotations
 
-import numpy as np
-
-from megatron_gspo.tasks.base import Problem, Task, register_task
+from megatron_gspo.tasks.base import Problem, register_task
 from megatron_gspo.tasks.data_files import chat_messages, field, read_rows
+from megatron_gspo.tasks.file_task import FileTask
 from megatron_gspo.tasks.math_reward import check_reference, extract_answer, math_reward
 
 DEFAULT_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
 @register_task("math_jsonl")
-class MathJsonlTask(Task):
+class MathJsonlTask(FileTask):
     r"""One problem per row; reward 1.0 when the completion's final answer matches the reference.
 
     The data set is a JSON-lines file, a Parquet file or a `datasets` `save_to_disk` directory
@@ -54,8 +53,7 @@ class MathJsonlTask(Task):
         self.chat_template = chat_template
         self.max_prompt_len, self.max_answer_len = max_prompt_len, max_answer_len
         self.prompt_key, self.answer_key, self.template = prompt_key, answer_key, template
-        self.problems = self._read(path, "task.options.path")
-        self.eval_problems: list[Problem] | None = None
+        self._load(path)
 
     def _read(self, path: str, option: str) -> list[Problem]:
         unit, rows = read_rows(path, option)
@@ -88,28 +86,6 @@ class MathJsonlTask(Task):
         if not problems:
             raise ValueError(f"{option}={path} holds no problems")
         return problems
-
-    def use_eval_file(self, path: str) -> None:
-        """Take held-out problems from `path` (same keys and template) and train on every training row."""
-        self.eval_problems = self._read(path, "eval.path")
-
-    def is_heldout(self, problem: Problem) -> bool:
-        """The prompt-hash split, or never for a training row once a separate eval file is used."""
-        return False if self.eval_problems is not None else super().is_heldout(problem)
-
-    def heldout(self, n: int, seed: int = 0) -> list[Problem]:
-        """The first `n` rows of the eval file (all of them when it has fewer), else the hash split."""
-        if self.eval_problems is None:
-            return super().heldout(n, seed)
-        return self.eval_problems[:n]
-
-    def all_problems(self) -> list[Problem]:
-        """Every problem the run can see: training rows and eval-file rows."""
-        return self.problems + (self.eval_problems or [])
-
-    def draw_problem(self, rng: np.random.Generator) -> Problem:
-        """A uniformly chosen row."""
-        return self.problems[int(rng.integers(len(self.problems)))]
 
     def reward(self, problem: Problem, completion: str) -> float:
         r"""1.0 if the final answer of `completion` matches the reference answer, else 0.0."""
