@@ -246,8 +246,8 @@ class StageTimeline:
 
 def pytest_configure(config):
     # pytest-xdist >= 3.8 hands out `--dist loadscope` modules largest (most tests) first, which put
-    # the long multi-process modules with few tests (test_train_multiprocess: 4 tests, ~4 min) at
-    # the stage's end with the other worker idle. The order of collection above is the schedule.
+    # the long multi-process modules with few tests (test_train_multiprocess: 5 tests, ~9 minutes of
+    # a worker) at the 3.12 stage's end. The order of collection above is the schedule.
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
     if os.environ.get("MEGATRON_GSPO_TIMELINE") and not os.environ.get("PYTEST_XDIST_WORKER"):
