@@ -16,9 +16,10 @@ import base64
 import threading
 
 import httpx
+import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from replayed_reference import teacher_forced
 
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
@@ -53,13 +54,16 @@ def server(checkpoints):
         yield srv
 
 
-@torch.no_grad()
-def teacher_forced_logprobs(path, output_ids, temperature=1.0):
-    """log_softmax(logits / T) of each output token under the checkpoint at `path`, one full forward."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    logits = model(torch.tensor([PROMPT + output_ids])).logits[0].float()
-    lp = torch.log_softmax(logits / temperature, -1)[len(PROMPT) - 1 : -1]
-    return lp.gather(1, torch.tensor(output_ids)[:, None])[:, 0]
+def teacher_forced_logprobs(path, output_ids, routes=None):
+    """log_softmax(logits) of each output token under the checkpoint at `path`, one full forward
+    (routed as `routes` [positions, L, k] say, when given: see `replayed_reference`)."""
+    logprobs, _ = teacher_forced(path, PROMPT + output_ids, routes=routes)
+    return logprobs[len(PROMPT) - 1 :].gather(1, torch.tensor(output_ids)[:, None])[:, 0]
+
+
+def routes_of(response):
+    routed = np.frombuffer(base64.b64decode(response["meta_info"]["routed_experts"]), "<i4")
+    return routed.reshape(-1, CFG.num_layers, CFG.moe_topk)
 
 
 def start_generation(server, rid, **extra):
@@ -106,7 +110,7 @@ def test_weight_update_while_paused_mid_generation(server, checkpoints, mode):
     a, b = checkpoints
     url = server.url
     httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(a), "weight_version": "0"})
-    thread, holder = start_generation(server, f"held-{mode}")
+    thread, holder = start_generation(server, f"held-{mode}", return_routed_experts=True)
     assert httpx.post(f"{url}/flush_cache").status_code == 400  # SGLang flushes only when idle
     answer = httpx.post(f"{url}/pause_generation", json={"mode": mode}, timeout=60).json()
     assert answer["status"] == "ok"
@@ -132,8 +136,9 @@ def test_weight_update_while_paused_mid_generation(server, checkpoints, mode):
     assert len(ids) == LONG and response["meta_info"]["finish_reason"]["type"] == "length"
     assert response["meta_info"]["weight_version"] == "1"
     got = logprobs_of(response)
-    ref_a = teacher_forced_logprobs(a, ids)
-    ref_b = teacher_forced_logprobs(b, ids)
+    ref_a = teacher_forced_logprobs(a, ids)  # a deterministic prefix: the seeded tokens before the pause
+    # retract recomputed every position with b: its routes are all b's, and b's pass replays them
+    ref_b = teacher_forced_logprobs(b, ids, routes_of(response) if mode == "retract" else None)
     n = first_mismatch(got, ref_a)
     assert TOKENS_IN <= n < LONG  # the update landed mid-generation, after the tokens seen
     # SGLang 0.5.23's spans (srt/utils/weight_versions.py): the tokens each version generated.
@@ -161,9 +166,9 @@ def test_abort_mode_returns_the_tokens_so_far_and_holds_new_requests(server, che
     assert response["meta_info"]["finish_reason"]["type"] == "abort"
     assert TOKENS_IN <= len(ids) < LONG and response["meta_info"]["weight_version"] == "0"
     # Aborted while running, it finishes through SGLang's output stream: routes of every position.
-    routed = base64.b64decode(response["meta_info"]["routed_experts"])
-    assert len(routed) == (len(PROMPT) + len(ids) - 1) * CFG.num_layers * CFG.moe_topk * 4
-    assert (logprobs_of(response) - teacher_forced_logprobs(a, ids)).abs().max() < DECODE_TOL
+    routes = routes_of(response)
+    assert routes.shape[0] == len(PROMPT) + len(ids) - 1
+    assert (logprobs_of(response) - teacher_forced_logprobs(a, ids, routes)).abs().max() < DECODE_TOL
     later, held = start_generation_while_paused(url)
     later.join(0.5)
     assert later.is_alive()  # held until /continue_generation
@@ -208,7 +213,7 @@ def test_abort_request_by_rid_ends_a_running_generation_only(server, checkpoints
     a, _ = checkpoints
     url = server.url
     httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(a), "weight_version": "0"})
-    thread, holder = start_generation(server, "to-abort")
+    thread, holder = start_generation(server, "to-abort", return_routed_experts=True)
     assert httpx.post(f"{url}/abort_request", json={"rid": "someone-else"}).status_code == 200
     assert httpx.post(f"{url}/abort_request", json={"rid": "to-abort"}).status_code == 200
     thread.join(60)
@@ -216,7 +221,7 @@ def test_abort_request_by_rid_ends_a_running_generation_only(server, checkpoints
     assert response["meta_info"]["finish_reason"]["type"] == "abort"
     assert TOKENS_IN <= len(response["output_ids"]) < LONG
     got, ids = logprobs_of(response), response["output_ids"]
-    assert (got - teacher_forced_logprobs(a, ids)).abs().max() < DECODE_TOL
+    assert (got - teacher_forced_logprobs(a, ids, routes_of(response))).abs().max() < DECODE_TOL
 
 
 def test_sigterm_with_a_request_held_mid_generation_exits_within_the_grace(checkpoints):
