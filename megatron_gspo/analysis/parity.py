@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -116,7 +115,9 @@ def run_parity(args: argparse.Namespace) -> int:
         if torch.cuda.is_available():
             print(f"run under torchrun with {world} (or a multiple of {world}) GPUs", file=sys.stderr)
             return 2
-        return _relaunch_on_cpu(world)
+        from megatron_gspo.training.launch import relaunch
+
+        return relaunch(world)
     return _check(args)
 
 
@@ -188,21 +189,6 @@ def _load_checkpoint(model, source, model_cfg) -> None:
         load_hf_checkpoint(model, source.path, model_cfg)
     else:
         load_weights(source.path, model)
-
-
-def _relaunch_on_cpu(world: int) -> int:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={world}",
-        "-m",
-        "megatron_gspo.cli",
-        *sys.argv[1:],
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.call(cmd, env=env)
 
 
 def _batch(vocab_size: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -15,12 +15,13 @@ import contextlib
 import logging
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 from megatron_gspo.errors import USER_ERROR_FILE_ENV
 
@@ -54,8 +55,7 @@ def relaunch(nproc: int) -> int:
             skip = True
             continue
         argv.append(arg)
-    cmd = [sys.executable, "-m", "megatron_gspo.training.torchrun", "--standalone",
-           f"--nproc_per_node={nproc}", "-m", "megatron_gspo.cli", *argv]  # fmt: skip
+    torchrun_args = ["--standalone", f"--nproc_per_node={nproc}", "-m", "megatron_gspo.cli", *argv]
     with tempfile.TemporaryDirectory(prefix="megatron-gspo-launch-") as tmp:
         error_file = os.path.join(tmp, "user_error")
         env = {
@@ -63,26 +63,59 @@ def relaunch(nproc: int) -> int:
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             USER_ERROR_FILE_ENV: error_file,
         }
-        # Its own process group: a signal to this launcher reaches torchrun, the workers and the
-        # embedded rollout server through `_forward_signals`, and none of them outlives it.
-        proc = subprocess.Popen(
-            cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1, start_new_session=True
-        )
-        with _forward_signals(proc.pid) as received:
+        pid, stderr = _start_torchrun(torchrun_args, env)
+        with _forward_signals(pid) as received, stderr:
             silenced = False
-            for line in proc.stderr:
+            for line in stderr:
                 # A worker reported a user error (once): torchrun's ChildFailedError report
                 # that follows is noise about our own exit code, not news to the user.
                 silenced = silenced or os.path.exists(error_file)
                 if not silenced:
                     sys.stderr.write(line)
-            code = proc.wait()
-            _wait_for_group(proc.pid)
+            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            _wait_for_group(pid)
         if os.path.exists(error_file):
             first, _, message = Path(error_file).read_text().partition("\n")
             sys.stderr.write(message)
             return int(first)
         return 128 + received[0] if received else code
+
+
+def _start_torchrun(args: list[str], env: dict[str, str]) -> tuple[int, TextIO]:
+    """The torchrun agent in a forked child that leads its own session; (its pid, its stderr).
+
+    Forked rather than started: this process has imported torch already (validation), and a
+    fresh interpreter would import it again (~2-3 s of CPU per launch). In its own session, a
+    signal to this launcher reaches torchrun, the workers and the embedded rollout server
+    through `_forward_signals`, and none of them outlives it.
+    """
+    from megatron_gspo.training import torchrun
+
+    read, write = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the agent: never returns
+        code = 1
+        try:
+            os.setsid()
+            os.close(read)
+            os.dup2(write, sys.stderr.fileno())
+            os.close(write)
+            os.environ.clear()
+            os.environ.update(env)
+            sys.argv = ["torchrun", *args]
+            code = torchrun.run()
+        except SystemExit as stop:  # argparse's errors, as the torchrun command exits
+            code = stop.code if isinstance(stop.code, int) else 1
+        except BaseException:  # e.g. torchrun's ChildFailedError, reported as an uncaught error would be
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(write)
+    return pid, os.fdopen(read, "r", buffering=1)
 
 
 @contextlib.contextmanager

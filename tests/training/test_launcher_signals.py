@@ -43,8 +43,12 @@ def test_signal_to_the_launcher_stops_the_whole_job(tmp_path, signum):
             assert time.monotonic() < deadline, "training did not start"
             time.sleep(0.5)
         job = _descendants(launcher.pid)
-        names = " ".join(" ".join(p.cmdline()) for p in job)
-        assert "megatron_gspo.training.torchrun" in names and "rollout.server" in names, names
+        lines = [" ".join(p.cmdline()) for p in job]
+        # torchrun's agent is the launcher forked (its command line), leading its own session
+        (agent,) = [p for p in job if p.cmdline() == launcher.args]
+        assert os.getsid(agent.pid) == agent.pid
+        assert sum("-m megatron_gspo.cli train" in line for line in lines) == 3, lines  # agent + 2 ranks
+        assert sum("rollout.server" in line for line in lines) == 1, lines
         launcher.send_signal(signum)
         code = launcher.wait(timeout=120)
         alive = [p for p in job if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
