@@ -8,7 +8,10 @@ Phases of a colocated step (`training/colocation.py`), each one's peak per GPU:
 - training: the trainer's model states (the optimizer's share in host memory with
   `optim.optimizer_cpu_offload`) + one micro-batch's activations + what SGLang keeps after
   releasing its weights and KV cache (CUDA context, graph buffers) + the reserve;
-- weight sync: SGLang's weights resumed + the trainer's sync buffers (its state parked) + the reserve.
+- weight sync: SGLang's weights resumed + the trainer's sync buffers (its state parked) + the reserve;
+- checkpoint save: the trainer's model states brought back beside SGLang's weights (the servers
+  are idle and free their KV cache for the save, `Colocated.state_on_device`) + what SGLang keeps
+  besides its weights + the reserve.
 
 The largest decides; a layout over the GPU is refused by name, with its phase.
 """
@@ -60,6 +63,7 @@ def colocated_plan(args, cfg, model, states, activation_bytes: int, sender_bytes
         "generation": server_weights + kv + reserve,
         "training": trainer + activation_bytes + remainder + reserve,
         "weight sync": server_weights + sender_bytes + reserve,
+        "checkpoint save": server_weights + remainder + trainer + reserve,
     }
     host = states.total_bytes  # every byte of the trainer's state is parked in host memory
     print(
@@ -81,9 +85,14 @@ def colocated_plan(args, cfg, model, states, activation_bytes: int, sender_bytes
     if over <= 0:
         print(f"colocated fits: the {phase} phase decides ({-over / GIB:.1f} GiB to spare)")
         return 0
+    levers = {
+        "generation": "lower --kv-cache-gb",
+        "training": "lower trainer.max_tokens_per_micro_batch",
+        "weight sync": "lower weight_sync.bucket_mb",
+    }
     print(
         f"DOES NOT FIT (colocated, {phase} phase): {peak / GIB:.1f} GiB is {over / GIB:.1f} GiB over the "
         f"{args.gpu_memory_gb:g} GiB GPU; raise expert_parallel / rollout.server_tensor_parallel, set "
-        "optim.optimizer_cpu_offload, lower --kv-cache-gb or trainer.max_tokens_per_micro_batch"
+        f"optim.optimizer_cpu_offload" + (f", {levers[phase]}" if phase in levers else "")
     )
     return 1

@@ -546,8 +546,12 @@ def test_colocated_30b_on_one_node_reports_each_phase_and_refuses_what_does_not_
     assert "optimizer 42.7 GiB x 1 stepped on the host" in result.stdout  # 40.5 expert + 2.2 dense
     for phase in ("generation", "training", "weight sync"):
         assert f"phase {phase}: peak " in result.stdout
-    assert "colocated fits: the training phase decides" in result.stdout
+    # The save: trainer states 28.9 (bf16 weights 9.6 + fp32 grads 19.2 + the 0.0 optimizer share
+    # on the GPU) beside SGLang's weights 14.2 + its remainder 2 + the reserve 6 = 51.1 GiB,
+    # above training's 43.1 (its activations, without SGLang's weights).
+    assert "phase checkpoint save: peak 51.1 GiB per GPU" in result.stdout
+    assert "colocated fits: the checkpoint save phase decides" in result.stdout
     no_offload = ["optim.optimizer_cpu_offload=false", "optim.overlap_cpu_optimizer_d2h_h2d=false"]
     refused = plan(*args, "--world-size", "8", *no_offload)
     assert refused.returncode == 1
-    assert "DOES NOT FIT (colocated, training phase)" in refused.stdout
+    assert "DOES NOT FIT (colocated, checkpoint save phase)" in refused.stdout

@@ -15,12 +15,16 @@ A disaggregated run has the same calls, with nothing released or parked.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from megatron_gspo.model.control_plane import on_rank0
+from megatron_gspo.rollout.errors import RolloutFault, RolloutRequestError
 from megatron_gspo.training.offload import TrainerOffload
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -44,7 +48,7 @@ class Placement:
         return send(), {}
 
     @contextlib.contextmanager
-    def state_on_device(self, client) -> Iterator[None]:
+    def state_on_device(self) -> Iterator[None]:
         """The trainer's state on its device inside (a checkpoint reads it)."""
         yield
 
@@ -60,9 +64,14 @@ class Colocated(Placement):
 
     def __init__(self, offload: TrainerOffload) -> None:
         self.offload = offload
+        self.servers_up = False
+        """Every rank: the servers are up (`start`), so a checkpoint frees their KV cache."""
+        self.client = None
+        """Rank 0's rollout client (None on the other ranks)."""
 
     def start(self, client) -> None:
         """The trainer parks its state before the servers' first generation."""
+        self.servers_up, self.client = True, client
         self.offload.offload()
 
     def to_training(self, client) -> dict[str, float]:
@@ -90,17 +99,32 @@ class Colocated(Placement):
         return result, timings
 
     @contextlib.contextmanager
-    def state_on_device(self, client) -> Iterator[None]:
-        """Onload around a read of the trainer's state, then park it again.
+    def state_on_device(self) -> Iterator[None]:
+        """Onload around a read of the trainer's state (a checkpoint), then park it again.
 
-        The servers keep their memory: the state comes back beside them, so a checkpoint of a
-        colocated run needs that headroom for its duration (`plan --placement colocated`).
+        The servers are idle between steps: they free their KV cache for the duration and keep
+        their weights, which the state comes back beside (`plan --placement colocated`'s
+        checkpoint save phase). Before the servers are up (the cold start's save) nothing is freed.
         """
+        # servers_up is the same on every rank (on_rank0 is collective), and so is `freed`
+        freed = self.servers_up and on_rank0(_free_kv_cache, self.client)
         self.offload.onload()
         try:
             yield
         finally:
             self.offload.offload()
+            if freed:
+                on_rank0(lambda: self.client.resume_memory_occupation([KV_CACHE]))
+
+
+def _free_kv_cache(client) -> bool:
+    """Rank 0: the servers free their KV cache for a checkpoint; False (logged) when they cannot."""
+    try:
+        client.release_memory_occupation([KV_CACHE])
+    except (RolloutFault, RolloutRequestError) as err:  # a lost server must not cost the checkpoint
+        logger.warning("checkpoint: the servers keep their KV cache (%s); saving beside it", err)
+        return False
+    return True
 
 
 def _release(client) -> None:

@@ -561,7 +561,7 @@ class Trainer:
 
     def _save(self, *, reshardable: bool) -> None:
         """Checkpoint the current step (collective); `reshardable`: loadable at any layout."""
-        with self.placement.state_on_device(None):  # colocated: the state is parked between steps
+        with self.placement.state_on_device():  # colocated: the state is parked between steps
             save_checkpoint(self.ckpt_root, self.step, model=self.model, optimizer=self.optimizer,
                             scheduler=self.scheduler, trainer_state=self._trainer_state(),
                             keep_last=self.cfg.trainer.keep_last, model_cfg=self.model_cfg,
