@@ -3,16 +3,25 @@
 The storage path (copy to host, shrink the device storage to zero bytes, grow it back, copy in)
 runs on the CPU here with `include_host`: afterwards parameters, DDP gradient buffers and Adam
 state equal the originals bit for bit, and every view still aliases its buffer. On a CPU-only
-run `TrainerOffload` moves nothing (the compute device is the host).
+run `TrainerOffload` moves nothing (the compute device is the host). A colocated checkpoint's
+hand-over frees an embedded server's KV cache for the save's duration.
 """
 
+import logging
+
+import httpx
 import pytest
 import torch
 
 from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.model.optim import OptimConfig, build_optimizer, optimizer_step, wrap_ddp, zero_grads
+from megatron_gspo.rollout.client import SGLangClient
+from megatron_gspo.rollout.server.launch import launch_embedded_server
+from megatron_gspo.tasks.tokenizer import build_char_tokenizer
+from megatron_gspo.training.colocation import Colocated
 from megatron_gspo.training.offload import ParkedStorages, TrainerOffload, trainer_state_tensors
 
 
@@ -61,3 +70,35 @@ def test_trainer_offload_on_cpu_moves_nothing(trained):
     assert offload.offload() == 0
     offload.onload()
     assert [t.data_ptr() for t in tensors] == ptrs
+
+
+@pytest.mark.slow  # one embedded server
+def test_a_colocated_checkpoint_frees_the_servers_kv_cache_for_its_duration(trained, tmp_path, caplog):
+    """Colocated.state_on_device (the save's): the idle servers free their KV cache while the
+    trainer's state is on the device, and take it back after; a server that cannot free it is
+    logged and the save goes on (the cache left as it was). Before the servers are up, nothing is asked."""
+    model, optimizer = trained
+    tokenizer = build_char_tokenizer()
+    hf = make_tiny_hf_checkpoint(tmp_path / "hf", tiny(vocab_size=len(tokenizer)), seed=0)
+    body = {"input_ids": tokenizer.encode("1+2="), "sampling_params": {"max_new_tokens": 2}}
+    with (
+        launch_embedded_server(hf, enable_memory_saver=True, kv_pool_mb=1) as server,
+        SGLangClient([server.url]) as client,
+    ):
+
+        def generate():
+            return httpx.post(f"{server.url}/generate", json=body, timeout=60)
+
+        placement = Colocated(TrainerOffload(model, optimizer))
+        with placement.state_on_device():  # the cold start's save: no server asked
+            assert generate().status_code == 200
+        placement.start(client)
+        with placement.state_on_device():
+            refused = generate()
+            assert refused.status_code == 400 and "MemoryReleased" in refused.text
+        assert generate().status_code == 200
+        client.release_memory_occupation(["kv_cache"])  # freed already: the save's own release fails
+        with caplog.at_level(logging.WARNING), placement.state_on_device():
+            pass
+        assert "the servers keep their KV cache" in caplog.text
+        assert "MemoryReleased" in generate().text  # not resumed by the save: left as it was
