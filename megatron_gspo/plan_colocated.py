@@ -80,6 +80,12 @@ def colocated_plan(args, cfg, model, states, activation_bytes: int, sender_bytes
     )
     for phase, peak in phases.items():
         print(f"phase {phase}: peak {peak / GIB:.1f} GiB per GPU (reserve {args.reserve_gb:g} included)")
+    # SGLang sizes its static pool (weights + KV cache) as this share of the GPU's memory.
+    fraction = (server_weights + kv) / (args.gpu_memory_gb * GIB)
+    print(
+        f"SGLang: --mem-fraction-static {fraction:.2f} holds these weights and a {args.kv_cache_gb:g} GiB "
+        f"KV cache (launch/sglang_servers.sh: MEM_FRACTION={fraction:.2f})"
+    )
     phase, peak = max(phases.items(), key=lambda item: item[1])
     over = peak - args.gpu_memory_gb * GIB
     if over <= 0:

@@ -551,6 +551,8 @@ def test_colocated_30b_on_one_node_reports_each_phase_and_refuses_what_does_not_
     # above training's 43.1 (its activations, without SGLang's weights).
     assert "phase checkpoint save: peak 51.1 GiB per GPU" in result.stdout
     assert "colocated fits: the checkpoint save phase decides" in result.stdout
+    # SGLang's static pool: (14.2 weights + 16 KV cache) / 79.1 GiB = 0.38 of the GPU
+    assert "SGLang: --mem-fraction-static 0.38 holds these weights and a 16 GiB KV cache" in result.stdout
     no_offload = ["optim.optimizer_cpu_offload=false", "optim.overlap_cpu_optimizer_d2h_h2d=false"]
     refused = plan(*args, "--world-size", "8", *no_offload)
     assert refused.returncode == 1
