@@ -7,11 +7,18 @@ generation hits such a near-tie about once in a hundred. Replaying the server's 
 the reference pass removes that chance and keeps the comparison at float noise everywhere.
 """
 
+import base64
 import contextlib
 
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
+
+
+def routes_of(response, num_layers: int, topk: int) -> np.ndarray:
+    """A response's routed experts [positions, L, k] (SGLang's base64 of int32)."""
+    routed = np.frombuffer(base64.b64decode(response["meta_info"]["routed_experts"]), "<i4")
+    return routed.reshape(-1, num_layers, topk)
 
 
 @contextlib.contextmanager

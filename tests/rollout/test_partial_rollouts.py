@@ -9,13 +9,12 @@ The sync begins once the server reports TOKENS_IN output tokens of each row deco
 that long, and LONG leaves the generation far from its end.
 """
 
-import base64
 import threading
 
 import numpy as np
 import pytest
 import torch
-from replayed_reference import teacher_forced
+from replayed_reference import routes_of, teacher_forced
 
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
@@ -89,8 +88,7 @@ def test_sync_mid_generation_gives_segments_with_their_versions_logprobs_and_rou
         seq = prompt + response["output_ids"]
         p, cut = len(prompt), segments[0].length
         got = sample.rollout_logprobs.double()
-        routed = np.frombuffer(base64.b64decode(response["meta_info"]["routed_experts"]), "<i4")
-        routed = routed.reshape(len(seq) - 1, CFG.num_layers, CFG.moe_topk)
+        routed = routes_of(response, CFG.num_layers, CFG.moe_topk)  # rows checked by parse_generate_response
         for path, seg in ((a, segments[0]), (b, segments[1])):
             # Routes: the rows whose token the segment predicted (positions p-1+start ...); the
             # reference replays them, and routes the earlier rows (another version's) itself.
@@ -150,8 +148,7 @@ def test_a_retracted_then_aborted_segment_is_regenerated_never_merged_short_of_r
     )  # fmt: skip
     assert sample.response_length == LONG and sample.routed_experts.shape[0] == len(PROMPTS[0]) + LONG - 1
     seq = PROMPTS[0] + response["output_ids"]
-    routed = np.frombuffer(base64.b64decode(response["meta_info"]["routed_experts"]), "<i4")
-    routed = routed.reshape(len(seq) - 1, CFG.num_layers, CFG.moe_topk)
+    routed = routes_of(response, CFG.num_layers, CFG.moe_topk)
     logprobs, router = teacher_forced(b, seq, temperature=TEMPERATURE, routes=routed)
     p = len(PROMPTS[0])
     positions = torch.arange(p - 1, len(seq) - 1)

@@ -12,12 +12,11 @@ A pause or abort lands once the server reports TOKENS_IN output tokens of the ge
 that many, and LONG leaves the generation far from its end.
 """
 
-import base64
 import threading
 
 import httpx
-import numpy as np
 import pytest
+import replayed_reference
 import torch
 from replayed_reference import teacher_forced
 
@@ -62,8 +61,7 @@ def teacher_forced_logprobs(path, output_ids, routes=None):
 
 
 def routes_of(response):
-    routed = np.frombuffer(base64.b64decode(response["meta_info"]["routed_experts"]), "<i4")
-    return routed.reshape(-1, CFG.num_layers, CFG.moe_topk)
+    return replayed_reference.routes_of(response, CFG.num_layers, CFG.moe_topk)
 
 
 def start_generation(server, rid, **extra):
