@@ -106,8 +106,8 @@ def _start_torchrun(args: list[str], env: dict[str, str]) -> tuple[int, TextIO]:
             os.environ.update(env)
             sys.argv = ["torchrun", *args]
             code = torchrun.run()
-        except SystemExit as stop:  # argparse's errors, as the torchrun command exits
-            code = stop.code if isinstance(stop.code, int) else 1
+        except SystemExit as stop:  # argparse's errors: the status the torchrun command exits with
+            code = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
         except BaseException:  # e.g. torchrun's ChildFailedError, reported as an uncaught error would be
             traceback.print_exc()
         finally:
