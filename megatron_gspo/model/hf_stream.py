@@ -12,7 +12,9 @@ SGLang's `flattened_bucket` layout (each tensor's bytes, concatenated in order).
 
 Memory: the sender holds the bucket being filled, the flattened copy of the previous one while
 it is sent, and one global tensor in flight (about two buckets beyond its own shards); the other
-ranks hold one gathered tensor at a time. Who sends: global rank 0 alone. SGLang's receivers
+ranks hold one gathered tensor at a time (a colocated tensor sync, `every_rank`: each rank
+holds what the sender does, its own copy for the server rank on its GPU). Who sends: global rank
+0 alone (colocated: rank 0 posts every rank's handles). SGLang's receivers
 take every broadcast from rank 0 of the weight-update group, so a second sender would need a
 second group spanning every SGLang rank, and each server applies its update requests one after
 another anyway; the gathers that feed rank 0 already run over all TP/EP ranks at once.
@@ -59,13 +61,15 @@ def refuse_non_finite(model: torch.nn.Module, what: str) -> None:
 
 
 def iter_hf_tensors(
-    model: torch.nn.Module, model_cfg: MoEModelConfig, *, sender: bool
+    model: torch.nn.Module, model_cfg: MoEModelConfig, *, sender: bool, every_rank: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF on-disk name, tensor) for every weight; collective over all ranks.
 
     Every rank must drain the iterator (the gathers are collectives); only the `sender`,
     global rank 0, converts and receives tensors, the others get nothing, and only those
     holding shards of the replica rank 0 gathers take part (`iter_global_tensors(to_rank0=True)`).
+    With `every_rank` each rank receives and converts every tensor on its own device (a
+    colocated sync: each rank hands its copy to the server rank on its GPU).
     Tensors stay on the device they were gathered on. With tied embeddings `lm_head.weight` is
     not produced.
 
@@ -74,7 +78,8 @@ def iter_hf_tensors(
             (raised on every rank: the names are the same everywhere).
     """
     table = {t.megatron: t for t in name_table(model_cfg)}
-    for name, tensor in iter_global_tensors(model, to_rank0=True):
+    sender = sender or every_rank
+    for name, tensor in iter_global_tensors(model, to_rank0=not every_rank):
         mapping = table.pop(name, None)
         if mapping is None:
             raise ConversionError(f"model tensor {name!r} has no HF counterpart in the name table")

@@ -198,6 +198,7 @@ class Trainer:
             self.sync_dir,
             self.tokenizer,
             quantization=cfg.rollout.quantization,
+            colocated=cfg.rollout.placement == "colocated",
         )
 
     def _lock_directories(self) -> None:

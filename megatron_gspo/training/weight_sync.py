@@ -12,7 +12,11 @@ TP/EP gathers, global rank 0 alone converts, buckets and sends. Per sync:
   which keeps its requests running, it is asked once).
 * tensor: the same buckets as `/update_weights_from_tensor` requests inside a session, in SGLang's
   format: handles to each bucket's memory (CUDA IPC on GPU, shared memory on CPU), never its
-  bytes (`rollout/tensor_handles.py`); for servers on the trainer's own node (colocated).
+  bytes (`rollout/tensor_handles.py`); for servers on the trainer's own node. Colocated, each
+  server's TP rank r takes entry r, so every trainer rank receives the whole stream on its own
+  device and serializes its own copy; rank 0 gathers the entries (control plane) and posts each
+  server the entries of the trainer ranks on its GPUs (`base_gpu_id`, `gpu_id_step`), as verl and
+  slime hand over within an engine's TP group. Otherwise rank 0's copy serves every entry.
 * disk: a full HF checkpoint written atomically and `/update_weights_from_disk`.
 
 With `rollout.quantization=fp8` the stream's decoder projections are quantised to blockwise
@@ -42,6 +46,7 @@ import concurrent.futures as cf
 import contextlib
 import functools
 import logging
+import os
 import socket
 import time
 import uuid
@@ -54,13 +59,20 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.config import WeightSyncConfig
+from megatron_gspo.config.colocation import ColocationError
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.model import control_plane
 from megatron_gspo.model.config import MoEModelConfig
 from megatron_gspo.model.distributed import compute_device
 from megatron_gspo.model.fp8 import quantize_stream
 from megatron_gspo.model.hf_export import export_hf_checkpoint
-from megatron_gspo.model.hf_stream import Bucket, iter_buckets, refuse_non_finite, run_on_hf_stream
+from megatron_gspo.model.hf_stream import (
+    Bucket,
+    iter_buckets,
+    iter_hf_tensors,
+    refuse_non_finite,
+    run_on_hf_stream,
+)
 from megatron_gspo.rollout import tensor_handles
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.errors import RolloutFault, WeightUpdateError
@@ -136,6 +148,9 @@ class WeightSync:
     tokenizer: object = None
     quantization: str = "none"
     """`rollout.quantization`: fp8 sends blockwise FP8 weights with their scales."""
+    colocated: bool = False
+    """`rollout.placement: colocated`: the tensor method hands each server rank the memory of the
+    trainer rank on its GPU (every rank gathers the whole model, a bucket at a time)."""
     _group: _Group | None = field(default=None, repr=False)
     _generation: int = 0
     _sender_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8], repr=False)
@@ -180,6 +195,8 @@ class WeightSync:
         if self.cfg.method == "disk":
             return self._via_disk(client, version)
         refuse_non_finite(self.model, "sync weights to the rollout servers")  # never serve NaN/inf
+        if self.cfg.method == "tensor" and self.colocated:
+            return self._via_own_devices(client, version)
         if self.cfg.method == "distributed":
             self._ensure_group(client)
         send = self._send_distributed if self.cfg.method == "distributed" else self._send_tensors
@@ -256,6 +273,75 @@ class WeightSync:
             stats.add(bucket)
             del flat, per_server  # answered: the servers hold their own copies now
         return stats
+
+    def _via_own_devices(self, client: SGLangClient | None, version: int) -> SyncStats:
+        """Colocated tensor sync (collective): each server rank takes the trainer's copy on its own GPU.
+
+        Every rank walks the whole stream (the same buckets everywhere) and serializes its own flat
+        copy of each bucket; rank 0 gathers the entries, posts them and broadcasts the outcome, so a
+        refusal, or a rank that could not make its copy, ends the attempt on every rank at the same
+        bucket. Each rank keeps its copy until the servers have answered for it.
+        """
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        sources = control_plane.on_rank0(_handle_sources, client, world, per_node)
+        stats, device = SyncStats(), compute_device()
+        try:  # a refused begin is aborted too: a sender that died mid-sync leaves a session open
+            control_plane.on_rank0(lambda: _step("begin_weight_update", client.begin_weight_update))
+            stream = iter_hf_tensors(self.model, self.model_cfg, sender=True, every_rank=True)
+            for bucket in self._buckets(stream):
+                flat, own = None, None
+                try:
+                    flat = tensor_handles.shareable(bucket.flatten_and_release(device))
+                    own = (
+                        tensor_handles.serialize_flattened_bucket(
+                            flat, bucket.names, bucket.dtypes, bucket.shapes
+                        ),
+                        None,
+                    )
+                except Exception as err:  # noqa: BLE001 - every rank learns it from rank 0, below
+                    own = (None, f"{type(err).__name__}: {err}")
+                entries = control_plane.all_gather_objects(own)
+                control_plane.on_rank0(self._post_handles, client, bucket, entries, sources, version)
+                stats.add(bucket)
+                del flat  # answered: the servers hold their own copies now
+        except BaseException:
+            with contextlib.suppress(Exception):
+                control_plane.on_rank0(
+                    lambda: client.end_weight_update(abort=True, timeout_s=self.cfg.release_timeout_s)
+                )
+            raise
+        control_plane.on_rank0(lambda: _step("end_weight_update", client.end_weight_update))
+        stats.cache_flushed = control_plane.on_rank0(_flush_cache, client)
+        return stats
+
+    @staticmethod
+    def _post_handles(
+        client: SGLangClient,
+        bucket: Bucket,
+        entries: list[tuple[str | None, str | None]],
+        sources: list[list[int]],
+        version: int,
+    ) -> None:
+        """Rank 0: post each server the entries of the trainer ranks on its GPUs (one per TP rank).
+
+        `entries`: each rank's (entry, None), or (None, why) where it could not make its copy.
+        """
+        for rank, (_, error) in enumerate(entries):
+            if error is not None:
+                raise WeightSyncFailed(
+                    f"bucket {bucket.index}: rank {rank} could not hand over its copy: {error}"
+                )
+        per_server = [[entries[rank][0] for rank in ranks] for ranks in sources]
+        _at_bucket(
+            bucket,
+            lambda: client.update_weights_from_tensor(
+                per_server,
+                load_format=tensor_handles.FLATTENED_BUCKET,
+                flush_cache=False,
+                weight_version=version if bucket.last else None,
+            ),
+        )
 
     def _send_distributed(self, client: SGLangClient, buckets: Iterator[Bucket], version: int) -> SyncStats:
         """Send bucket by bucket; each is answered before the next request goes out.
@@ -403,6 +489,41 @@ class WeightSync:
             if not group.aborted:  # an aborted group is already gone
                 with contextlib.suppress(Exception):
                     destroy_update_group(group.group)
+
+
+def _handle_sources(client: SGLangClient, world: int, per_node: int) -> list[list[int]]:
+    """Rank 0: for each server, the trainer rank on the GPU of each of its TP ranks (colocated).
+
+    The servers cover the nodes in the order listed (`launch/sglang_servers.sh` starts a node's
+    in GPU order); within its node a server's TP rank r is on GPU `base_gpu_id + r * gpu_id_step`,
+    SGLang's own placement, so the listing order inside a node does not matter. Each GPU must
+    host exactly one server rank: a clash or a GPU outside the node is refused naming the server.
+    """
+    owner: dict[int, str] = {}
+    sources, covered = [], 0
+    for url, info in zip(client.urls, client.server_info(), strict=True):
+        tp, base, step = (
+            int(info.get(k, d)) for k, d in (("tp_size", 1), ("base_gpu_id", 0), ("gpu_id_step", 1))
+        )
+        node = covered // per_node
+        gpus = [base + r * step for r in range(tp)]
+        if node * per_node >= world or max(gpus) >= per_node:
+            raise ColocationError(
+                f"server {url} (tp_size={tp}, base_gpu_id={base}, gpu_id_step={step}) puts its ranks on "
+                f"GPUs {gpus} of node {node}, outside the trainer's {world // per_node} node(s) of {per_node}"
+            )
+        ranks = [node * per_node + gpu for gpu in gpus]
+        for rank, gpu in zip(ranks, gpus):
+            if rank in owner:
+                raise ColocationError(
+                    f"servers {owner[rank]} and {url} both have a rank on GPU {gpu} of node {node}: each "
+                    "GPU hosts one server rank (launch each with its own --base-gpu-id, as "
+                    "launch/sglang_servers.sh does)"
+                )
+            owner[rank] = url
+        sources.append(ranks)
+        covered += tp
+    return sources
 
 
 def _readmit(client: SGLangClient) -> dict[str, float]:

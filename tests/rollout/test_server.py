@@ -399,3 +399,46 @@ def test_non_finite_weight_updates_are_refused_and_old_weights_keep_serving(serv
     assert after["output_ids"] == before["output_ids"] and torch.equal(lp_after, lp_before)
     assert after["meta_info"]["weight_version"] == version
     assert client.get(f"{server.url}/model_info").json()["weight_version"] == version
+
+
+def test_a_server_of_tp_size_2_opens_an_entry_per_rank_and_refuses_ranks_apart(client, checkpoints):
+    """Each TP rank opens its own entry (SGLang's `deserialize_own_rank`): one entry leaves rank 1
+    without one, ranks whose tensors differ would serve different weights; both are refused and the
+    old weights keep serving. One process cannot join a weight-update group as two ranks."""
+    a, b = checkpoints
+    partial = {k: v for k, v in load_hf_state_dict(b).items() if k.startswith("model.layers.1.mlp.gate")}
+    (name,) = partial
+    other = {name: partial[name] + 1.0}
+
+    def entry(named):  # each entry its own shared memory: a handle is opened once
+        return tensor_handles.serialize(
+            [(n, tensor_handles.shareable(t).reshape(t.shape)) for n, t in named.items()]
+        )
+
+    with launch_embedded_server(a, extra_args=["--tp-size", "2", "--base-gpu-id", "1"]) as srv:
+        info = client.get(f"{srv.url}/server_info").json()
+        assert (info["tp_size"], info["base_gpu_id"], info["gpu_id_step"]) == (2, 1, 1)
+
+        def update(entries, version):
+            assert client.post(f"{srv.url}/begin_weight_update", json={}).json()["success"]
+            body = {"serialized_named_tensors": entries, "weight_version": version}
+            answer = client.post(f"{srv.url}/update_weights_from_tensor", json=body)
+            client.post(f"{srv.url}/end_weight_update", json={"abort": answer.status_code != 200})
+            return answer
+
+        short = update([entry(partial)], "1")
+        assert (
+            short.status_code == 400
+            and "has 1 entries for a server of tp_size 2: TP rank 1 has none" in short.text
+        )
+        apart = update([entry(partial), entry(other)], "1")
+        assert apart.status_code == 400 and f"TP rank 1's {name} differs from TP rank 0's" in apart.text
+        assert client.get(f"{srv.url}/model_info").json()["weight_version"] == "default"
+        ok = update([entry(partial), entry(partial)], "2")
+        assert ok.status_code == 200, ok.text
+        assert client.get(f"{srv.url}/model_info").json()["weight_version"] == "2"
+        group = client.post(
+            f"{srv.url}/init_weights_update_group",
+            json={"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 3},
+        )
+        assert group.status_code == 400 and "as its tp_size=2 ranks" in group.text

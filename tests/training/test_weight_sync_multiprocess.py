@@ -20,9 +20,10 @@ WORKER = Path(__file__).with_name("weight_sync_worker.py")
 def test_trainer_syncs_into_the_embedded_server_and_only_rank0s_replica_gathers(tmp_path, tp, ep):
     checkpoint = make_tiny_hf_checkpoint(tmp_path / "hf", tiny(vocab_size=80, init_std=0.2))
     result = tmp_path / "result.json"
+    colocated = ["--colocated"] if tp == 2 else []  # one layout: its gathers are the ones shared
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(WORKER),
-        f"--tp={tp}", f"--ep={ep}", f"--checkpoint={checkpoint}", f"--result={result}",
+        f"--tp={tp}", f"--ep={ep}", f"--checkpoint={checkpoint}", f"--result={result}", *colocated,
     ]  # fmt: skip
     proc = subprocess.run(
         cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600
@@ -37,7 +38,7 @@ def test_trainer_syncs_into_the_embedded_server_and_only_rank0s_replica_gathers(
         )
         assert r["before"] > 1e-2  # the perturbation is visible: the check below can fail
         assert r["after"] <= 1e-5
-        assert r["version"] == str(version)
+        assert r["version"] == [str(version)]
         assert r["buckets"] > 3  # 50 KiB buckets: the model went in several
         # Ranks 0-1 hold data-parallel replica 0 and expert-data-parallel replica 0 (EP groups
         # {0, 1} and {2, 3}); ranks 2-3 hold replica 1 of the dense tensors and, at TP2 x EP2,
@@ -48,3 +49,14 @@ def test_trainer_syncs_into_the_embedded_server_and_only_rank0s_replica_gathers(
             assert 0 < g[2] == g[3] < g[0]
         else:  # nothing of 2-3 is on rank 0's path: no weight bytes move there
             assert g[2] == g[3] == 0
+    if not colocated:
+        return
+    # Colocated: servers of TP 2 on devices 2-3 and 0-1 (listed in that order) each got, in every
+    # request, TP rank r's entry from the shared memory of the trainer rank on its device.
+    r = results["colocated"]
+    print(f"colocated: |server - trainer| max {r['after']:.3e} over 2 servers; {r['buckets']} buckets")
+    assert r["before"] > 1e-2 and r["after"] <= 1e-5 and r["version"] == ["3", "3"]
+    pids = r["pids"]
+    assert len(set(pids)) == 4 and len(r["handle_pids"]) == r["buckets"] > 3
+    assert all(request == [[pids[2], pids[3]], [pids[0], pids[1]]] for request in r["handle_pids"])
+    assert all(g > 0 for g in r["gathered"])  # every rank received the whole model, a tensor at a time

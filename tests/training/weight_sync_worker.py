@@ -7,13 +7,21 @@ For each method (distributed, then tensor): perturb the trainer's weights, sync 
 next weight version, and compare the server's teacher-forced log-probs with the trainer's.
 Each rank also counts the bytes it receives in `all_gather` / `broadcast` calls during the sync
 (`gathered`, one entry per rank), at the torch.distributed boundary.
+
+With `--colocated`, a third sync goes to two servers of TP 2 on the node's 4 "devices" (listed
+as base GPU 2, then 0) by the colocated tensor path: `handle_pids` records, for each request,
+the process whose shared memory each TP rank's entry names (in the shm name torch gives it), and
+`pids` each trainer rank's process, so the test sees which rank's copy each server rank got.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
+import os
+import re
 from pathlib import Path
 
 import torch
@@ -30,14 +38,13 @@ from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.training.weight_sync import WeightSync
 
 
-def server_logprobs(client: SGLangClient | None, tokens: torch.Tensor) -> torch.Tensor:
-    """[B, T] teacher-forced log-probs from the server (column 0 is 0), on every rank."""
+def served_gap(readers: list[SGLangClient] | None, tokens: torch.Tensor, ours: torch.Tensor) -> float:
+    """Largest |server - trainer| teacher-forced log-prob over `readers`' servers (rank 0 reads them)."""
 
-    def fetch() -> torch.Tensor:
-        served = served_logprobs(client, tokens)
-        return torch.cat([torch.zeros(len(served), 1, dtype=served.dtype), served], dim=1)
+    def read() -> float:
+        return max((served_logprobs(c, tokens) - ours[:, 1:]).abs().max().item() for c in readers)
 
-    return control_plane.on_rank0(fetch) if client is not None else control_plane.broadcast_from_rank0(None)
+    return control_plane.on_rank0(read)
 
 
 @contextlib.contextmanager
@@ -66,12 +73,57 @@ def counting_received_bytes(counter: list[int]):
         dist.all_gather, dist.broadcast = real_all_gather, real_broadcast
 
 
+def recording_handle_pids(client: SGLangClient, record: list) -> None:
+    """Append, per /update_weights_from_tensor call, each server's entries' shared-memory owner pids."""
+    real = client.update_weights_from_tensor
+
+    def send(per_server, **kwargs):
+        record.append([[_shm_owner(entry) for entry in entries] for entries in per_server])
+        return real(per_server, **kwargs)
+
+    client.update_weights_from_tensor = send
+
+
+def _shm_owner(entry: str) -> int:
+    """The pid in the name of the one shared-memory segment an entry's pickle refers to."""
+    (pid,) = set(re.findall(rb"/torch_([0-9]+)_", base64.b64decode(entry)))
+    return int(pid)
+
+
+def sync_and_compare(model, cfg, client, readers, tokens, args, version, method, colocated=False) -> dict:
+    """Perturb the weights, sync them to `client`'s servers, compare `readers`' servers (rank 0's clients)."""
+    with torch.no_grad():  # same operation on every replica: replicated tensors stay equal
+        for param in model.parameters():
+            param.mul_(0.9).add_(0.02 * version)
+    ours, _ = sequence_logprobs(model, list(tokens), pad_multiple=args.tp)
+    ours = ours.double()
+    before = served_gap(readers, tokens, ours)
+    config = WeightSyncConfig(method=method, bucket_mb=0.05, timeout_s=120)
+    sync = WeightSync(config, model, cfg, args.result.parent, colocated=colocated)
+    received = [0]
+    with counting_received_bytes(received):
+        stats = sync.sync(client, version)
+    gathered = control_plane.all_gather_objects(received[0])
+    after = served_gap(readers, tokens, ours)
+    served_version = control_plane.on_rank0(lambda: [r.model_info()[0]["weight_version"] for r in readers])
+    sync.close(client)
+    return {
+        "before": before,
+        "after": after,
+        "version": served_version,
+        "buckets": stats.buckets,
+        "bytes": stats.bytes,
+        "gathered": gathered,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, required=True)
     parser.add_argument("--ep", type=int, required=True)
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--result", type=Path, required=True)
+    parser.add_argument("--colocated", action="store_true")
     args = parser.parse_args()
 
     import torch.distributed as dist
@@ -82,37 +134,35 @@ def main() -> None:
     model = build_model(cfg, parallel).eval()
     load_hf_checkpoint(model, args.checkpoint, cfg)
     tokens = random_tokens(cfg.vocab_size, batch=3, length=24, seed=5)
-    server = launch_embedded_server(args.checkpoint) if dist.get_rank() == 0 else None
-    client = SGLangClient([server.url]) if server is not None else None
+    rank0 = dist.get_rank() == 0
+    servers = [launch_embedded_server(args.checkpoint)] if rank0 else []
+    if rank0 and args.colocated:  # two servers of TP 2 over the node's 4 devices, listed out of order
+        for base in (2, 0):
+            servers.append(
+                launch_embedded_server(
+                    args.checkpoint, extra_args=("--tp-size", "2", "--base-gpu-id", str(base))
+                )
+            )
+    clients = [SGLangClient([server.url]) for server in servers]
     results = {}
     try:
         for version, method in enumerate(("distributed", "tensor"), start=1):
-            with torch.no_grad():  # same operation on every replica: replicated tensors stay equal
-                for param in model.parameters():
-                    param.mul_(0.9).add_(0.02 * version)
-            ours, _ = sequence_logprobs(model, list(tokens), pad_multiple=args.tp)
-            ours = ours.double()
-            before = server_logprobs(client, tokens)
-            sync = WeightSync(
-                WeightSyncConfig(method=method, bucket_mb=0.05, timeout_s=120), model, cfg, args.result.parent
+            client = clients[0] if rank0 else None
+            results[method] = sync_and_compare(model, cfg, client, clients[:1], tokens, args, version, method)
+        if args.colocated:
+            handle_pids: list = []
+            colocated = SGLangClient([server.url for server in servers[1:]]) if rank0 else None
+            if rank0:
+                recording_handle_pids(colocated, handle_pids)
+            results["colocated"] = sync_and_compare(
+                model, cfg, colocated, clients[1:], tokens, args, 3, "tensor", colocated=True
             )
-            received = [0]
-            with counting_received_bytes(received):
-                stats = sync.sync(client, version)
-            gathered = control_plane.all_gather_objects(received[0])
-            after = server_logprobs(client, tokens)
-            served_version = control_plane.on_rank0(lambda: client.model_info()[0]["weight_version"])
-            sync.close(client)
-            results[method] = {
-                "before": (before - ours)[:, 1:].abs().max().item(),
-                "after": (after - ours)[:, 1:].abs().max().item(),
-                "version": served_version,
-                "buckets": stats.buckets,
-                "bytes": stats.bytes,
-                "gathered": gathered,
-            }
+            results["colocated"]["handle_pids"] = handle_pids
+            results["colocated"]["pids"] = control_plane.all_gather_objects(os.getpid())
+            if rank0:
+                colocated.close()
     finally:
-        if server is not None:
+        for client, server in zip(clients, servers):
             client.close()
             server.terminate()
     if dist.get_rank() == 0:

@@ -43,6 +43,10 @@ What it implements, and how it differs from SGLang:
 - `--dp-size N` makes /get_server_info report SGLang's `dp_size: N` and, above 1, refuses
   what SGLang refuses on a server launched with --dp-size > 1 (/init_weights_update_group,
   /update_weights_from_tensor: its assertion's 500); generation stays one replica.
+- `--tp-size N` (with `--base-gpu-id`) makes it report SGLang's `tp_size: N` and open one
+  /update_weights_from_tensor entry per TP rank, as SGLang's ranks do (too few refused, ranks'
+  tensors that differ refused); it computes as one rank, so it refuses a distributed
+  weight-update group above 1 (a colocated run's server spanning N devices).
 
 What it guarantees (tests/rollout/test_server_robustness.py):
 

@@ -77,6 +77,22 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "one replica either way, as one SGLang URL is to its client (tests of DP deployments)",
     )
     parser.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="report this SGLang tp_size and, as SGLang's TP ranks do, open one "
+        "/update_weights_from_tensor entry per rank (each its own); computes as one rank either way "
+        "(a colocated run's server spanning tp-size devices); above 1 a distributed weight-update "
+        "group is refused (one process cannot join as several ranks)",
+    )
+    parser.add_argument(
+        "--base-gpu-id",
+        type=int,
+        default=0,
+        help="report this SGLang base_gpu_id: the first of the node's devices the server's TP ranks "
+        "sit on (a colocated run's weight sync hands each rank the memory of the trainer on its device)",
+    )
+    parser.add_argument(
         "--weight-update-timeout-s",
         type=float,
         default=1800.0,
@@ -127,6 +143,8 @@ def build_service(args: argparse.Namespace) -> RolloutService:
         scheduler,
         check_responses=args.check_responses,
         dp_size=args.dp_size,
+        tp_size=args.tp_size,
+        base_gpu_id=args.base_gpu_id,
         weight_update_timeout_s=args.weight_update_timeout_s,
     )
 
@@ -159,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--kv-pool-mb must be >= 0, got {args.kv_pool_mb}")
     if args.dp_size < 1:
         parser.error(f"--dp-size must be >= 1, got {args.dp_size}")
+    if args.tp_size < 1:
+        parser.error(f"--tp-size must be >= 1, got {args.tp_size}")
+    if args.base_gpu_id < 0:
+        parser.error(f"--base-gpu-id must be >= 0, got {args.base_gpu_id}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:  # before the model loads (or a checkpoint is exported): a busy port fails at once
         sock = http_app.bind(args.host, args.port)

@@ -10,6 +10,8 @@ import uuid
 from http import HTTPStatus
 from typing import Any
 
+import torch
+
 from megatron_gspo.rollout import contract, tensor_handles
 from megatron_gspo.rollout.server.engine import GenerationEngine, GenerationInput, SamplingOptions
 from megatron_gspo.rollout.server.fields import (
@@ -67,12 +69,16 @@ class RolloutService:
         *,
         check_responses: bool = False,
         dp_size: int = 1,
+        tp_size: int = 1,
+        base_gpu_id: int = 0,
         weight_update_timeout_s: float = 1800.0,
     ):
         self.engine = engine
         self.scheduler = scheduler
         self.check_responses = check_responses
         self.dp_size = dp_size  # reported as SGLang's; > 1 refuses what SGLang refuses (see `_dp_refusal`)
+        self.tp_size = tp_size  # reported as SGLang's; each rank opens its own tensor-handle entry
+        self.base_gpu_id = base_gpu_id
         self.receiver = WeightReceiver(engine, timeout_s=weight_update_timeout_s)
         self.host = ""
         self.port = 0
@@ -195,10 +201,14 @@ class RolloutService:
         """POST /update_weights_from_tensor: SGLang's tensor handles (`rollout.tensor_handles`), in a session.
 
         As SGLang 0.5.23: `serialized_named_tensors` holds one base64 `MultiprocessingSerializer`
-        entry per TP rank (this server is TP rank 0 and opens entry 0 only); `load_format` None or
-        `flattened_bucket`; refused outside a begin/end weight-update session with SGLang's message.
-        The tensors are copied out of the sender's memory (shared memory on CPU, CUDA IPC on GPU)
-        and staged; the session's end applies them all at once.
+        entry per TP rank, and TP rank r opens entry r only (`tp_worker.deserialize_own_rank`); a
+        list shorter than `tp_size` is refused naming the rank left without one (SGLang's rank fails
+        on the missing index). This server computes as one rank: it opens every rank's entry and
+        refuses entries whose tensors differ from rank 0's (SGLang's ranks would load different
+        weights, silently); `load_format` None or `flattened_bucket`; refused outside a begin/end
+        weight-update session with SGLang's message. The tensors are copied out of the sender's
+        memory (shared memory on CPU, CUDA IPC on GPU) and staged; the session's end applies them
+        all at once.
         """
         try:
             body = check_object(body)
@@ -215,6 +225,11 @@ class RolloutService:
         entries = body.get("serialized_named_tensors")
         if not isinstance(entries, list) or not entries:
             return _failure("serialized_named_tensors must be a list of base64 entries, one per TP rank")
+        if len(entries) < self.tp_size:
+            return _failure(
+                f"serialized_named_tensors has {len(entries)} entries for a server of tp_size "
+                f"{self.tp_size}: TP rank {len(entries)} has none (one entry per TP rank)"
+            )
         if self.dp_size > 1:
             return _dp_refusal("update weights from tensor")
         if abort:
@@ -224,9 +239,14 @@ class RolloutService:
                 "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
             )
         try:
-            opened = tensor_handles.named_tensors(tensor_handles.deserialize(entries[0]), load_format)
             # Copies: the sender's memory is released once it has our answer.
-            count = self.receiver.stage({name: t.clone() for name, t in opened.items()}, version)
+            opened = [
+                {name: t.clone() for name, t in tensor_handles.named_tensors(
+                    tensor_handles.deserialize(entry), load_format).items()}
+                for entry in entries[: self.tp_size]
+            ]  # fmt: skip
+            _refuse_ranks_apart(opened)
+            count = self.receiver.stage(opened[0], version)
         except Exception as exc:  # noqa: BLE001 - reported to the caller, old weights kept
             return _failure(f"Failed to update weights from tensors: {exc}")
         return _success(f"Succeeded to update {count} tensors.")
@@ -248,6 +268,12 @@ class RolloutService:
             return _failure(str(exc))
         if self.dp_size > 1:
             return _dp_refusal("init parameter update group")
+        if self.tp_size > 1:
+            return _failure(
+                f"this embedded server computes as one process and cannot join a weight-update group "
+                f"as its tp_size={self.tp_size} ranks; sync its weights by tensor handles "
+                "(weight_sync.method=tensor)"
+            )
         return self._protocol_step(
             lambda: self.receiver.init_group(**fields), "Succeeded to initialize custom process group."
         )
@@ -417,7 +443,9 @@ class RolloutService:
             "host": self.host,
             "port": self.port,
             "context_length": self.engine.context_len,
-            "tp_size": 1,  # one rank in a weight-update group
+            "tp_size": self.tp_size,
+            "base_gpu_id": self.base_gpu_id,
+            "gpu_id_step": 1,
             "dp_size": self.dp_size,
             "enable_dp_attention": False,
             "enable_return_routed_experts": True,
@@ -488,6 +516,17 @@ def _success(message: str) -> tuple[int, dict]:
 
 def _failure(message: str) -> tuple[int, dict]:
     return HTTPStatus.BAD_REQUEST, {"success": False, "message": message}
+
+
+def _refuse_ranks_apart(opened: list[dict]) -> None:
+    """Refuse TP ranks' entries that would load different weights (named: the rank and tensor)."""
+    first = opened[0]
+    for rank, tensors in enumerate(opened[1:], start=1):
+        if tensors.keys() != first.keys():
+            raise ValueError(f"TP rank {rank}'s entry names other tensors than rank 0's")
+        for name, tensor in tensors.items():
+            if tensor.dtype != first[name].dtype or not torch.equal(tensor, first[name]):
+                raise ValueError(f"TP rank {rank}'s {name} differs from TP rank 0's")
 
 
 def _dp_refusal(what: str) -> tuple[int, dict]:

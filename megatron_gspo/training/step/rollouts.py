@@ -256,11 +256,16 @@ def rollout_servers(
         if not urls and cfg.router_url is None:
             embedded = embedded_server_count(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             args = ["--weight-version", str(weight_version), "--seed", str(seed)]
-            for _ in range(embedded):
+            tp = cfg.server_tensor_parallel
+            if cfg.placement == "colocated":  # server i spans devices [i * tp, (i + 1) * tp)
+                layout = [("--tp-size", tp, "--base-gpu-id", i * tp) for i in range(embedded)]
+            else:
+                layout = [()] * embedded
+            for placed in layout:
                 server = stack.enter_context(
                     launch_embedded_server(
                         model_dir,
-                        extra_args=(*args, "--dtype", SERVER_DTYPES[cfg.dtype]),
+                        extra_args=(*args, *map(str, placed), "--dtype", SERVER_DTYPES[cfg.dtype]),
                         num_threads=cfg.server_threads,
                         timeout=cfg.server_start_timeout_s,
                         enable_memory_saver=cfg.placement == "colocated",
