@@ -8,7 +8,8 @@ Phases of a colocated step (`training/colocation.py`), each one's peak per GPU:
 - training: the trainer's model states (the optimizer's share in host memory with
   `optim.optimizer_cpu_offload`) + one micro-batch's activations + what SGLang keeps after
   releasing its weights and KV cache (CUDA context, graph buffers) + the reserve;
-- weight sync: SGLang's weights resumed + the trainer's sync buffers (its state parked) + the reserve;
+- weight sync: SGLang's weights resumed + the sync buffers (its state parked; every rank holds
+  them, handing its own copy to the server rank on its GPU) + the reserve;
 - checkpoint save: the trainer's model states brought back beside SGLang's weights (the servers
   are idle and free their KV cache for the save, `Colocated.state_on_device`) + what SGLang keeps
   besides its weights + the reserve.

@@ -24,7 +24,11 @@ exits or the peer's own timeout).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import datetime
+import socket
+import time
+from urllib.parse import urlparse
 
 import torch.distributed as dist
 
@@ -112,3 +116,56 @@ def abort_update_group(group: dist.ProcessGroup) -> None:
     from torch.distributed.distributed_c10d import _abort_process_group
 
     _abort_process_group(group)
+
+
+def timed_out(err: BaseException) -> bool:
+    """Whether a bucket's wait ended because a deadline passed.
+
+    Ours (`TimeoutError`), or the group's own, which a gloo group is given equal to it
+    (`update_group.collective_timeout_s`) and which may fire first, counted from the broadcast's
+    start ("Timed out waiting 2000ms for send operation to complete").
+    """
+    return isinstance(err, TimeoutError) or (
+        isinstance(err, RuntimeError) and "timed out" in str(err).lower()
+    )
+
+
+def wait_for_bucket(work, answers, timeout_s: float) -> None:
+    """Wait for the servers' answers and the broadcast; a refusal or a failed broadcast ends the wait.
+
+    The servers answer once they have received and checked the bucket (or at once when they
+    refuse it), so the wait is on their answers, woken as soon as they come; the broadcast is
+    looked at between wake-ups, so a failed one is raised without waiting for the timeout.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not answers.done():
+        if work.is_completed():
+            work.wait()  # raises when the broadcast failed
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"broadcast not received within weight_sync.timeout_s={timeout_s}")
+        cf.wait([answers], timeout=0.01)
+    answers.result()  # a refusal: the group is unusable now
+    while not work.is_completed():  # answered, so received: the sender's side is finishing
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"broadcast not completed within weight_sync.timeout_s={timeout_s}")
+        time.sleep(0.0002)
+    work.wait()
+
+
+def master_address(urls: list[str]) -> str:
+    """This host's address on the route to the first server (127.0.0.1 for a local server).
+
+    A UDP `connect` sends nothing; it only picks the outgoing interface, which avoids
+    `gethostbyname(gethostname())` answering 127.0.1.1 on hosts that map their name so.
+    """
+    url = urlparse(urls[0])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((url.hostname, url.port or 80))
+        return sock.getsockname()[0]
+
+
+def free_port() -> int:
+    """A free TCP port on every interface, for the group's store (servers may connect from other hosts)."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]

@@ -42,18 +42,15 @@ they answer again (`fleet.FleetMixin.set_aside_held_workers`).
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
 import functools
 import logging
 import os
-import socket
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -82,7 +79,11 @@ from megatron_gspo.rollout.update_group import (
     abort_update_group,
     collective_timeout_s,
     destroy_update_group,
+    free_port,
     init_update_group,
+    master_address,
+    timed_out,
+    wait_for_bucket,
 )
 from megatron_gspo.training.server_checks import refuse_unfit_servers
 from megatron_gspo.training.termination import protocol_step
@@ -398,9 +399,9 @@ class WeightSync:
 
         def wait() -> None:
             try:
-                _wait_both(work, answers, self.cfg.timeout_s)
+                wait_for_bucket(work, answers, self.cfg.timeout_s)
             except BaseException as err:
-                if _timed_out(err) or self._backend() == "nccl":
+                if timed_out(err) or self._backend() == "nccl":
                     self._abort_group()
                 raise
 
@@ -426,8 +427,8 @@ class WeightSync:
             tp_sizes = [int(info.get("tp_size", 1)) for info in infos]
             offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
             world = 1 + sum(tp_sizes)
-            address = self.cfg.master_address or _master_address(client.urls)
-            port = self.cfg.master_port or _free_port()
+            address = self.cfg.master_address or master_address(client.urls)
+            port = self.cfg.master_port or free_port()
             self._generation += 1
             name = f"{GROUP_NAME}_{self._sender_id}_{self._generation}"  # never a half-dead group's keys
             with protocol_step():  # servers told to join always meet rank 0 there
@@ -545,40 +546,6 @@ def _at_bucket(bucket: Bucket, send) -> None:
         ) from err
 
 
-def _timed_out(err: BaseException) -> bool:
-    """Whether a bucket's wait ended because a deadline passed.
-
-    Ours (`TimeoutError`), or the group's own, which a gloo group is given equal to it
-    (`update_group.collective_timeout_s`) and which may fire first, counted from the broadcast's
-    start ("Timed out waiting 2000ms for send operation to complete").
-    """
-    return isinstance(err, TimeoutError) or (
-        isinstance(err, RuntimeError) and "timed out" in str(err).lower()
-    )
-
-
-def _wait_both(work, answers, timeout_s: float) -> None:
-    """Wait for the servers' answers and the broadcast; a refusal or a failed broadcast ends the wait.
-
-    The servers answer once they have received and checked the bucket (or at once when they
-    refuse it), so the wait is on their answers, woken as soon as they come; the broadcast is
-    looked at between wake-ups, so a failed one is raised without waiting for the timeout.
-    """
-    deadline = time.monotonic() + timeout_s
-    while not answers.done():
-        if work.is_completed():
-            work.wait()  # raises when the broadcast failed
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"broadcast not received within weight_sync.timeout_s={timeout_s}")
-        cf.wait([answers], timeout=0.01)
-    answers.result()  # a refusal: the group is unusable now
-    while not work.is_completed():  # answered, so received: the sender's side is finishing
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"broadcast not completed within weight_sync.timeout_s={timeout_s}")
-        time.sleep(0.0002)
-    work.wait()
-
-
 def _after_first(buckets: Iterator[Bucket], wait) -> Iterator[Bucket]:
     """`buckets`, calling `wait()` once the first is packed and before it is handed on."""
     for i, bucket in enumerate(buckets):
@@ -624,21 +591,3 @@ def _flush_cache(client: SGLangClient) -> bool:
         refusal,
     )
     return False
-
-
-def _master_address(urls: list[str]) -> str:
-    """This host's address on the route to the first server (127.0.0.1 for a local server).
-
-    A UDP `connect` sends nothing; it only picks the outgoing interface, which avoids
-    `gethostbyname(gethostname())` answering 127.0.1.1 on hosts that map their name so.
-    """
-    url = urlparse(urls[0])
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.connect((url.hostname, url.port or 80))
-        return sock.getsockname()[0]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
