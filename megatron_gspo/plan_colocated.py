@@ -8,8 +8,9 @@ Phases of a colocated step (`training/colocation.py`), each one's peak per GPU:
 - training: the trainer's model states (the optimizer's share in host memory with
   `optim.optimizer_cpu_offload`) + one micro-batch's activations + what SGLang keeps after
   releasing its weights and KV cache (CUDA context, graph buffers) + the reserve;
-- weight sync: SGLang's weights resumed + the sync buffers (its state parked; every rank holds
-  them, handing its own copy to the server rank on its GPU) + the reserve;
+- weight sync: SGLang's weights resumed + the trainer's parameters, which the sync reads (its
+  gradients and optimizer state parked; the parameters follow once sent) + the sync buffers
+  (every rank holds them, handing its own copy to the server rank on its GPU) + the reserve;
 - checkpoint save: the trainer's model states brought back beside SGLang's weights (the servers
   are idle and free their KV cache for the save, `Colocated.state_on_device`) + what SGLang keeps
   besides its weights + the reserve.
@@ -63,7 +64,7 @@ def colocated_plan(args, cfg, model, states, activation_bytes: int, sender_bytes
     phases = {
         "generation": server_weights + kv + reserve,
         "training": trainer + activation_bytes + remainder + reserve,
-        "weight sync": server_weights + sender_bytes + reserve,
+        "weight sync": server_weights + states.weight_bytes + sender_bytes + reserve,
         "checkpoint save": server_weights + remainder + trainer + reserve,
     }
     host = states.total_bytes  # every byte of the trainer's state is parked in host memory

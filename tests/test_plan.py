@@ -544,8 +544,11 @@ def test_colocated_30b_on_one_node_reports_each_phase_and_refuses_what_does_not_
     assert "per rank: 1541M dense + 3624M expert params" in result.stdout
     assert "SGLang weights 14.2 GiB + KV cache 16 GiB per GPU" in result.stdout
     assert "optimizer 42.7 GiB x 1 stepped on the host" in result.stdout  # 40.5 expert + 2.2 dense
-    for phase in ("generation", "training", "weight sync"):
+    for phase in ("generation", "training"):
         assert f"phase {phase}: peak " in result.stdout
+    # The sync reads the trainer's bf16 weights 9.6 on the device (gradients and optimizer parked)
+    # beside SGLang's resumed 14.2, plus the 2.6 of sync buffers and the reserve 6.
+    assert "phase weight sync: peak 32.4 GiB per GPU" in result.stdout
     # The save: trainer states 28.9 (bf16 weights 9.6 + fp32 grads 19.2 + the 0.0 optimizer share
     # on the GPU) beside SGLang's weights 14.2 + its remainder 2 + the reserve 6 = 51.1 GiB,
     # above training's 43.1 (its activations, without SGLang's weights).

@@ -6,8 +6,10 @@ A colocated step, in order:
 2. `to_training`: the servers release their KV cache, then their weights; the trainer brings
    its parameters, gradient buffers and optimizer state back (`offload.TrainerOffload`);
 3. the trainer trains;
-4. `sync`: the trainer parks its state; the servers resume their weights' memory; the new
-   weights arrive by tensor handles; the servers resume their KV cache, ready to generate.
+4. `sync`: the trainer parks its gradients and optimizer state; the servers resume their
+   weights' memory; the new weights arrive by tensor handles, read from the trainer's parameters
+   on the device; the trainer parks its parameters; the servers resume their KV cache, ready to
+   generate (verl's and slime's order: sync, then offload the parameters).
 
 A disaggregated run has the same calls, with nothing released or parked.
 """
@@ -83,18 +85,20 @@ class Colocated(Placement):
         return {"colocate/release_s": t1 - t0, "colocate/onload_s": time.perf_counter() - t1}
 
     def sync(self, client, send: Callable[[], T]) -> tuple[T, dict[str, float]]:
-        """Park the trainer's state, resume the servers' weights, send them, resume the KV cache."""
+        """Park all but the weights; servers resume theirs; send; park the weights; servers get KV cache."""
         t0 = time.perf_counter()
-        moved = self.offload.offload()
+        moved = self.offload.offload(keep_weights=True)  # the sync reads the parameters
         t1 = time.perf_counter()
         on_rank0(lambda: client.resume_memory_occupation([WEIGHTS]))
         result = send()
         t2 = time.perf_counter()
+        moved += self.offload.offload()
+        t3 = time.perf_counter()
         on_rank0(lambda: client.resume_memory_occupation([KV_CACHE]))
         timings = {
-            "colocate/offload_s": t1 - t0,
+            "colocate/offload_s": (t1 - t0) + (t3 - t2),
             "colocate/offload_bytes": float(moved),
-            "colocate/resume_s": time.perf_counter() - t2,
+            "colocate/resume_s": time.perf_counter() - t3,
         }
         return result, timings
 

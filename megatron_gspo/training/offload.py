@@ -37,6 +37,16 @@ def trainer_state_tensors(ddp_model: torch.nn.Module, optimizer=None) -> list[to
     return tensors
 
 
+def weight_tensors(ddp_model: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters of a rank's model (and DDP's buffers they are views of): what a weight sync reads."""
+    tensors: list[torch.Tensor] = []
+    for chunk in model_chunks(ddp_model):
+        for buffer in getattr(chunk, "buffers", []) + getattr(chunk, "expert_parallel_buffers", []):
+            tensors += [buffer.param_data] if buffer.param_data is not None else []
+        tensors += list(chunk.parameters())
+    return tensors
+
+
 def _inner_optimizers(optimizer) -> list[torch.optim.Optimizer]:
     """The torch optimizers under megatron's (chained, mixed-precision, distributed) wrappers."""
     if optimizer is None:
@@ -60,14 +70,24 @@ class ParkedStorages:
     """
 
     def __init__(
-        self, tensors: list[torch.Tensor], host: torch.device = HOST, *, include_host: bool = False
+        self,
+        tensors: list[torch.Tensor],
+        host: torch.device = HOST,
+        *,
+        include_host: bool = False,
+        leave: list[torch.Tensor] = (),
     ) -> None:
         self.host = host
+        left = {_storage_key(t.untyped_storage()) for t in leave}
         seen: dict[tuple[str, int], torch.UntypedStorage] = {}
         for tensor in tensors:
             storage = tensor.untyped_storage()
-            if (include_host or storage.device != host) and storage.nbytes():
-                seen.setdefault((str(storage.device), storage.data_ptr()), storage)
+            if (
+                (include_host or storage.device != host)
+                and storage.nbytes()
+                and _storage_key(storage) not in left
+            ):
+                seen.setdefault(_storage_key(storage), storage)
         self._storages = list(seen.values())
         self._nbytes = [storage.nbytes() for storage in self._storages]
         self._parked: list[torch.Tensor] = []
@@ -110,6 +130,10 @@ class ParkedStorages:
         self._parked = []
 
 
+def _storage_key(storage: torch.UntypedStorage) -> tuple[str, int]:
+    return str(storage.device), storage.data_ptr()
+
+
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over the whole storage."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -119,22 +143,41 @@ class TrainerOffload:
     """A rank's training state parked in host memory around generation (`rollout.placement: colocated`).
 
     Built once the optimizer exists (its state tensors are created lazily at its first step, so
-    the set is taken again at each offload).
+    the set is taken again at each offload). The weights can stay behind the rest
+    (`keep_weights`): a weight sync after training reads them, as verl's and slime's hand-overs
+    sync before they offload the parameters.
+
+    Args:
+        include_host: park host storages too (how the tests run the GPU's path on a CPU).
     """
 
-    def __init__(self, ddp_model: torch.nn.Module, optimizer) -> None:
-        self.model, self.optimizer = ddp_model, optimizer
-        self._parked: ParkedStorages | None = None
+    def __init__(self, ddp_model: torch.nn.Module, optimizer, *, include_host: bool = False) -> None:
+        self.model, self.optimizer, self.include_host = ddp_model, optimizer, include_host
+        self._rest: ParkedStorages | None = None
+        self._weights: ParkedStorages | None = None
 
-    def offload(self) -> int:
-        """Move the state to host memory; returns the bytes moved (0 on a CPU-only run)."""
-        if self._parked is None:
-            self._parked = ParkedStorages(trainer_state_tensors(self.model, self.optimizer))
-            self._parked.offload()
-        return self._parked.nbytes
+    def offload(self, *, keep_weights: bool = False) -> int:
+        """Move the state to host memory; returns the bytes moved now (0 on a CPU-only run).
+
+        Args:
+            keep_weights: leave the parameters on the device (a later `offload()` moves them).
+        """
+        moved = 0
+        weights = weight_tensors(self.model)
+        if self._rest is None:
+            state = trainer_state_tensors(self.model, self.optimizer)
+            self._rest = ParkedStorages(state, include_host=self.include_host, leave=weights)
+            self._rest.offload()
+            moved += self._rest.nbytes
+        if not keep_weights and self._weights is None:
+            self._weights = ParkedStorages(weights, include_host=self.include_host)
+            self._weights.offload()
+            moved += self._weights.nbytes
+        return moved
 
     def onload(self) -> None:
         """Bring the state back to the compute device for training."""
-        if self._parked is not None:
-            self._parked.onload()
-            self._parked = None
+        for parked in (self._weights, self._rest):
+            if parked is not None:
+                parked.onload()
+        self._weights = self._rest = None

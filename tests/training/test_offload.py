@@ -102,3 +102,60 @@ def test_a_colocated_checkpoint_frees_the_servers_kv_cache_for_its_duration(trai
             pass
         assert "the servers keep their KV cache" in caplog.text
         assert "MemoryReleased" in generate().text  # not resumed by the save: left as it was
+
+
+@pytest.mark.slow  # one embedded server
+def test_a_colocated_sync_reads_the_weights_on_the_device_then_parks_them(trained, tmp_path):
+    """The GPU's order on the CPU (`include_host` parks host storages too): after training the
+    gradients and optimizer state are parked, the servers resume, the sync reads the parameters
+    where they are, and only then are the parameters parked; the server serves the trainer's
+    weights. (Parking the parameters before the sync leaves it zero-byte storages to read.)
+    `trained` sets up the world of one."""
+    from served import served_logprobs
+
+    from megatron_gspo.config import WeightSyncConfig
+    from megatron_gspo.model.logprobs import sequence_logprobs
+    from megatron_gspo.training.weight_sync import WeightSync
+
+    cfg = tiny(vocab_size=len(build_char_tokenizer()))
+    hf = make_tiny_hf_checkpoint(tmp_path / "hf", cfg, seed=0)
+    model = wrap_ddp(build_model(cfg, ParallelConfig()))  # megatron's own init: not the server's weights
+    optimizer, scheduler = build_optimizer(model, OptimConfig(lr=1e-2))
+    zero_grads(model, optimizer)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    model(tokens[:1], torch.arange(12)[None], None).float().pow(2).mean().backward()
+    assert optimizer_step(model, optimizer, scheduler)[0]
+    offload = TrainerOffload(model, optimizer, include_host=True)
+    placement = Colocated(offload)
+    sync = WeightSync(
+        WeightSyncConfig(method="tensor", bucket_mb=0.01, retries=0),
+        model,
+        cfg,
+        tmp_path / "x",
+        colocated=True,
+    )
+    param, grads = next(model.module.parameters()), model.buffers[0].grad_data
+    with (
+        launch_embedded_server(hf, enable_memory_saver=True, kv_pool_mb=1) as server,
+        SGLangClient([server.url]) as client,
+    ):
+        ours = sequence_logprobs(model, list(tokens))[0][:, 1:].double()
+        assert (served_logprobs(client, tokens) - ours).abs().max() > 1e-2  # the check below can fail
+        placement.start(client)
+        placement.to_training(client)
+        seen = {}
+
+        def send():
+            seen["bytes"] = param.untyped_storage().nbytes(), grads.untyped_storage().nbytes()
+            return sync.sync(client, 1)
+
+        _, timings = placement.sync(client, send)
+        assert seen["bytes"][0] > 0 and seen["bytes"][1] == 0  # read on the device; the rest parked
+        assert param.untyped_storage().nbytes() == 0  # parked once sent
+        parked = sum(
+            s.nbytes() for s in {t.untyped_storage() for t in trainer_state_tensors(model, optimizer)}
+        )
+        assert parked == 0 and timings["colocate/offload_bytes"] > 0
+        served = served_logprobs(client, tokens)  # the servers resumed their KV cache: generating
+        offload.onload()
+        assert (served - ours).abs().max() < 1e-5
