@@ -1,7 +1,10 @@
 """`plan --placement colocated`: per-GPU peaks of each phase when trainer and SGLang share the GPUs.
 
-Phases of a colocated step (`training/colocation.py`), each one's peak per GPU:
+Phases of a colocated run (`training/colocation.py`), each one's peak per GPU:
 
+- start-up: the servers, launched first, hold their weights and KV cache (SGLang's static pool)
+  while the trainer builds its full model states, runs the cold start's SFT (its activations)
+  and the start-up weight sync (its buffers), before its first hand-over parks them + the reserve;
 - generation: SGLang's weights (the whole model over `rollout.server_tensor_parallel` ranks)
   + its KV cache + what the trainer keeps resident (nothing: its parameters, gradient buffers
   and optimizer state are parked in host memory) + the reserve;
@@ -61,7 +64,9 @@ def colocated_plan(args, cfg, model, states, activation_bytes: int, sender_bytes
     server_weights = model.num_parameters * dtype_size // cfg.rollout.server_tensor_parallel
     kv, remainder, reserve = args.kv_cache_gb * GIB, args.server_remainder_gb * GIB, args.reserve_gb * GIB
     trainer = trainer_state_bytes(states, cfg.optim)
+    cold_start = activation_bytes if cfg.sft.steps > 0 else 0
     phases = {
+        "start-up": server_weights + kv + trainer + max(cold_start, sender_bytes) + reserve,
         "generation": server_weights + kv + reserve,
         "training": trainer + activation_bytes + remainder + reserve,
         "weight sync": server_weights + states.weight_bytes + sender_bytes + reserve,
@@ -94,6 +99,7 @@ def colocated_plan(args, cfg, model, states, activation_bytes: int, sender_bytes
         print(f"colocated fits: the {phase} phase decides ({-over / GIB:.1f} GiB to spare)")
         return 0
     levers = {
+        "start-up": "lower --kv-cache-gb",
         "generation": "lower --kv-cache-gb",
         "training": "lower trainer.max_tokens_per_micro_batch",
         "weight sync": "lower weight_sync.bucket_mb",

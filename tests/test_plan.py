@@ -553,10 +553,14 @@ def test_colocated_30b_on_one_node_reports_each_phase_and_refuses_what_does_not_
     # on the GPU) beside SGLang's weights 14.2 + its remainder 2 + the reserve 6 = 51.1 GiB,
     # above training's 43.1 (its activations, without SGLang's weights).
     assert "phase checkpoint save: peak 51.1 GiB per GPU" in result.stdout
-    assert "colocated fits: the checkpoint save phase decides" in result.stdout
+    # Start-up: the servers' static pool (weights 14.2 + KV cache 16) is held while the trainer's
+    # states 28.9 are on the GPU for the start-up sync (buffers 2.6; no SFT here) + the reserve 6.
+    assert "phase start-up: peak 67.7 GiB per GPU" in result.stdout
+    assert "colocated fits: the start-up phase decides (11.4 GiB to spare)" in result.stdout
     # SGLang's static pool: (14.2 weights + 16 KV cache) / 79.1 GiB = 0.38 of the GPU
     assert "SGLang: --mem-fraction-static 0.38 holds these weights and a 16 GiB KV cache" in result.stdout
     no_offload = ["optim.optimizer_cpu_offload=false", "optim.overlap_cpu_optimizer_d2h_h2d=false"]
     refused = plan(*args, "--world-size", "8", *no_offload)
     assert refused.returncode == 1
-    assert "DOES NOT FIT (colocated, checkpoint save phase)" in refused.stdout
+    assert "DOES NOT FIT (colocated, start-up phase)" in refused.stdout
+    assert "phase checkpoint save: peak 93.7 GiB per GPU" in refused.stdout  # refused by it too
