@@ -332,6 +332,9 @@ def test_update_weights_from_tensor_loads_the_tensors(server, client, checkpoint
     resp, got = _logprobs(client, server, PROMPT)
     assert resp["meta_info"]["weight_version"] == "3"
     assert (got - _ref_logprobs(mixed, resp)).abs().max() < 1e-5
+    r, end = _tensor_update(client, server, partial)  # no weight_version: SGLang keeps the label
+    assert r.json()["success"] and end.json()["success"], r.text
+    assert client.get(f"{server.url}/model_info").json()["weight_version"] == "3"
     bad, end = _tensor_update(client, server, {"model.nope.weight": torch.ones(2)})
     assert bad.status_code == 400 and "model.nope.weight" in bad.json()["message"]
     assert end.json()["success"] is False

@@ -229,7 +229,7 @@ class GenerationEngine:
             copy_into_model(self.model, fused)
             self.memory.after_update()
             self.model_path = str(path)
-            self._bump_version(weight_version)
+            self._set_version(weight_version)
 
     def update_weights_from_tensors(
         self, named_tensors: dict[str, torch.Tensor], weight_version: str | None
@@ -244,14 +244,13 @@ class GenerationEngine:
             self.memory.check_update()
             count = copy_into_model(self.model, named_tensors)
             self.memory.after_update()
-            self._bump_version(weight_version)
+            self._set_version(weight_version)
         return count
 
-    def _bump_version(self, weight_version: str | None) -> None:
+    def _set_version(self, weight_version: str | None) -> None:
+        # As SGLang (`_update_weight_version_if_provided`): an update without one keeps the label.
         if weight_version is not None:
             self.weight_version = str(weight_version)
-        elif self.weight_version.isdigit():
-            self.weight_version = str(int(self.weight_version) + 1)
 
     def release_memory(self, tags: tuple[str, ...]) -> None:
         """Free the memory regions `tags` (`memory.MemoryOccupation.release`), between batches."""
