@@ -186,10 +186,10 @@ class ControlMixin:
     def end_weight_update(
         self, *, abort: bool = False, timeout_s: float | None = None
     ) -> list[dict[str, Any]]:
-        """Close every server's session (the embedded server applies its staged tensors here).
+        """Close every server's session.
 
-        ``abort=True`` after a failed sync: the embedded server discards what it staged (real
-        SGLang ignores the field and keeps the buckets it already loaded). `timeout_s` bounds the
+        ``abort=True`` after a failed sync says so; SGLang ignores the field (and so does the
+        embedded server): the buckets loaded stay loaded until a retry. `timeout_s` bounds the
         wait for each answer (a server still held in a broadcast answers only when it ends).
         """
         body = {"abort": True} if abort else {}

@@ -26,6 +26,8 @@ from collections.abc import Iterator, Sequence
 import httpx
 
 ROUTER_MODULE = "sglang_router.launch_router"
+PORT_ATTEMPTS = 3
+ADDRESS_IN_USE = "Address already in use"
 
 
 def router_available() -> str | None:
@@ -89,7 +91,25 @@ def launch_router(
     Raises:
         RuntimeError: the router exited or did not list the workers in time (with its log).
     """
-    port = port or _free_port()
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        router = _start_router(worker_urls, host, port or _free_port(), policy, extra_args)
+        try:
+            _wait_for_workers(router, len(worker_urls), timeout)
+            break
+        except RuntimeError as err:
+            router.stop()
+            # A port found free can be taken before the router binds it (another process's
+            # ephemeral port): the ports chosen here (never the caller's) are chosen again.
+            ours = port is None or "Prometheus" in str(err)
+            if ADDRESS_IN_USE not in str(err) or not ours or attempt == PORT_ATTEMPTS:
+                raise
+    try:
+        yield router
+    finally:
+        router.stop()
+
+
+def _start_router(worker_urls, host: str, port: int, policy: str, extra_args) -> RouterProcess:
     cmd = [sys.executable, "-m", "megatron_gspo.rollout.parent_watch", "--parent-pid", str(os.getpid())]
     if threading.current_thread() is threading.main_thread():
         cmd.append("--death-signal")
@@ -101,12 +121,7 @@ def launch_router(
     )
     output: collections.deque = collections.deque(maxlen=200)
     threading.Thread(target=lambda: output.extend(process.stdout), name="router-output", daemon=True).start()
-    router = RouterProcess(process, f"http://{host}:{port}", output)
-    try:
-        _wait_for_workers(router, len(worker_urls), timeout)
-        yield router
-    finally:
-        router.stop()
+    return RouterProcess(process, f"http://{host}:{port}", output)
 
 
 def _wait_for_workers(router: RouterProcess, count: int, timeout: float) -> None:

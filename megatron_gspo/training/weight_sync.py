@@ -26,9 +26,10 @@ buckets and `sync/bytes` carry FP8.
 Rollouts are synchronous (generation has finished before training starts), so nothing is
 generating during a sync and no pause is needed. A failed sync (a server refusing a bucket,
 dying, or timing out) is retried from scratch `retries` times, with a fresh group for the
-distributed method; the embedded server applies a session all-or-nothing, so a failed attempt
-leaves the old weights and `weight_version` serving. The last failure is raised on every rank
-as `WeightSyncFailed`, naming the server and the bucket.
+distributed method. A failed attempt leaves the servers with the buckets they loaded before it
+(SGLang loads each as it arrives, and so does the embedded server) under the old
+`weight_version`, which rides on the last bucket; a retry sends every bucket again. The last
+failure is raised on every rank as `WeightSyncFailed`, naming the server and the bucket.
 
 Behind SGLang's router the servers are the workers it lists, read again before a group is
 joined (a group is rebuilt when they changed). A failed attempt first removes the workers
@@ -213,7 +214,7 @@ class WeightSync:
                     opening.result()  # a session ends only after its begin was answered
                 # Even after a refused begin: SGLang refuses one while a session is open, as a
                 # sender that died mid-sync leaves it, so the retry finds none. The embedded
-                # server discards what it staged.
+                # server, as SGLang, keeps what it loaded (the retry overwrites it).
                 with contextlib.suppress(Exception):
                     client.end_weight_update(abort=True, timeout_s=self.cfg.release_timeout_s)
                 raise

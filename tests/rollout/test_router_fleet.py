@@ -9,6 +9,7 @@ below rollout.min_workers).
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -154,3 +155,21 @@ def test_train_three_steps_behind_the_router(checkpoint, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert versions == ["3", "3"]  # every worker at the final version
     assert rows[-1]["fleet/workers"] == 2 and rows[-1]["fleet/removed"] == 0
+
+
+def test_a_port_taken_before_the_router_binds_it_is_chosen_again(monkeypatch):
+    """A port found free can be taken before the router binds it (CI once lost a run to its
+    Prometheus port so): the ports chosen by `launch_router` are chosen again, the caller's never."""
+    from megatron_gspo.rollout import router_launch
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        real = router_launch._free_port
+        chosen = iter([real(), taken])  # the router's port, then its Prometheus port: taken
+        monkeypatch.setattr(router_launch, "_free_port", lambda: next(chosen, None) or real())
+        with launch_router([]) as router:
+            assert httpx.get(f"{router.url}/workers", timeout=10).status_code == 200
+        with pytest.raises(RuntimeError, match="Address already in use"), launch_router([], port=taken):
+            pass

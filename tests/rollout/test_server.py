@@ -337,8 +337,8 @@ def test_update_weights_from_tensor_loads_the_tensors(server, client, checkpoint
     assert client.get(f"{server.url}/model_info").json()["weight_version"] == "3"
     bad, end = _tensor_update(client, server, {"model.nope.weight": torch.ones(2)})
     assert bad.status_code == 400 and "model.nope.weight" in bad.json()["message"]
-    assert end.json()["success"] is False
-    resp, got = _logprobs(client, server, PROMPT)  # all-or-nothing: still the mixed model
+    assert end.json()["success"]  # SGLang's end closes the session whatever its buckets did
+    resp, got = _logprobs(client, server, PROMPT)  # the refused bucket loaded nothing: the mixed model
     assert (got - _ref_logprobs(mixed, resp)).abs().max() < 1e-5
 
 

@@ -115,7 +115,9 @@ def make_sync(model, export_dir, **overrides) -> WeightSync:
     return WeightSync(cfg, model, CFG, export_dir)
 
 
-def test_failed_bucket_leaves_old_weights_and_version_then_retry_succeeds(setup):
+def test_failed_bucket_leaves_a_partial_update_under_the_old_version_then_retry_succeeds(setup):
+    """As SGLang: the buckets before a failed one are loaded (SGLang: "partially updated"), the
+    version keeps its old label; the retry sends every bucket and serves the trainer's weights."""
     model, client, proxy, _, export_dir = setup
     perturb(model, 1.1)
     old, old_version = served_logprobs(client, TOKENS), served_version(client)
@@ -127,8 +129,9 @@ def test_failed_bucket_leaves_old_weights_and_version_then_retry_succeeds(setup)
         sync.sync(client, 7)
     message = str(err.value)
     assert "bucket 2" in message and proxy.url in message and "injected fault" in message
-    assert served_version(client) == old_version  # buckets 0-1 arrived, none was applied
-    assert torch.equal(served_logprobs(client, TOKENS), old)
+    assert served_version(client) == old_version  # the version rides on the last bucket
+    partial = served_logprobs(client, TOKENS)  # buckets 0-1 loaded, the rest old: neither model
+    assert (partial - old).abs().max() > 1e-3 and (partial - trainer_logprobs(model)).abs().max() > 1e-3
 
     sync = make_sync(model, export_dir, retries=1)
     proxy.fail_once("/update_weights_from_distributed", at=2)

@@ -24,7 +24,7 @@ What it implements, and how it differs from SGLang:
 - POST /init_weights_update_group, /begin_weight_update, /update_weights_from_distributed
   (plain or `flattened_bucket`), /end_weight_update, /destroy_weights_update_group: SGLang's
   distributed update for real, over torch.distributed (gloo on CPU), one rank per server;
-  a session is applied all-or-nothing at its end (`weight_receiver.py`).
+  each bucket loaded as it arrives, as SGLang (`weight_receiver.py`).
 - POST /pause_generation (SGLang's modes: `abort` returns running requests with what they
   generated; `in_place` / `retract` halt them at a step boundary, KV cache kept / recomputed,
   while weight updates run), /continue_generation, /abort_request (by `rid`, or `abort_all`),
@@ -57,8 +57,8 @@ What it guarantees (tests/rollout/test_server_robustness.py):
   booleans must be JSON booleans, integers int64 within the field's range, numbers finite
   (NaN / Infinity refused), `rid` a string or one string per row, `text` encodable; the 400
   names the field (`sampling_params[1].temperature`, `rid[2]`, ...).
-- A weight update holding NaN/inf is refused naming the tensor; the old weights and
-  `weight_version` keep serving.
+- A weight update holding NaN/inf is refused naming the tensor (its bucket is not loaded;
+  `weight_version` keeps its label).
 - GET /health_generate answers within seconds: 503 while generation is paused (SGLang's
   status when it cannot generate), or when no token came within 20 s.
 - HTTP is aiohttp (`http_app`) with a listen backlog of 4096; endpoint calls run in

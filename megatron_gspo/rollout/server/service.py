@@ -207,8 +207,8 @@ class RolloutService:
         refuses entries whose tensors differ from rank 0's (SGLang's ranks would load different
         weights, silently); `load_format` None or `flattened_bucket`; refused outside a begin/end
         weight-update session with SGLang's message. The tensors are copied out of the sender's
-        memory (shared memory on CPU, CUDA IPC on GPU) and staged; the session's end applies them
-        all at once.
+        memory (shared memory on CPU, CUDA IPC on GPU) and loaded at once, as SGLang loads each
+        request's tensors.
         """
         try:
             body = check_object(body)
@@ -246,8 +246,8 @@ class RolloutService:
                 for entry in entries[: self.tp_size]
             ]  # fmt: skip
             _refuse_ranks_apart(opened)
-            count = self.receiver.stage(opened[0], version)
-        except Exception as exc:  # noqa: BLE001 - reported to the caller, old weights kept
+            count = self.receiver.load(opened[0], version)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller; this request loaded nothing
             return _failure(f"Failed to update weights from tensors: {exc}")
         return _success(f"Succeeded to update {count} tensors.")
 
@@ -289,11 +289,11 @@ class RolloutService:
         )
 
     def begin_weight_update(self, body: Any) -> tuple[int, Any]:
-        """POST /begin_weight_update: open a session (updates are staged until its end)."""
+        """POST /begin_weight_update: open a session (each update inside it loads as it arrives)."""
         return self._protocol_step(self.receiver.begin, "Success")
 
     def end_weight_update(self, body: Any) -> tuple[int, Any]:
-        """POST /end_weight_update: apply the session's staged tensors all at once (`abort`: discard)."""
+        """POST /end_weight_update: close the session (`abort` changes nothing, as SGLang ignores it)."""
         try:
             abort = check_bool(check_object(body).get("abort"), "abort", False)
         except RequestError as exc:
@@ -327,7 +327,7 @@ class RolloutService:
     def _protocol_step(self, step, message: str) -> tuple[int, Any]:
         try:
             step()
-        except Exception as exc:  # noqa: BLE001 - reported to the caller; the old weights keep serving
+        except Exception as exc:  # noqa: BLE001 - reported to the caller; that step loaded nothing
             logger.warning("weight-update protocol step failed: %s", exc)
             return _failure(str(exc) if isinstance(exc, WeightSyncError) else f"{type(exc).__name__}: {exc}")
         return _success(message)

@@ -1,4 +1,4 @@
-"""The embedded server's side of SGLang's distributed weight update, all-or-nothing.
+"""The embedded server's side of SGLang's distributed weight update: bucket by bucket, as SGLang.
 
 SGLang (0.5.23) protocol, one sync:
   /init_weights_update_group (once)  -> join the group with the trainer's sender (rank 0);
@@ -7,15 +7,15 @@ SGLang (0.5.23) protocol, one sync:
                                         flattened byte tensor with `load_format:
                                         flattened_bucket`, else one broadcast per tensor);
   /end_weight_update                 -> close the session.
-SGLang loads each bucket into the live weights as it arrives. This server stages the buckets
-and swaps them in at `end_weight_update` in one step under the engine's lock, so a failed
-bucket (bad name or shape, NaN/inf, a broken group) leaves the old weights and the old
-`weight_version` serving; the session is then marked failed and `end_weight_update` reports
-it and discards the staged tensors. A sender that failed on its side (a bucket lost on the
-way) ends the session with `{"abort": true}` (an extension; SGLang ignores the field and keeps
-what it loaded until the retry overwrites it). Staging costs one extra copy of the updated tensors.
-Blockwise FP8 weights (`X.weight` float8_e4m3fn with `X.weight_scale_inv`, `model/fp8.py`) are
-staged dequantised: the engine computes with the FP8 values, as an FP8 SGLang server does.
+SGLang loads each bucket into the live weights as it arrives, and so does this server. A bucket
+that fails (bad name or shape, NaN/inf, released memory, a broken group) is refused whole; the
+buckets before it stay loaded, as SGLang leaves them ("the full weights of the ModelRunner are
+partially updated"), and `weight_version` (carried by the last bucket) keeps its old label: a
+failed sync leaves mixed weights under the old version until a retry sends every bucket again.
+`/end_weight_update` closes the session; its `{"abort": true}` (an extension this project's
+sender adds after a failure) changes nothing, as SGLang ignores the field. Blockwise FP8 weights
+(`X.weight` float8_e4m3fn with `X.weight_scale_inv`, `model/fp8.py`) are loaded dequantised once
+both halves have arrived: the engine computes with the FP8 values, as an FP8 SGLang server does.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.model.fp8 import dequantize_named
-from megatron_gspo.model.hf_checkpoint import check_finite, check_fits_model
+from megatron_gspo.model.hf_checkpoint import check_fits_model
 from megatron_gspo.model.hf_stream import flat_nbytes, tensor_dtype, unflatten_bucket
 from megatron_gspo.rollout.server.engine import GenerationEngine
 from megatron_gspo.rollout.server.memory import MemoryOccupationError
@@ -43,16 +43,15 @@ class WeightSyncError(ValueError):
 
 @dataclass
 class _Session:
-    staged: dict[str, torch.Tensor] = field(default_factory=dict)
     buckets: int = 0
-    weight_version: str | None = None
-    failure: str | None = None
+    loaded: int = 0
+    """Tensors loaded so far (the buckets before a failed one stay loaded)."""
     fp8_pending: dict[str, torch.Tensor] = field(default_factory=dict)
     """FP8 weights or scales whose partner is in a later bucket."""
 
 
 class WeightReceiver:
-    """Weight-update groups and the staging session of one embedded server (one rank)."""
+    """Weight-update groups and the update session of one embedded server (one rank)."""
 
     def __init__(self, engine: GenerationEngine, *, timeout_s: float = 600.0):
         self.engine = engine
@@ -120,10 +119,10 @@ class WeightReceiver:
         load_format: str | None,
         weight_version: str | None,
     ) -> int:
-        """Receive one bucket from rank 0 of `group_name` and stage it; returns its tensor count.
+        """Receive one bucket from rank 0 of `group_name` and load it; returns its tensor count.
 
-        The broadcast is always received once the request is well-formed, even when the
-        session already failed, so the sender never waits on this server.
+        The broadcast is always received once the request is well-formed, even when the bucket
+        is then refused, so the sender never waits on this server.
         """
         with self._lock:
             group = self._groups.get(group_name)
@@ -142,65 +141,52 @@ class WeightReceiver:
                 )
             session = self._session
             received = self._broadcast_in(group, names, dtypes, shapes, load_format)
-            return self._stage(session, received, weight_version)
+            return self._load(session, received, weight_version)
 
     @property
     def session_open(self) -> bool:
-        """Whether updates are being staged (between begin and end)."""
+        """Whether a weight-update session is open (between begin and end)."""
         return self._session is not None
 
-    def stage(self, named: dict[str, torch.Tensor], weight_version: str | None) -> int:
-        """Stage tensors that arrived another way (`/update_weights_from_tensor` inside a session)."""
+    def load(self, named: dict[str, torch.Tensor], weight_version: str | None) -> int:
+        """Load tensors that arrived another way (`/update_weights_from_tensor` inside a session)."""
         with self._lock:
-            return self._stage(self._session, named, weight_version)
+            return self._load(self._session, named, weight_version)
 
-    def _stage(self, session: _Session | None, received: dict[str, torch.Tensor], weight_version) -> int:
+    def _load(self, session: _Session | None, received: dict[str, torch.Tensor], weight_version) -> int:
         if session is None:
             raise WeightSyncError(
                 "update_weights_from_distributed must run between begin_weight_update and end_weight_update"
             )
         session.buckets += 1
-        if session.failure is None:
-            try:
-                received = dequantize_named(received, session.fp8_pending)
-                check_finite(received, "weight update")
-                self.engine.memory.check_update()
-                check_fits_model(self.engine.model, received)
-            except (KeyError, ValueError, MemoryOccupationError) as exc:
-                session.failure = f"bucket {session.buckets}: {exc}"
-                session.staged.clear()
-        if session.failure is not None:
-            raise WeightSyncError(f"weight update failed at {session.failure}; nothing will be applied")
-        session.staged.update(received)
-        if weight_version is not None:
-            session.weight_version = str(weight_version)
-        return len(received)
+        try:
+            received = dequantize_named(received, session.fp8_pending)
+            check_fits_model(self.engine.model, received)
+            count = self.engine.update_weights_from_tensors(received, weight_version)
+        except (KeyError, ValueError, MemoryOccupationError) as exc:
+            raise WeightSyncError(
+                f"weight update failed at bucket {session.buckets}: {exc}; the {session.loaded} tensor(s) "
+                f"of the buckets before it are loaded, version {self.engine.weight_version} still labels "
+                "them (as SGLang: partially updated weights until a full update)"
+            ) from None
+        session.loaded += count
+        return count
 
     def end(self, *, abort: bool = False) -> int:
-        """Close the session: swap the staged tensors in, all at once.
+        """Close the session; returns the tensors it loaded.
 
-        The staged tensors are discarded instead when the sender says the sync failed
-        (`abort`) or a bucket failed here.
+        `abort` changes nothing (SGLang ignores the field): what was loaded stays loaded.
         """
         with self._lock:
             session, self._session = self._session, None
             if session is None:
                 raise WeightSyncError("no weight-update session is open; call begin_weight_update first")
-            if abort:
-                return 0
-            if session.failure is not None:
+            if session.fp8_pending and not abort:
                 raise WeightSyncError(
-                    f"weight update failed at {session.failure}; the previous weights "
-                    f"(version {self.engine.weight_version}) keep serving"
+                    f"weight update incomplete: FP8 tensors without their weight or scale were not "
+                    f"loaded: {sorted(session.fp8_pending)[:3]}"
                 )
-            if session.fp8_pending:
-                raise WeightSyncError(
-                    f"weight update failed: FP8 tensors without their weight or scale: "
-                    f"{sorted(session.fp8_pending)[:3]}; the previous weights keep serving"
-                )
-            if not session.staged:
-                return 0
-            return self.engine.update_weights_from_tensors(session.staged, session.weight_version)
+            return session.loaded
 
     def _broadcast_in(
         self,
