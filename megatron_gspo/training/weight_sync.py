@@ -263,15 +263,7 @@ class WeightSync:
                 ]
                 for tp_size in tp_sizes
             ]
-            _at_bucket(
-                bucket,
-                lambda b=bucket, p=per_server: client.update_weights_from_tensor(
-                    p,
-                    load_format=tensor_handles.FLATTENED_BUCKET,
-                    flush_cache=False,
-                    weight_version=version if b.last else None,
-                ),
-            )
+            _post_handles(client, bucket, per_server, version)
             stats.add(bucket)
             del flat, per_server  # answered: the servers hold their own copies now
         return stats
@@ -304,7 +296,7 @@ class WeightSync:
                 except Exception as err:  # noqa: BLE001 - every rank learns it from rank 0, below
                     own = (None, f"{type(err).__name__}: {err}")
                 entries = control_plane.all_gather_objects(own)
-                control_plane.on_rank0(self._post_handles, client, bucket, entries, sources, version)
+                control_plane.on_rank0(_post_own_devices, client, bucket, entries, sources, version)
                 stats.add(bucket)
                 del flat  # answered: the servers hold their own copies now
         except BaseException:
@@ -316,34 +308,6 @@ class WeightSync:
         control_plane.on_rank0(lambda: _step("end_weight_update", client.end_weight_update))
         stats.cache_flushed = control_plane.on_rank0(_flush_cache, client)
         return stats
-
-    @staticmethod
-    def _post_handles(
-        client: SGLangClient,
-        bucket: Bucket,
-        entries: list[tuple[str | None, str | None]],
-        sources: list[list[int]],
-        version: int,
-    ) -> None:
-        """Rank 0: post each server the entries of the trainer ranks on its GPUs (one per TP rank).
-
-        `entries`: each rank's (entry, None), or (None, why) where it could not make its copy.
-        """
-        for rank, (_, error) in enumerate(entries):
-            if error is not None:
-                raise WeightSyncFailed(
-                    f"bucket {bucket.index}: rank {rank} could not hand over its copy: {error}"
-                )
-        per_server = [[entries[rank][0] for rank in ranks] for ranks in sources]
-        _at_bucket(
-            bucket,
-            lambda: client.update_weights_from_tensor(
-                per_server,
-                load_format=tensor_handles.FLATTENED_BUCKET,
-                flush_cache=False,
-                weight_version=version if bucket.last else None,
-            ),
-        )
 
     def _send_distributed(self, client: SGLangClient, buckets: Iterator[Bucket], version: int) -> SyncStats:
         """Send bucket by bucket; each is answered before the next request goes out.
@@ -534,6 +498,38 @@ def _readmit(client: SGLangClient) -> dict[str, float]:
         return {}
     client.readmit_workers()
     return client.fleet.metrics()
+
+
+def _post_own_devices(
+    client: SGLangClient,
+    bucket: Bucket,
+    entries: list[tuple[str | None, str | None]],
+    sources: list[list[int]],
+    version: int,
+) -> None:
+    """Rank 0: post each server the entries of the trainer ranks on its GPUs (one per TP rank).
+
+    `entries`: each rank's (entry, None), or (None, why) where it could not make its copy.
+    """
+    for rank, (_, error) in enumerate(entries):
+        if error is not None:
+            raise WeightSyncFailed(
+                f"bucket {bucket.index}: rank {rank} could not hand over its copy: {error}"
+            )
+    _post_handles(client, bucket, [[entries[rank][0] for rank in ranks] for ranks in sources], version)
+
+
+def _post_handles(client: SGLangClient, bucket: Bucket, per_server: list[list[str]], version: int) -> None:
+    """One `/update_weights_from_tensor` per server: its entries, one per TP rank (version on the last)."""
+    _at_bucket(
+        bucket,
+        lambda: client.update_weights_from_tensor(
+            per_server,
+            load_format=tensor_handles.FLATTENED_BUCKET,
+            flush_cache=False,
+            weight_version=version if bucket.last else None,
+        ),
+    )
 
 
 def _at_bucket(bucket: Bucket, send) -> None:
