@@ -55,7 +55,9 @@ def relaunch(nproc: int) -> int:
             skip = True
             continue
         argv.append(arg)
-    torchrun_args = ["--standalone", f"--nproc_per_node={nproc}", "-m", "megatron_gspo.cli", *argv]
+    from megatron_gspo.training import torchrun
+
+    torchrun_args = [*torchrun.forked_workers(nproc), torchrun.WORKER_CLI, *argv]
     with tempfile.TemporaryDirectory(prefix="megatron-gspo-launch-") as tmp:
         error_file = os.path.join(tmp, "user_error")
         env = {

@@ -3,11 +3,11 @@
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from forked_torchrun import torchrun
 
 from megatron_gspo.config import load_config
 from megatron_gspo.model.aux_loss import aux_loss_scale, set_aux_loss_scale
@@ -88,8 +88,7 @@ def test_pipeline_backward_applies_each_micro_batch_its_own_weight(tmp_path, vir
     copies of the last real one: their aux-loss gradient must be zero, or the weighted run and the
     runs alone (3 fillers each) stop adding up."""
     worker = Path(__file__).with_name("pp_aux_loss_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
-    cmd += ["--out", str(tmp_path / "aux")]
+    cmd = [*torchrun(2, worker), "--out", str(tmp_path / "aux")]
     if virtual_pipeline:
         cmd += ["--virtual-pipeline", str(virtual_pipeline)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

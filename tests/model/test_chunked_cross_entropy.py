@@ -3,11 +3,11 @@
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from forked_torchrun import torchrun
 from memory_meter import PeakMemory, linux_only
 
 from megatron_gspo.model import chunked_cross_entropy as chunked
@@ -63,9 +63,8 @@ def test_chunks_hold_an_eighth_of_the_logits_above_a_floor():
 
 @pytest.mark.multiprocess
 def test_tp2_equals_megatrons_cross_entropy_and_the_full_vocabulary(tmp_path):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     proc = subprocess.run(
-        [*launcher, str(WORKER), "--out", str(tmp_path / "result")],
+        [*torchrun(2, WORKER), "--out", str(tmp_path / "result")],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from forked_torchrun import torchrun
 
 from megatron_gspo.model.context_parallel import ContextParallelError, partition_index, restore_order
 from megatron_gspo.model.packing import pack_sequences
@@ -97,12 +98,10 @@ def test_gathered_log_probs_restore_the_row_and_send_back_each_ranks_own_gradien
     import json
     import os
     import subprocess
-    import sys
     from pathlib import Path
 
     worker = Path(__file__).with_name("cp_gather_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(worker), f"--result={tmp_path}"]  # fmt: skip
+    cmd = [*torchrun(2, worker), f"--result={tmp_path}"]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1,11 +1,11 @@
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from convert_worker import CASES, make_checkpoint
+from forked_torchrun import torchrun
 
 WORKER = Path(__file__).with_name("convert_worker.py")
 
@@ -17,12 +17,7 @@ def test_tp2_ep2_load_matches_transformers_and_export_is_bit_identical(tmp_path)
         make_checkpoint(tmp_path / case, cfg, seed=4)
     result = tmp_path / "result.json"
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=4",
-        str(WORKER),
+        *torchrun(4, WORKER),
         "--tp=2",
         "--ep=2",
         f"--work={tmp_path}",

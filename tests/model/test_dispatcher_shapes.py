@@ -3,17 +3,17 @@
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from forked_torchrun import torchrun
 
 WORKER = Path(__file__).with_name("dispatcher_shape_worker.py")
 
 
 @pytest.mark.multiprocess
 def test_alltoall_keeps_each_ranks_shape_and_allgather_pads_to_the_largest():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER)]
+    cmd = torchrun(2, WORKER)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -4,10 +4,10 @@ under torchrun a NaN on one rank (dense or expert buffer, DP2 and EP2) refuses t
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from forked_torchrun import torchrun
 
 from megatron_gspo.model.optim import grads_are_finite, wrap_ddp
 
@@ -40,10 +40,9 @@ def test_grads_are_finite_flags_exactly_the_non_finite_values(ddp_model, fill, v
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("ep", [1, 2], ids=["dp2", "ep2"])
 def test_a_nan_on_one_rank_refuses_the_step_on_every_rank(tmp_path, ep):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     worker = Path(__file__).with_name("grads_finite_worker.py")
     done = subprocess.run(
-        [*launcher, str(worker), "--out", str(tmp_path / "r"), "--ep", str(ep)],
+        [*torchrun(2, worker), "--out", str(tmp_path / "r"), "--ep", str(ep)],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,

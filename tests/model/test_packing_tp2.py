@@ -3,10 +3,10 @@
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from forked_torchrun import torchrun
 
 WORKER = Path(__file__).with_name("packing_worker.py")
 
@@ -14,9 +14,8 @@ WORKER = Path(__file__).with_name("packing_worker.py")
 @pytest.mark.multiprocess
 def test_tp2_sequence_parallel_packing_equals_one_sample_per_row(tmp_path):
     out = tmp_path / "result"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     proc = subprocess.run(
-        [*launcher, str(WORKER), "--out", str(out)],
+        [*torchrun(2, WORKER), "--out", str(out)],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from forked_torchrun import torchrun
 
 from megatron_gspo.analysis.parity import BF16_FACTOR, BF16_GRAD_NORM_REL, BF16_WEIGHT_MEAN
 
@@ -132,8 +133,7 @@ def test_bf16_layout_matches_world_one_within_bf16_rounding(layout):
 
 def test_fp32_gradients_catch_a_sharding_bug():
     """The fp32 check compares a linear Adam step (the gradients): a swapped expert still fails it."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [str(BUG_WORKER), "expert_swap", "--tp", "1", "--ep", "2"]
+    cmd = [*torchrun(2, BUG_WORKER), "expert_swap", "--tp", "1", "--ep", "2"]
     result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode != 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert (
@@ -147,8 +147,7 @@ def test_fp32_gradients_catch_a_sharding_bug():
     [("expert_swap", ("--tp", "1", "--ep", "2")), ("tp_slice_swap", ("--tp", "2", "--ep", "1"))],
 )
 def test_bf16_bound_catches_a_sharding_bug(bug, layout):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [str(BUG_WORKER), bug, *layout, "--dtype", "bf16"]
+    cmd = [*torchrun(2, BUG_WORKER), bug, *layout, "--dtype", "bf16"]
     result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode != 0 and "FAIL" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
     f = bf16_figures(result.stdout)
@@ -158,8 +157,7 @@ def test_bf16_bound_catches_a_sharding_bug(bug, layout):
 def test_bf16_bound_catches_an_unscaled_data_parallel_loss():
     """EP2 runs two data-parallel ranks: without the DP loss factor the gradients are halved. The
     first Adam step is invariant to the scale, so only the grad-norm bound can catch it."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [str(BUG_WORKER), "unscaled_dp_loss", "--tp", "1", "--ep", "2", "--dtype", "bf16"]
+    cmd = [*torchrun(2, BUG_WORKER), "unscaled_dp_loss", "--tp", "1", "--ep", "2", "--dtype", "bf16"]
     result = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode != 0 and "FAIL" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
     f = bf16_figures(result.stdout)

@@ -10,10 +10,10 @@ forward of the next micro-batch before each backward.
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from forked_torchrun import torchrun
 
 pytestmark = pytest.mark.multiprocess
 
@@ -23,9 +23,8 @@ WORKER = Path(__file__).with_name("pp_routing_worker.py")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("pp_routing") / "result"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*cmd, str(WORKER), "--out", str(out)], env=env, capture_output=True, text=True)
+    proc = subprocess.run([*torchrun(2, WORKER), "--out", str(out)], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
 

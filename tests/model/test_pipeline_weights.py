@@ -10,11 +10,11 @@ must equal `hf_to_megatron` of it and the export must reproduce it bit for bit.
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from convert_worker import make_checkpoint
+from forked_torchrun import torchrun
 from pp_weights_worker import CASES
 
 WORKER = Path(__file__).with_name("pp_weights_worker.py")
@@ -37,8 +37,7 @@ def test_pipeline_stages_import_export_and_gather_the_global_weights(tmp_path, l
         make_checkpoint(tmp_path / case, cfg, seed=5)
     world = layout.get("tp", 1) * layout["pp"] * layout.get("ep", 1)
     result = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-    cmd += [str(WORKER), f"--work={tmp_path}", f"--result={result}"]
+    cmd = [*torchrun(world, WORKER), f"--work={tmp_path}", f"--result={result}"]
     cmd += [f"--{k}={v}" for k, v in layout.items()]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

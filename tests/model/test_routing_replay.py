@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from forked_torchrun import torchrun
 
 from megatron_gspo.model import config as model_configs
 from megatron_gspo.model.builder import build_model
@@ -22,18 +23,9 @@ WORKER = Path(__file__).with_name("routing_replay_worker.py")
 def run_worker(tmp_path, nproc=1, *args):
     out = tmp_path / "result"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if nproc > 1:
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-        ]
-    else:
-        launcher = [sys.executable]
+    command = torchrun(nproc, WORKER) if nproc > 1 else [sys.executable, str(WORKER)]
     proc = subprocess.run(
-        [*launcher, str(WORKER), "--out", str(out), *args],
+        [*command, "--out", str(out), *args],
         env=env,
         capture_output=True,
         text=True,

@@ -10,10 +10,10 @@ elsewhere (`vpp_routing_worker.py`).
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from forked_torchrun import torchrun
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -21,10 +21,9 @@ WORKER = Path(__file__).with_name("vpp_routing_worker.py")
 
 
 def run_worker(out: Path, *extra: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [*cmd, str(WORKER), "--out", str(out), *extra], env=env, capture_output=True, text=True
+        [*torchrun(2, WORKER), "--out", str(out), *extra], env=env, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]

@@ -9,11 +9,11 @@ export / weight sync must write the real vocabulary only. The checkpoint's vocab
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from forked_torchrun import torchrun
 from test_hf_config import VOCAB, save_hf
 from transformers import AutoModelForCausalLM
 
@@ -101,12 +101,7 @@ def test_vocab_not_divisible_by_tp2_matches_tp1_and_exports_exactly(tmp_path):
     path = save_hf(tmp_path / "ckpt", seed=4)
     result, out = tmp_path / "result.json", tmp_path / "export"
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(WORKER),
+        *torchrun(2, WORKER),
         f"--hf={path}",
         f"--out={out}",
         f"--result={result}",

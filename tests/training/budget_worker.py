@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from rl_update_common import LR, MINI, T, build_policy, rank_plan
-from rl_update_common import make_batch as make_groups
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # torchrun runs this file by path
+
+from rl_update_common import LR, MINI, T, build_policy, rank_plan  # noqa: E402
+from rl_update_common import make_batch as make_groups  # noqa: E402
 
 from megatron_gspo.config import AlgorithmConfig
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed

@@ -3,11 +3,11 @@
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from forked_torchrun import torchrun
 from scatter_worker import LAYOUTS, MINI, make_batch
 
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
@@ -64,8 +64,7 @@ def test_plan_of_a_rank_trains_on_its_rows(world_of_one):
 
 @pytest.mark.multiprocess
 def test_each_rank_receives_exactly_its_rows(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(WORKER), f"--result={tmp_path}"]  # fmt: skip
+    cmd = [*torchrun(4, WORKER), f"--result={tmp_path}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

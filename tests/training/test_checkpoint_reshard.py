@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from forked_torchrun import torchrun
 
 WORKER = Path(__file__).with_name("reshard_worker.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -25,12 +26,8 @@ def _launch(
     first_root=None,
 ):  # fmt: skip
     world = tp * ep * pp
-    prefix = [sys.executable]
-    if world > 1:
-        prefix += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
     cmd = [
-        *prefix,
-        str(WORKER),
+        *(torchrun(world, WORKER) if world > 1 else [sys.executable, str(WORKER)]),
         mode,
         "--root",
         str(root),

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from forked_torchrun import torchrun
 
 from megatron_gspo.checkpoint.meta import read_meta
 from megatron_gspo.checkpoint.steps import latest_step, newest_reshardable_step
@@ -19,10 +20,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _launch(mode, root, out, *, world=1, extra=(), log=None):
-    prefix = [sys.executable]
-    if world > 1:
-        prefix += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-    cmd = [*prefix, str(WORKER), mode, "--root", str(root), "--out", str(out), *extra]
+    command = torchrun(world, WORKER) if world > 1 else [sys.executable, str(WORKER)]
+    cmd = [*command, mode, "--root", str(root), "--out", str(out), *extra]
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     if log is not None:

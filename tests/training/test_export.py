@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from forked_torchrun import torchrun
 from reshard_worker import VOCAB, fixed_batch
 
 from megatron_gspo.checkpoint.source import hf_checkpoint_dir
@@ -46,8 +47,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def checkpoint(tmp_path_factory):
     """A checkpoint saved by a TP2 x EP2 run (4 workers) and the global weights it held."""
     tmp = tmp_path_factory.mktemp("tp2ep2")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
-    cmd += [str(HERE / "reshard_worker.py"), "save", "--root", str(tmp / "ckpt"), "--out", str(tmp / "saved")]
+    cmd = [*torchrun(4, HERE / "reshard_worker.py"), "save", "--root", str(tmp / "ckpt")]
+    cmd += ["--out", str(tmp / "saved")]
     done = subprocess.run(
         [*cmd, "--tp", "2", "--ep", "2"], env=ENV, capture_output=True, text=True, timeout=600
     )

@@ -4,10 +4,10 @@
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from forked_torchrun import torchrun
 from kl_worker import ESTIMATORS, KEYS, MODEL, TOKEN_KL_KEYS, run
 
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
@@ -29,9 +29,8 @@ def test_kl_loss_at_tp2_and_ep2_equals_one_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for tp, ep in ((2, 1), (1, 2)):
         result = tmp_path / f"tp{tp}_ep{ep}.json"
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
         args = [f"--hf={hf}", f"--ref={ref}", f"--tp={tp}", f"--ep={ep}", f"--result={result}"]
-        cmd = [*launcher, str(WORKER), *args]
+        cmd = [*torchrun(2, WORKER), *args]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
         got = json.loads(result.read_text())

@@ -4,12 +4,12 @@ the one of strided count-based micro-batches and of the whole batch in a world o
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from budget_worker import make_batch, update, weights
+from forked_torchrun import torchrun
 from rl_update_common import MODEL, build_policy
 
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
@@ -34,8 +34,7 @@ def world_of_one_update(hf):
 @pytest.mark.multiprocess
 def test_token_budget_update_matches_count_and_world_of_one(tmp_path):
     hf = make_tiny_hf_checkpoint(tmp_path / "hf", MODEL, seed=5)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(WORKER), f"--hf={hf}", f"--result={tmp_path}"]  # fmt: skip
+    cmd = [*torchrun(2, WORKER), f"--hf={hf}", f"--result={tmp_path}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

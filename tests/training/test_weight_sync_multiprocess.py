@@ -3,10 +3,10 @@
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from forked_torchrun import torchrun
 
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
@@ -22,7 +22,7 @@ def test_trainer_syncs_into_the_embedded_server_and_only_rank0s_replica_gathers(
     result = tmp_path / "result.json"
     colocated = ["--colocated"] if tp == 2 else []  # one layout: its gathers are the ones shared
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(WORKER),
+        *torchrun(4, WORKER),
         f"--tp={tp}", f"--ep={ep}", f"--checkpoint={checkpoint}", f"--result={result}", *colocated,
     ]  # fmt: skip
     proc = subprocess.run(

@@ -22,10 +22,14 @@ import contextlib
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import torch
-from served import served_logprobs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # torchrun runs this file by path
+
+from served import served_logprobs  # noqa: E402
 
 from megatron_gspo.config import WeightSyncConfig
 from megatron_gspo.model import control_plane
