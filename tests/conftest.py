@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
+from warm_python import WarmServer, python
+
+WARM_SERVER = pytest.StashKey[WarmServer]()
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_TESTS = REPO / "tests" / "gpu"
@@ -54,7 +57,7 @@ def short_run(tmp_path_factory) -> Path:
     run_dir, finished = shared / "short_run" / "run", shared / "short_run" / "finished"
     with FileLock(shared / "short_run.lock"):
         if not finished.is_file():
-            cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", *SHORT_RUN]
+            cmd = [*python(), "-m", "megatron_gspo.cli", "train", *SHORT_RUN]
             cmd.append(f"trainer.run_dir={run_dir}")
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -252,3 +255,13 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
     if os.environ.get("MEGATRON_GSPO_TIMELINE") and not os.environ.get("PYTEST_XDIST_WORKER"):
         config.pluginmanager.register(StageTimeline(), "megatron-gspo-stage-timeline")
+    # Each process that runs tests forks its CLIs and embedded servers from a warm Python
+    # (tests/warm_python.py); MEGATRON_GSPO_FRESH_PYTHON=1 starts every one afresh instead.
+    runs_tests = os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None)
+    if runs_tests and not os.environ.get("MEGATRON_GSPO_FRESH_PYTHON"):
+        config.stash[WARM_SERVER] = WarmServer()
+
+
+def pytest_unconfigure(config):
+    if WARM_SERVER in config.stash:
+        config.stash[WARM_SERVER].stop()

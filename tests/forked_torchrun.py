@@ -7,13 +7,14 @@ the script with `runpy.run_path`, so a worker that imports a module beside it pu
 directory on `sys.path`.
 """
 
-import sys
 from pathlib import Path
+
+from warm_python import python
 
 from megatron_gspo.training.torchrun import forked_workers
 
 
 def torchrun(nproc: int, script: str | Path) -> list[str]:
     """`python -m megatron_gspo.training.torchrun ... SCRIPT`: append the script's arguments."""
-    launcher = [sys.executable, "-m", "megatron_gspo.training.torchrun", *forked_workers(nproc)]
+    launcher = [*python(), "-m", "megatron_gspo.training.torchrun", *forked_workers(nproc)]
     return [*launcher, str(Path(script).resolve())]

@@ -82,7 +82,7 @@ def closure(names: set[str]) -> set[str]:
 def third_party_imports(top_level_only: bool = False) -> dict[str, set[str]]:
     """Top-level import name -> files importing it; `torch.utils.tensorboard` counts as tensorboard."""
     found: dict[str, set[str]] = {}
-    local = {"megatron_gspo", "gpu_checks"}
+    local = {"megatron_gspo", "gpu_checks", "warm_python"}  # warm_python: tests/, standard library only
 
     def visit(node, path):
         for child in ast.iter_child_nodes(node):

@@ -8,9 +8,11 @@ the server stop itself, two ways (either suffices):
 - Linux's parent-death signal (`prctl(PR_SET_PDEATHSIG, SIGTERM)`): the kernel sends SIGTERM
   the moment the parent goes. It fires when the *thread* that started the child ends, so the
   launcher asks for it (`--death-signal`) only from the main thread. A no-op elsewhere.
-- A watch thread polling `os.getppid()`: when the child is re-parented (the parent died), it
-  sends itself SIGTERM and, if that has not ended it after a grace period, exits hard.
-  Portable to every POSIX system.
+- A watch thread: when the launching process `PID` exits, it sends this process SIGTERM and, if
+  that has not ended it after a grace period, exits hard. On Linux it waits on a pidfd of `PID`
+  (woken at once, never fooled by a reused pid), so it also guards a server started through a
+  wrapper command, whose parent is the wrapper (`MEGATRON_GSPO_SERVER_PYTHON`); elsewhere it
+  polls `os.getppid()`, which the launcher must then be.
 
 Armed before the module is imported, so even a server still loading its model goes away.
 """
@@ -18,9 +20,12 @@ Armed before the module is imported, so even a server still loading its model go
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import errno
 import os
 import runpy
+import select
 import signal
 import sys
 import threading
@@ -44,21 +49,57 @@ def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
         return False
 
 
+def _open_pid(pid: int) -> int | None:
+    """A pidfd of `pid` (Linux 5.3+), None where there is none; raises ProcessLookupError when gone."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, PermissionError):
+        return None
+    except OSError as error:
+        if error.errno == errno.ENOSYS:
+            return None
+        raise
+
+
+def _launcher_running(parent_pid: int) -> bool:
+    if os.getppid() == parent_pid:
+        return True
+    try:
+        pidfd = _open_pid(parent_pid)
+    except ProcessLookupError:
+        return False
+    if pidfd is None:  # no pidfd: only a parent can be watched
+        return False
+    os.close(pidfd)
+    return True
+
+
 def _exit_when_orphaned(parent_pid: int, interval_s: float, grace_s: float) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(interval_s)
-    print(f"parent process {parent_pid} is gone; exiting", file=sys.stderr, flush=True)
+    try:
+        pidfd = _open_pid(parent_pid)
+    except ProcessLookupError:
+        pidfd = None
+    else:
+        if pidfd is not None:
+            select.select([pidfd], [], [])  # readable once the process has exited
+    if pidfd is None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
+    # The launcher often read this process's output: the pipe may have no reader left.
+    with contextlib.suppress(OSError):
+        print(f"parent process {parent_pid} is gone; exiting", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGTERM)  # a server's own SIGTERM handling runs first
     time.sleep(grace_s)
     os._exit(1)
 
 
 def watch_parent(parent_pid: int, *, interval_s: float = 0.5, grace_s: float = 10.0) -> threading.Thread:
-    """Start a daemon thread that ends this process once `parent_pid` is no longer its parent.
+    """Start a daemon thread that ends this process once the process `parent_pid` has exited.
 
     Args:
         parent_pid: the pid the process was started by.
-        interval_s: seconds between checks (the delay before an orphan notices).
+        interval_s: seconds between checks where there is no pidfd to wait on (the delay
+            before an orphan notices).
         grace_s: seconds SIGTERM gets before the process exits hard.
     """
     thread = threading.Thread(
@@ -84,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(own)
     if args.death_signal:
         set_parent_death_signal()
-    if os.getppid() != args.parent_pid:  # the parent died before the guards were armed
+    if not _launcher_running(args.parent_pid):  # it died before the guards were armed
         sys.exit(f"parent process {args.parent_pid} is gone before {args.module} started")
     if args.interval_s > 0:
         watch_parent(args.parent_pid, interval_s=args.interval_s)

@@ -2,10 +2,10 @@
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
+from warm_python import python
 
 from megatron_gspo.analysis.drift_report import Sample, compare, load_dump, load_hf, save_dump, teacher_forced
 from megatron_gspo.model.config import tiny
@@ -41,7 +41,7 @@ def test_cli_makes_pngs_and_summary(checkpoints, tmp_path):
         )  # fmt: skip
     )
     out = tmp_path / "report"
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "drift", "--a", str(a), "--b", str(b)]
+    cmd = [*python(), "-m", "megatron_gspo.cli", "drift", "--a", str(a), "--b", str(b)]
     cmd += ["--num-prompts", "6", "--max-new-tokens", "8", "--metrics", str(metrics), "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

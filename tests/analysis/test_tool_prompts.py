@@ -4,9 +4,9 @@ chat template and BOS, each encoding checked against ids looked up by hand in th
 import argparse
 import json
 import subprocess
-import sys
 
 import pytest
+from warm_python import python
 
 from megatron_gspo.analysis.drift_cli import add_drift_args
 from megatron_gspo.analysis.tool_prompts import prompt_source
@@ -149,7 +149,7 @@ def test_bad_prompt_options_are_named(tmp_path):
 def test_drift_cli_on_a_run_dir_with_task_options(short_run, gsm8k, tmp_path):
     path, _ = gsm8k
     out = tmp_path / "drift"
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "drift", "--a", str(short_run)]
+    cmd = [*python(), "-m", "megatron_gspo.cli", "drift", "--a", str(short_run)]
     cmd += ["--b", str(short_run / "checkpoints" / "step_00000002"), "--task", "math_jsonl"]
     cmd += ["--task-option", f"path={path}", "--task-option", "prompt_key=question"]
     cmd += [

@@ -2,8 +2,9 @@
 
 import os
 import subprocess
-import sys
 from pathlib import Path
+
+from warm_python import python
 
 REPRODUCE = Path(__file__).resolve().parents[2] / "benchmarks" / "reproduce.py"
 
@@ -11,7 +12,7 @@ REPRODUCE = Path(__file__).resolve().parents[2] / "benchmarks" / "reproduce.py"
 def run_reproduce(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """`benchmarks/reproduce.py` with `args`, one thread per training, its output captured."""
     return subprocess.run(
-        [sys.executable, str(REPRODUCE), *args],
+        [*python(), str(REPRODUCE), *args],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from warm_python import python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,7 +26,7 @@ def load_run_module():
 @pytest.mark.slow
 def test_quick_run_writes_every_row(tmp_path):
     done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--out", str(tmp_path)],
+        [*python(), str(REPO / "benchmarks" / "run.py"), "--quick", "--out", str(tmp_path)],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from warm_python import python
 
 from megatron_gspo.cli import main as cli
 from megatron_gspo.model.builder import build_model
@@ -293,7 +294,6 @@ def test_checkpoint_tensors_not_matching_config_are_one_line_at_train_startup(tm
     """config.json readable, a tensor mis-shaped: found after distributed start-up, still exit 2 and named."""
     import os
     import subprocess
-    import sys
 
     from megatron_gspo.model.config import tiny
     from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
@@ -303,7 +303,7 @@ def test_checkpoint_tensors_not_matching_config_are_one_line_at_train_startup(tm
     config = tmp_path / "run.yaml"
     config.write_text(f"model: {{hf_path: {path}}}\ntrainer: {{run_dir: {tmp_path / 'run'}}}\n")
     result = subprocess.run(
-        [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", str(config)],
+        [*python(), "-m", "megatron_gspo.cli", "train", "--config", str(config)],
         capture_output=True,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},

@@ -16,11 +16,11 @@ missing data-parallel loss factor that only the grad-norm bound sees.
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from forked_torchrun import torchrun
+from warm_python import python
 
 from megatron_gspo.analysis.parity import BF16_FACTOR, BF16_GRAD_NORM_REL, BF16_WEIGHT_MEAN
 
@@ -38,7 +38,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def parity(*args):
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "parity", *args]
+    cmd = [*python(), "-m", "megatron_gspo.cli", "parity", *args]
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
 
 

@@ -4,12 +4,12 @@ and TP2 x EP2, with activation recompute, refusals, and megatron's class-level s
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from forked_torchrun import torchrun
+from warm_python import python
 
 from megatron_gspo.model import config as model_configs
 from megatron_gspo.model.builder import build_model
@@ -23,7 +23,7 @@ WORKER = Path(__file__).with_name("routing_replay_worker.py")
 def run_worker(tmp_path, nproc=1, *args):
     out = tmp_path / "result"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = torchrun(nproc, WORKER) if nproc > 1 else [sys.executable, str(WORKER)]
+    command = torchrun(nproc, WORKER) if nproc > 1 else [*python(), str(WORKER)]
     proc = subprocess.run(
         [*command, "--out", str(out), *args],
         env=env,

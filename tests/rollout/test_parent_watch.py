@@ -21,7 +21,9 @@ from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, signals")
 
+# The servers start as deployments start them: a fresh interpreter, the launcher's child.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+ENV.pop("MEGATRON_GSPO_SERVER_PYTHON", None)
 
 GUARDED_SLEEPER = textwrap.dedent(
     """
@@ -40,10 +42,15 @@ GUARDED_SLEEPER = textwrap.dedent(
 
 TRAINER_LIKE = textwrap.dedent(
     """
-    import sys, time
+    import sys, threading, time
     from megatron_gspo.rollout.server.launch import launch_embedded_server
-    server = launch_embedded_server(sys.argv[2])  # as rollout_servers() starts it for the trainer
-    open(sys.argv[1], "w").write(str(server.process.pid))
+    def launch():  # as rollout_servers() starts it for the trainer
+        server = launch_embedded_server(sys.argv[2])
+        open(sys.argv[1], "w").write(str(server.process.pid))
+    if sys.argv[3] == "main":
+        launch()
+    else:  # no parent-death signal: the watch alone, whose message goes to a pipe nobody reads
+        threading.Thread(target=launch).start()
     time.sleep(600)
     """
 )
@@ -88,7 +95,7 @@ def _kill_and_wait_for(parent, child_pid: int, timeout: float = 30.0) -> bool:
     "guard, by_watch",
     [
         (["--death-signal", "--interval-s", "0"], False),  # the kernel's parent-death signal alone
-        (["--interval-s", "0.2"], True),  # the polling watch thread alone (portable path)
+        (["--interval-s", "0.2"], True),  # the watch thread alone (a pidfd here; polls where none)
         (["--death-signal"], False),  # both, as launch_embedded_server arms them
     ],
     ids=["death-signal", "watch", "both"],
@@ -109,15 +116,18 @@ def test_unguarded_child_is_orphaned(tmp_path):
         os.kill(child, signal.SIGKILL)
 
 
-def test_embedded_server_exits_when_the_process_that_launched_it_is_killed(tmp_path):
+@pytest.mark.parametrize("thread", ["main", "other"])
+def test_embedded_server_exits_when_the_process_that_launched_it_is_killed(tmp_path, thread):
     config = tiny(vocab_size=len(build_char_tokenizer()))
     checkpoint = make_tiny_hf_checkpoint(tmp_path / "hf", config, seed=0)
-    parent, server = _start_parent(TRAINER_LIKE, tmp_path / "pid", str(checkpoint))
+    parent, server = _start_parent(TRAINER_LIKE, tmp_path / "pid", str(checkpoint), thread)
     assert _kill_and_wait_for(parent, server), f"embedded server {server} outlived its trainer"
 
 
 def test_parent_gone_before_the_guard_was_armed(tmp_path):
-    guard = [sys.executable, "-m", "megatron_gspo.rollout.parent_watch", "--parent-pid", "1"]
+    gone = subprocess.Popen(["true"])  # a launcher that has exited (its pid is not reused this soon)
+    gone.wait()
+    guard = [sys.executable, "-m", "megatron_gspo.rollout.parent_watch", "--parent-pid", str(gone.pid)]
     done = subprocess.run(
         [*guard, "-m", "http.server"],
         env=ENV,
@@ -125,4 +135,5 @@ def test_parent_gone_before_the_guard_was_armed(tmp_path):
         text=True,
         timeout=60,
     )
-    assert done.returncode == 1 and "parent process 1 is gone before http.server started" in done.stderr
+    assert done.returncode == 1, done.stderr
+    assert f"parent process {gone.pid} is gone before http.server started" in done.stderr

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 
 import httpx
 import pytest
+from warm_python import kill_server, python
 
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
@@ -110,7 +110,7 @@ def test_worker_lost_mid_batch_is_retried_by_the_router(checkpoint):
         future = client._background.submit(client.generate_batched, requests)
         while httpx.get(f"{b.url}/get_server_info").json()["num_pending_requests"] == 0:
             assert not future.done(), "the batch ended before the router sent any of it to worker b"
-        b.process.kill()  # with requests of the batch on it
+        kill_server(b)  # with requests of the batch on it
         responses = future.result(timeout=120)
         assert len(responses) == len(requests) and all(len(r["output_ids"]) == 40 for r in responses)
         assert client.remove_unhealthy_workers() == [b.url]
@@ -120,7 +120,7 @@ def test_worker_lost_mid_batch_is_retried_by_the_router(checkpoint):
             "fleet/rejoined": 0.0,
         }
         client.min_workers = 2
-        a.process.kill()
+        kill_server(a)
         with pytest.raises(
             FleetTooSmallError, match=r"0 healthy rollout worker\(s\) left behind .*min_workers=2"
         ):
@@ -146,7 +146,7 @@ def test_train_three_steps_behind_the_router(checkpoint, tmp_path):
             f"trainer: {{steps: 3, run_dir: {run_dir}}}\n"
             "logging: {progress_bar: false}\n"
         )
-        cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", str(config)]
+        cmd = [*python(), "-m", "megatron_gspo.cli", "train", "--config", str(config)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
         assert done.returncode == 0, done.stderr[-4000:]

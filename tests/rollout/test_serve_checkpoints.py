@@ -8,11 +8,11 @@ returns for its own samples equal those of the Megatron policy loaded from that 
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
 import torch
+from warm_python import python
 
 from megatron_gspo.checkpoint.load import load_weights
 from megatron_gspo.model.builder import build_model
@@ -24,7 +24,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def serve(model, tmp_path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "serve", "--model", str(model), "--port", "0"]
+    cmd = [*python(), "-m", "megatron_gspo.cli", "serve", "--model", str(model), "--port", "0"]
     env = {**ENV, "TMPDIR": str(tmp_path)}  # where a training checkpoint's export goes
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -84,7 +84,7 @@ def test_sigterm_during_the_export_removes_it(short_run, tmp_path):
 def test_serve_a_missing_path_is_one_named_line(tmp_path):
     missing = tmp_path / "nonexistent"
     done = subprocess.run(
-        [sys.executable, "-m", "megatron_gspo.cli", "serve", "--model", str(missing)],
+        [*python(), "-m", "megatron_gspo.cli", "serve", "--model", str(missing)],
         env=ENV,
         capture_output=True,
         text=True,

@@ -9,10 +9,10 @@ Staleness is read from the versions the rollout server reported for the trained 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from warm_python import python
 
 from megatron_gspo.config import ConfigError, RunConfig, validate
 from megatron_gspo.rollout.server.main import DECODE_DELAY_ENV
@@ -35,7 +35,7 @@ def test_max_staleness_refuses_a_negative_bound_and_takes_r3():
 @pytest.mark.slow  # one end-to-end run, ~40 s on a loaded 2-core box
 def test_staleness_one_trains_within_the_bound_and_drops_an_older_batch(tmp_path):
     cmd = [
-        sys.executable, "-m", "megatron_gspo.cli", "train",
+        *python(), "-m", "megatron_gspo.cli", "train",
         "--config", str(REPO / "configs" / "tiny_moe_cpu.yaml"),
         "trainer.steps=4", "sft.steps=30", "eval.num_problems=20",
         "task.options.format_reward=0.5", "rollout.temperature=1.0",
@@ -96,7 +96,7 @@ def test_partial_rollouts_cut_by_every_sync_train_within_the_bound(tmp_path):
     """
     k, steps = 2, 3
     cmd = [
-        sys.executable, "-m", "megatron_gspo.cli", "train",
+        *python(), "-m", "megatron_gspo.cli", "train",
         "--config", str(REPO / "configs" / "tiny_moe_cpu.yaml"),
         f"trainer.steps={steps}", "sft.steps=30", "eval.every=0", "eval.at_start=false", "eval.at_end=false",
         "task.options.format_reward=0.5", "rollout.temperature=1.0", "rollout.max_new_tokens=8",

@@ -3,13 +3,13 @@
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from ckpt_common import build_run, train_step
+from warm_python import python
 
 from megatron_gspo.checkpoint.load import load_checkpoint
 from megatron_gspo.checkpoint.save import save_checkpoint
@@ -30,7 +30,7 @@ def world_of_one():
 def _kill_during_save(tmp_path, point):
     ready = tmp_path / "blocked"
     cmd = [
-        sys.executable,
+        *python(),
         str(WORKER),
         "--root",
         str(tmp_path / "ckpt"),

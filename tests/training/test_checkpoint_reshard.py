@@ -9,12 +9,12 @@ fresh model of the same layout given the saved global weights through `load_glob
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from forked_torchrun import torchrun
+from warm_python import python
 
 WORKER = Path(__file__).with_name("reshard_worker.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -27,7 +27,7 @@ def _launch(
 ):  # fmt: skip
     world = tp * ep * pp
     cmd = [
-        *(torchrun(world, WORKER) if world > 1 else [sys.executable, str(WORKER)]),
+        *(torchrun(world, WORKER) if world > 1 else [*python(), str(WORKER)]),
         mode,
         "--root",
         str(root),

@@ -4,13 +4,13 @@ also when the newest checkpoint is damaged on one rank (all ranks fall back toge
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from forked_torchrun import torchrun
+from warm_python import python
 
 from megatron_gspo.checkpoint.meta import read_meta
 from megatron_gspo.checkpoint.steps import latest_step, newest_reshardable_step
@@ -20,7 +20,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _launch(mode, root, out, *, world=1, extra=(), log=None):
-    command = torchrun(world, WORKER) if world > 1 else [sys.executable, str(WORKER)]
+    command = torchrun(world, WORKER) if world > 1 else [*python(), str(WORKER)]
     cmd = [*command, mode, "--root", str(root), "--out", str(out), *extra]
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -83,7 +83,7 @@ def test_expert_parallel_distributed_optimizer_resume_is_exact(tmp_path, routine
     # The same checkpoint refused by a single process (a different layout).
     done = subprocess.run(
         [
-            sys.executable,
+            *python(),
             str(WORKER),
             "resume",
             "--root",
@@ -130,7 +130,7 @@ def test_routine_checkpoint_refuses_another_data_parallel_size(tmp_path):
     _launch("full", root, tmp_path / "full", world=2, extra=args)
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002", "step_00000003"]
     assert newest_reshardable_step(root) is None
-    cmd = [sys.executable, str(WORKER), "resume", "--root", str(root), "--out", str(tmp_path / "x")]
+    cmd = [*python(), str(WORKER), "resume", "--root", str(root), "--out", str(tmp_path / "x")]
     done = subprocess.run([*cmd, "--distopt"], env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "CheckpointLayoutError" in done.stderr

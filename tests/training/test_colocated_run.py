@@ -10,11 +10,11 @@ The servers' side (release, refusal while released, tensor handles) is tested in
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from warm_python import python
 
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
@@ -34,7 +34,7 @@ TIMING = ("time/", "perf/", "sync/", "colocate/", "memory/")
 
 
 def train(config: Path, run_dir: Path, *extra: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", str(config),
+    cmd = [*python(), "-m", "megatron_gspo.cli", "train", "--config", str(config),
            f"trainer.run_dir={run_dir}", "--nproc", "2", *extra]  # fmt: skip
     done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=600)  # fmt: skip

@@ -10,13 +10,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from forked_torchrun import torchrun
 from reshard_worker import VOCAB, fixed_batch
+from warm_python import python
 
 from megatron_gspo.checkpoint.source import hf_checkpoint_dir
 from megatron_gspo.config import ConfigError
@@ -34,7 +34,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "megatron_gspo.cli", *args],
+        [*python(), "-m", "megatron_gspo.cli", *args],
         capture_output=True,
         text=True,
         env=ENV,

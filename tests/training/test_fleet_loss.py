@@ -13,12 +13,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from warm_python import kill_server, python
 
 from megatron_gspo.checkpoint.meta import step_dir_name
 from megatron_gspo.model.config import tiny
@@ -57,7 +57,7 @@ def start_train(tmp_path: Path, checkpoint, router, name: str, **rollout) -> tup
         f"trainer: {{steps: 100000, run_dir: {run_dir}}}\n"
         "logging: {progress_bar: false}\n"
     )
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", str(config)]
+    cmd = [*python(), "-m", "megatron_gspo.cli", "train", "--config", str(config)]
     log = (tmp_path / f"{name}.log").open("w")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), run_dir
@@ -77,11 +77,6 @@ def wait_for_step(run, run_dir: Path, step: int) -> dict:
         assert time.monotonic() < deadline, f"no step {step} after {GUARD_S} s: {rows(run_dir)[-1:]}"
         time.sleep(0.1)
     return done[0]
-
-
-def kill(server) -> None:
-    server.process.kill()
-    server.process.wait()
 
 
 def log_of(tmp_path: Path, name: str) -> str:
@@ -108,7 +103,7 @@ def test_a_paused_worker_is_continued_at_start_up_a_lost_one_dropped_and_sigterm
         )
         try:
             lost_at = wait_for_step(run, run_dir, 3)["step"]
-            kill(b)
+            kill_server(b)
             later = wait_for_step(run, run_dir, lost_at + 3)  # the next pauses and syncs skip b
             assert later["fleet/workers"] == 1 and later["fleet/removed"] == 1, later
             assert sigterm(run) == 128 + signal.SIGTERM
@@ -136,10 +131,10 @@ def test_workers_lost_under_partial_the_run_goes_on_then_stops_by_name_with_a_ch
         )
         try:
             lost_at = wait_for_step(run, run_dir, 3)["step"]
-            kill(c)
+            kill_server(c)
             later = wait_for_step(run, run_dir, lost_at + 3)  # two workers left: min_workers
             assert later["fleet/workers"] == 2 and later["fleet/removed"] == 1, later
-            kill(b)
+            kill_server(b)
             code = run.wait(timeout=GUARD_S)
         finally:
             if run.poll() is None:

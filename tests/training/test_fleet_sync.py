@@ -24,6 +24,7 @@ import types
 
 import httpx
 import pytest
+from warm_python import kill_server
 from world_one import world_one_policy
 
 from megatron_gspo.config import WeightSyncConfig
@@ -70,8 +71,7 @@ def kill_at_second_bucket(client: SGLangClient, server) -> None:
     def send_and_kill(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
-            server.process.kill()
-            server.process.wait()
+            kill_server(server)
         return send(*args, **kwargs)
 
     client.update_weights_from_tensor = send_and_kill
@@ -87,8 +87,7 @@ def kill_as_second_broadcast_starts(client: SGLangClient, server) -> None:
         calls.append(1)
         if len(calls) == 2:
             time.sleep(0.5)  # the announcements reach the workers: both enter the collective
-            server.process.kill()
-            server.process.wait()
+            kill_server(server)
         return answers
 
     client.update_weights_from_distributed = announce_and_kill
@@ -174,8 +173,7 @@ def test_worker_lost_between_syncs_leaves_the_next_group_and_rejoins_synced(
         sync = make_sync(model, tmp_path, "distributed")
         assert sync.sync(client, 1).metrics()["fleet/workers"] == 2
         assert sync._group.urls == sorted([a.url, b.url])
-        b.process.kill()
-        b.process.wait()
+        kill_server(b)
         stats = sync.sync(client, 2)
         assert sync._group.urls == [a.url] and sync._group.name.endswith("_2")  # a new group, of one worker
         sync.close(client)

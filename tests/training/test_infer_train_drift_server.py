@@ -18,12 +18,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
+from warm_python import python
 
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
@@ -56,7 +56,7 @@ def checkpoints(tmp_path_factory):
 def _serve_then_swap(served, original, serve_dir):
     """Start a server on a copy of `served` at `serve_dir`, then put `original`'s weights there."""
     shutil.copytree(served, serve_dir)
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "serve", "--model", str(serve_dir), "--port", "0"]
+    cmd = [*python(), "-m", "megatron_gspo.cli", "serve", "--model", str(serve_dir), "--port", "0"]
     cmd += ["--dtype", "float32", "--weight-version", "0"]
     server = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, text=True)
     line = server.stdout.readline()
@@ -82,7 +82,7 @@ def _train(url, hf_path, tmp_path):
         f"trainer: {{steps: 1, run_dir: {run_dir}}}\n"
         f"logging: {{progress_bar: false, samples_per_step: {BATCH * GROUP}}}\n"
     )
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", str(tmp_path / "run.yaml")]
+    cmd = [*python(), "-m", "megatron_gspo.cli", "train", "--config", str(tmp_path / "run.yaml")]
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "start-up: the servers already serve" in done.stderr  # nothing synced before step 1

@@ -10,10 +10,10 @@ references of both files.
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
+from warm_python import python
 
 from megatron_gspo.config import build_task, load_config
 from megatron_gspo.model.config import tiny
@@ -123,7 +123,7 @@ def test_right_answers_earn_reward_through_the_rollout_path(data, kind):
 
 
 def run_cli(files, run_dir, kind, *extra):
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", f"model.hf_path={files['model']}",
+    cmd = [*python(), "-m", "megatron_gspo.cli", "train", f"model.hf_path={files['model']}",
            *task_overrides(files, kind), f"trainer.run_dir={run_dir}", "trainer.steps=2", "sft.steps=0",
            "rollout.rollout_batch_size=2", "rollout.group_size=2", "rollout.max_new_tokens=6",
            "algorithm.num_mini_batches=1", "eval.num_problems=2", "eval.at_start=false",

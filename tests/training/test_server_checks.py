@@ -13,11 +13,11 @@ for a trainer at 0.
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
+from warm_python import python
 
 from megatron_gspo.config import RolloutConfig, WeightSyncConfig
 from megatron_gspo.errors import ConfigError
@@ -153,7 +153,7 @@ def train_tiny(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
     """`megatron-gspo train` of the tiny config for one step with `overrides`, as a user runs it."""
     repo = Path(__file__).resolve().parents[2]
     config = str(repo / "configs/tiny_moe_cpu.yaml")
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", config, "trainer.steps=1"]
+    cmd = [*python(), "-m", "megatron_gspo.cli", "train", "--config", config, "trainer.steps=1"]
     cmd += ["logging.progress_bar=false", f"trainer.run_dir={tmp_path}/run", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=repo)

@@ -3,10 +3,10 @@ agree with a world of one and with the rollout server's own held-out evaluation.
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from warm_python import python
 
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
@@ -26,7 +26,7 @@ logging: {{progress_bar: false, tensorboard: false}}
 
 
 def cold_start(config, run_dir, *extra):
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", str(config),
+    cmd = [*python(), "-m", "megatron_gspo.cli", "train", "--config", str(config),
            f"trainer.run_dir={run_dir}", *extra]  # fmt: skip
     done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=600)  # fmt: skip

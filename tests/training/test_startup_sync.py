@@ -13,12 +13,12 @@ log-probs are the checkpoint's (computed here from the checkpoint itself), not t
 
 import os
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 import torch
+from warm_python import python
 
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
@@ -48,7 +48,7 @@ def test_server_starts_from_the_checkpoint_and_gets_the_sft_weights(checkpoint, 
         f"trainer: {{steps: 1, run_dir: {run_dir}}}\n"
         "logging: {progress_bar: false}\n"
     )
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", str(config)]
+    cmd = [*python(), "-m", "megatron_gspo.cli", "train", "--config", str(config)]
     done = subprocess.run(
         cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=400
     )
@@ -67,7 +67,7 @@ def test_server_starts_from_the_checkpoint_and_gets_the_sft_weights(checkpoint, 
 @pytest.fixture
 def external_server(checkpoint):
     """`megatron-gspo serve` on the checkpoint, started as a user would (no --weight-version)."""
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "serve", "--model", str(checkpoint), "--port", "0"]
+    cmd = [*python(), "-m", "megatron_gspo.cli", "serve", "--model", str(checkpoint), "--port", "0"]
     server = subprocess.Popen(
         cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, text=True
     )
@@ -82,7 +82,7 @@ def external_server(checkpoint):
 
 def _train_against(url, checkpoint, tmp_path, sft_steps=0):
     """A run of no steps: start-up (and its sync), the cold-start evaluation, nothing sent after."""
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", str(tmp_path / "run.yaml")]
+    cmd = [*python(), "-m", "megatron_gspo.cli", "train", "--config", str(tmp_path / "run.yaml")]
     (tmp_path / "run.yaml").write_text(
         f"model: {{hf_path: {checkpoint}}}\n"
         "task: {name: addition, options: {min_digits: 1, max_digits: 2}}\n"
@@ -165,7 +165,7 @@ def test_external_server_on_other_weights_is_synced(checkpoint, external_server,
 
 
 def test_external_server_lost_mid_run_is_one_line(checkpoint, tmp_path):
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "serve", "--model", str(checkpoint), "--port", "0"]
+    cmd = [*python(), "-m", "megatron_gspo.cli", "serve", "--model", str(checkpoint), "--port", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
     try:
@@ -182,7 +182,7 @@ def test_external_server_lost_mid_run_is_one_line(checkpoint, tmp_path):
             "weight_sync: {method: disk, retries: 0, timeout_s: 10}\n"
             "logging: {progress_bar: false}\n"
         )
-        cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", str(tmp_path / "run.yaml")]
+        cmd = [*python(), "-m", "megatron_gspo.cli", "train", "--config", str(tmp_path / "run.yaml")]
         trainer = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 240
         while not (tmp_path / "run" / "metrics.jsonl").is_file():

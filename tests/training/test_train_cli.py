@@ -10,11 +10,11 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from warm_python import python
 
 from megatron_gspo.checkpoint.steps import latest_step
 from megatron_gspo.training.metrics import read_metrics
@@ -84,7 +84,7 @@ COMPARED = [
 
 
 def train_cmd(run_dir, *extra):
-    return [sys.executable, "-m", "megatron_gspo.cli", "train", *TINY, f"trainer.run_dir={run_dir}", *extra]
+    return [*python(), "-m", "megatron_gspo.cli", "train", *TINY, f"trainer.run_dir={run_dir}", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +194,7 @@ def test_resume_of_a_checkpoint_saved_before_any_update(tmp_path):
     ]
 
     def train(run_dir, steps, *extra):
-        cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", *weak, f"trainer.steps={steps}"]
+        cmd = [*python(), "-m", "megatron_gspo.cli", "train", *weak, f"trainer.steps={steps}"]
         done = subprocess.run([*cmd, f"trainer.run_dir={run_dir}", *extra], env=ENV, capture_output=True,
                               text=True, timeout=400)  # fmt: skip
         assert done.returncode == 0, done.stderr[-4000:]

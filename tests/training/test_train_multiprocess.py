@@ -3,10 +3,10 @@ token budget, with or without megatron's communication overlap, matches a world 
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from warm_python import python
 
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
@@ -26,7 +26,7 @@ logging: {{progress_bar: false, tensorboard: false}}
 
 
 def run(config, run_dir, *extra):
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", str(config),
+    cmd = [*python(), "-m", "megatron_gspo.cli", "train", "--config", str(config),
            f"trainer.run_dir={run_dir}", *extra]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

@@ -2,10 +2,10 @@
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from warm_python import python
 
 from megatron_gspo.training.metrics import read_metrics
 
@@ -42,7 +42,7 @@ TINY = [
 )
 def test_grpo_with_routing_replay_logs_per_layer_drift(tmp_path, mode, extra):
     cmd = [
-        sys.executable,
+        *python(),
         "-m",
         "megatron_gspo.cli",
         "train",
@@ -83,7 +83,7 @@ def test_drift_every_n_steps(tmp_path):
     args += ["algorithm.loss_type=gspo", "drift.sample_tokens=64"]
     args = [a for a in args if a != "algorithm.loss_options={}"]
     done = subprocess.run(
-        [sys.executable, "-m", "megatron_gspo.cli", "train", *args, f"trainer.run_dir={tmp_path}"],
+        [*python(), "-m", "megatron_gspo.cli", "train", *args, f"trainer.run_dir={tmp_path}"],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from warm_python import python
 
 from megatron_gspo.checkpoint.steps import latest_step, list_steps
 
@@ -44,7 +45,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def train(run_dir, *extra, timeout=300):
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", *SMALL, f"trainer.run_dir={run_dir}", *extra]
+    cmd = [*python(), "-m", "megatron_gspo.cli", "train", *SMALL, f"trainer.run_dir={run_dir}", *extra]
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
@@ -156,7 +157,7 @@ def test_zero_steps_saves_the_cold_start(tmp_path):
 
 def export(checkpoint, out, *extra):
     cmd = [
-        sys.executable,
+        *python(),
         "-m",
         "megatron_gspo.cli",
         "export",
@@ -205,7 +206,7 @@ def test_a_second_run_on_a_directory_in_use_is_refused(tmp_path):
     sync_dir = tmp_path / "weights"
     first = subprocess.Popen(
         [
-            sys.executable,
+            sys.executable,  # fresh: the lock names this process's pid
             "-m",
             "megatron_gspo.cli",
             "train",
