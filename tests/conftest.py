@@ -256,9 +256,12 @@ def pytest_configure(config):
     if os.environ.get("MEGATRON_GSPO_TIMELINE") and not os.environ.get("PYTEST_XDIST_WORKER"):
         config.pluginmanager.register(StageTimeline(), "megatron-gspo-stage-timeline")
     # Each process that runs tests forks its CLIs and embedded servers from a warm Python
-    # (tests/warm_python.py); MEGATRON_GSPO_FRESH_PYTHON=1 starts every one afresh instead.
+    # (tests/warm_python.py); MEGATRON_GSPO_FRESH_PYTHON=1 starts every one afresh instead. Not
+    # on a GPU machine: importing megatron-core asks the CUDA driver for devices, and a process
+    # forked after that cannot use CUDA.
     runs_tests = os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None)
-    if runs_tests and not os.environ.get("MEGATRON_GSPO_FRESH_PYTHON"):
+    gpu_machine = Path("/dev/nvidiactl").exists()
+    if runs_tests and not gpu_machine and not os.environ.get("MEGATRON_GSPO_FRESH_PYTHON"):
         config.stash[WARM_SERVER] = WarmServer()
 
 

@@ -39,7 +39,7 @@ PROGRAM = textwrap.dedent(
 @pytest.fixture
 def program(request, tmp_path):
     if WARM_SERVER not in request.config.stash:
-        pytest.skip("MEGATRON_GSPO_FRESH_PYTHON is set: no warm Python in this run")
+        pytest.skip("no warm Python in this run (MEGATRON_GSPO_FRESH_PYTHON=1, or a GPU machine)")
     socket_path = request.config.stash[WARM_SERVER].path
     deadline = time.monotonic() + 120
     while not os.path.exists(socket_path):  # it imports for ~7 s after pytest starts
