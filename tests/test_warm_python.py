@@ -56,9 +56,9 @@ def _running(pid: int) -> bool:
         return False
 
 
-def run(program, *args, env=None, cwd=None):
-    env = {**os.environ, "WARM_TEST": "yes", **(env or {})}
-    return subprocess.run([*python(), str(program), *args], capture_output=True, text=True, env=env, cwd=cwd)
+def run(program, *args):
+    env = {**os.environ, "WARM_TEST": "yes"}
+    return subprocess.run([*python(), str(program), *args], capture_output=True, text=True, env=env)
 
 
 def test_a_forked_child_gets_the_arguments_environment_directory_and_streams(program, tmp_path):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import gc
 import json
 import os
@@ -45,17 +44,11 @@ import time
 import urllib.parse
 from pathlib import Path
 
-SOCKET_VAR = "MEGATRON_GSPO_WARM_PYTHON"
+from warm_python_client import SOCKET_VAR, startup_fingerprint
+
 # What `launch_embedded_server` runs servers with (megatron_gspo/rollout/server/launch.py).
 SERVER_PYTHON_VAR = "MEGATRON_GSPO_SERVER_PYTHON"
 CLIENT = Path(__file__).with_name("warm_python_client.py")
-# Read while the interpreter, torch, transformers or megatron-core start (and cached): a child
-# whose values of these differ from the server's runs fresh. Those a child can apply itself are
-# applied (`become`): PYTHONUNBUFFERED, PYTHONFAULTHANDLER, PYTHONDONTWRITEBYTECODE, TMPDIR.
-# (Not every TORCH*: torch sets TORCHINDUCTOR_CACHE_DIR in the tests' process when it compiles.)
-STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "HF_", "TRANSFORMERS_", "LD_")
-STARTUP_NAMES = ("TORCH_LOGS", "TORCH_CPP_LOG_LEVEL", "CUDA_VISIBLE_DEVICES", "CUDA_HOME")
-APPLIED_IN_CHILD = ("PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE")
 # Imported once by the server. First the module that silences megatron-core's import-time
 # warnings about TransformerEngine and apex, as a fresh process does before importing it.
 PRELOAD = (
@@ -93,15 +86,6 @@ def kill_server(server) -> None:
             return
         time.sleep(0.01)
     raise TimeoutError(f"the server at {server.url} still answers 30 s after its SIGKILL")
-
-
-def startup_fingerprint(env) -> dict[str, str]:
-    """The start-up variables of `env` (a mapping) that a forked child cannot apply itself."""
-    return {
-        name: value
-        for name, value in env.items()
-        if (name.startswith(STARTUP_PREFIXES) or name in STARTUP_NAMES) and name not in APPLIED_IN_CHILD
-    }
 
 
 # --- the server ---------------------------------------------------------------------------------
@@ -239,8 +223,7 @@ class WarmServer:
         ours = (SOCKET_VAR, SERVER_PYTHON_VAR)
         env = {name: value for name, value in os.environ.items() if name not in ours}
         env["PYTHONUNBUFFERED"] = "1"
-        startup = [startup_fingerprint(env), STARTUP_PREFIXES, STARTUP_NAMES, APPLIED_IN_CHILD]
-        Path(self.path + ".json").write_text(json.dumps(startup))
+        Path(self.path + ".json").write_text(json.dumps(startup_fingerprint(env)))
         self.process = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), self.path],
             stdin=subprocess.DEVNULL,
@@ -257,13 +240,6 @@ class WarmServer:
         self.process.kill()
         self.process.wait()
         shutil.rmtree(self.directory, ignore_errors=True)
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG: gone with the pytest worker
-    if os.getppid() == 1:
-        os._exit(1)
 
 
 def run_as_main(request: dict, fds: list[int]) -> None:
@@ -297,7 +273,11 @@ def run_as_main(request: dict, fds: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    _die_with_parent()
+    from megatron_gspo.rollout.parent_watch import set_parent_death_signal
+
+    set_parent_death_signal(signal.SIGKILL)  # gone with the pytest worker that started it
+    if os.getppid() == 1:  # it was gone already
+        os._exit(1)
     for name in PRELOAD:
         __import__(name)
     sys.path[0] = ""  # not this file's folder: each child sets its own

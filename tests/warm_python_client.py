@@ -12,9 +12,26 @@ import socket
 import sys
 
 SOCKET_VAR = "MEGATRON_GSPO_WARM_PYTHON"
+# Read while the interpreter, torch, transformers or megatron-core start (and cached): a child
+# whose values of these differ from the server's runs fresh. Those a child can apply itself are
+# applied (`warm_python.become`): PYTHONUNBUFFERED, PYTHONFAULTHANDLER, PYTHONDONTWRITEBYTECODE,
+# TMPDIR. (Not every TORCH*: torch sets TORCHINDUCTOR_CACHE_DIR in the tests' process when it
+# compiles.)
+STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "HF_", "TRANSFORMERS_", "LD_")
+STARTUP_NAMES = ("TORCH_LOGS", "TORCH_CPP_LOG_LEVEL", "CUDA_VISIBLE_DEVICES", "CUDA_HOME")
+APPLIED_IN_CHILD = ("PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE")
 FORWARDED_SIGNALS = (
     signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
 )  # fmt: skip
+
+
+def startup_fingerprint(env) -> dict[str, str]:
+    """The start-up variables of `env` (a mapping) that a forked child cannot apply itself."""
+    return {
+        name: value
+        for name, value in env.items()
+        if (name.startswith(STARTUP_PREFIXES) or name in STARTUP_NAMES) and name not in APPLIED_IN_CHILD
+    }
 
 
 def _forkable(args: list[str], path: str | None) -> bool:
@@ -24,14 +41,9 @@ def _forkable(args: list[str], path: str | None) -> bool:
         return False  # interpreter options (-c, -u, -X ...) need a fresh interpreter
     try:
         with open(path + ".json") as f:
-            startup, prefixes, names, applied_in_child = json.load(f)
+            return json.load(f) == startup_fingerprint(os.environ)  # the server's, written by it
     except OSError:
         return False
-    return startup == {
-        name: value
-        for name, value in os.environ.items()
-        if (name.startswith(tuple(prefixes)) or name in names) and name not in applied_in_child
-    }
 
 
 def _run_fresh(args: list[str]) -> None:
