@@ -62,6 +62,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from megatron_gspo.python_command import python_command
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))  # reproduce_report and run (machine description) sit next to this file
@@ -244,7 +246,7 @@ def execute(job: Job, env: dict[str, str]) -> Outcome:
     job.run_dir.mkdir(parents=True)
     config = job.run_dir / "input.yaml"
     config.write_text(OmegaConf.to_yaml(job.config))
-    cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", "--config", str(config)]
+    cmd = [*python_command(), "-m", "megatron_gspo.cli", "train", "--config", str(config)]
     start = time.perf_counter()
     with open(job.run_dir / "train.log", "w") as log:
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode

@@ -262,6 +262,10 @@ def pytest_configure(config):
     runs_tests = os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None)
     gpu_machine = Path("/dev/nvidiactl").exists()
     if runs_tests and not gpu_machine and not os.environ.get("MEGATRON_GSPO_FRESH_PYTHON"):
+        # MKL takes OMP_NUM_THREADS when MKL_NUM_THREADS is unset. Saying so keeps forkable the
+        # programs launched with both set (benchmarks/reproduce.py's training runs).
+        if "OMP_NUM_THREADS" in os.environ:
+            os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
         config.stash[WARM_SERVER] = WarmServer()
 
 

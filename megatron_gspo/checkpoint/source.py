@@ -26,7 +26,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Literal
 
 from megatron_gspo.config import ConfigError
+from megatron_gspo.python_command import python_command
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def hf_checkpoint_dir(path: str | os.PathLike, option: str) -> Iterator[Path]:
         return
     with tempfile.TemporaryDirectory(prefix=f"{EXPORT_PREFIX}{os.getpid()}-") as tmp:
         out = Path(tmp) / "hf"
-        cmd = [sys.executable, "-m", "megatron_gspo.cli", "export", "--checkpoint", str(source.path)]
+        cmd = [*python_command(), "-m", "megatron_gspo.cli", "export", "--checkpoint", str(source.path)]
         done = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]

@@ -11,7 +11,7 @@ the server stop itself, two ways (either suffices):
 - A watch thread: when the launching process `PID` exits, it sends this process SIGTERM and, if
   that has not ended it after a grace period, exits hard. On Linux it waits on a pidfd of `PID`
   (woken at once, never fooled by a reused pid), so it also guards a server started through a
-  wrapper command, whose parent is the wrapper (`MEGATRON_GSPO_SERVER_PYTHON`); elsewhere it
+  wrapper command, whose parent is the wrapper (`MEGATRON_GSPO_PYTHON`); elsewhere it
   polls `os.getppid()`, which the launcher must then be.
 
 Armed before the module is imported, so even a server still loading its model goes away.

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 # The servers start as deployments start them: a fresh interpreter, the launcher's child.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-ENV.pop("MEGATRON_GSPO_SERVER_PYTHON", None)
+ENV.pop("MEGATRON_GSPO_PYTHON", None)
 
 GUARDED_SLEEPER = textwrap.dedent(
     """

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 # Every process of the job is the launcher's descendant, the server too: none forked elsewhere
 # (tests/warm_python.py), so that what outlives the launcher is seen.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-ENV.pop("MEGATRON_GSPO_SERVER_PYTHON", None)
+ENV.pop("MEGATRON_GSPO_PYTHON", None)
 
 
 def _descendants(pid):

@@ -14,15 +14,15 @@ from __future__ import annotations
 import collections
 import os
 import re
-import shlex
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
+
+from megatron_gspo.python_command import python_command
 
 _ANNOUNCE = re.compile(r"listening on (http://\S+)")
 
@@ -123,7 +123,7 @@ def launch_embedded_server(
     """
     if not Path(model_dir, "config.json").exists():
         raise FileNotFoundError(f"{model_dir} is not an HF checkpoint directory (no config.json)")
-    cmd = server_python()
+    cmd = python_command()
     if exit_with_parent:
         cmd += ["-m", "megatron_gspo.rollout.parent_watch", "--parent-pid", str(os.getpid())]
         if threading.current_thread() is threading.main_thread():
@@ -171,16 +171,6 @@ def launch_embedded_server(
     except BaseException:
         server.terminate()
         raise
-
-
-def server_python() -> list[str]:
-    """The command that runs a server's Python: this interpreter, or `$MEGATRON_GSPO_SERVER_PYTHON`.
-
-    The variable is split as a shell would, e.g. `numactl --cpunodebind=1 python` or
-    `nsys profile -o server python`; the test suite points it at a pre-imported interpreter to
-    fork servers from (tests/warm_python.py).
-    """
-    return shlex.split(os.environ.get("MEGATRON_GSPO_SERVER_PYTHON", "")) or [sys.executable]
 
 
 def memory_saver_args(enable_memory_saver: bool, kv_pool_mb: float = 0.0) -> list[str]:
