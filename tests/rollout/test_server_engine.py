@@ -1,4 +1,7 @@
-"""The generation engine in-process: original-logprob mode and the sampling filters."""
+"""The generation engine in-process: original-logprob mode, the sampling filters, the test aids."""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -184,3 +187,37 @@ def test_tokens_generated_counts_every_decoded_output_token(ckpt):
     assert engine.tokens_generated == 8
     engine.generate([GenerationInput(PROMPT, SamplingOptions(max_new_tokens=2, ignore_eos=True))])
     assert engine.tokens_generated == 10
+
+
+def test_the_hold_aid_holds_later_rows_after_one_token_until_a_pause_or_an_abort(ckpt):
+    """`hold_after_responses=1`: once a response has ended under the weights served, a batch decodes
+    one token and waits: an abort ends it with that token, a pause lets it through, and a sync
+    (pause, then weights) therefore always lands mid-response, whatever the box's speed."""
+    engine = GenerationEngine(ckpt, hold_after_responses=1)
+    options = SamplingOptions(max_new_tokens=32, ignore_eos=True)
+    (first,) = engine.generate([GenerationInput(PROMPT, options)])
+    assert len(first.output_ids) == 32  # no response had ended: not held
+
+    def started(item: GenerationInput, pool: ThreadPoolExecutor):
+        before = engine.tokens_generated
+        future = pool.submit(engine.generate, [item])
+        deadline = time.monotonic() + 60  # hang guard
+        while engine.tokens_generated == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return future
+
+    with ThreadPoolExecutor(1) as pool:
+        aborted = GenerationInput(PROMPT, options)
+        future = started(aborted, pool)
+        aborted.abort.set()
+        (out,) = future.result(timeout=60)
+        assert len(out.output_ids) == 1 and out.finish_reason["type"] == "abort"
+
+        future = started(GenerationInput(PROMPT, options), pool)
+        engine.pause(retract=False)  # returns: the held batch gave way
+        try:
+            assert not future.done() and engine.tokens_generated == 33 + 1
+        finally:
+            engine.resume()
+        (out,) = future.result(timeout=60)
+        assert len(out.output_ids) == 32 and out.finish_reason["type"] == "length"

@@ -15,7 +15,7 @@ import pytest
 from warm_python import python
 
 from megatron_gspo.config import ConfigError, RunConfig, validate
-from megatron_gspo.rollout.server.main import DECODE_DELAY_ENV
+from megatron_gspo.rollout.server.main import HOLD_DECODE_ENV
 from megatron_gspo.training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,11 +88,13 @@ def test_update_mode_keys_are_validated_by_name():
 def test_partial_rollouts_cut_by_every_sync_train_within_the_bound(tmp_path):
     """k = 2, update_mode=partial, R3 and drift, every sync lands mid-batch: read from samples.jsonl.
 
-    The server's test-only decode delay keeps each batch generating through the next sync: with
-    k = 2 the producer starts batch s + 1 as soon as batch s is done, and the trainer syncs after
-    training step s, so every step from 2 on trains on responses that sync cut (step 1's batch is
-    generated before any sync). Each such response is made of contiguous segments of increasing
-    versions within the bound, and its routes (merged over the segments) cover every position.
+    The server's test-only hold keeps each batch generating through the next sync: once a batch's
+    16 responses have ended under the weights served, decoding waits until the weights change.
+    With k = 2 the producer starts batch s + 1 as soon as batch s is done, and the trainer syncs
+    after training step s, so every step from 2 on trains on responses that sync cut, after their
+    first token (step 1's batch is generated before any sync). Each such response is made of
+    contiguous segments of increasing versions within the bound, and its routes (merged over the
+    segments) cover every position.
     """
     k, steps = 2, 3
     cmd = [
@@ -105,9 +107,7 @@ def test_partial_rollouts_cut_by_every_sync_train_within_the_bound(tmp_path):
         f"rollout.max_staleness={k}", "rollout.update_mode=partial",
         "algorithm.routing_replay=r3", "drift.enabled=true", "drift.every=1",
     ]  # fmt: skip
-    # ~3 tokens a response: a batch generates for ~4.5 s, longer than a training step and its sync
-    # on a loaded 2-core box (at 500 ms a decode step, step 3's batch was once done before its sync)
-    env = {**ENV, DECODE_DELAY_ENV: "1500"}
+    env = {**ENV, HOLD_DECODE_ENV: "16"}  # a batch: rollout_batch_size x group_size responses
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     records = read_metrics(tmp_path / "metrics.jsonl")[1:]

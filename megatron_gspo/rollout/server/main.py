@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 DECODE_DELAY_ENV = "MEGATRON_GSPO_SERVE_DECODE_DELAY_MS"
 """The default of `--decode-delay-ms`: reaches the servers a training run starts (tests only)."""
+HOLD_DECODE_ENV = "MEGATRON_GSPO_SERVE_HOLD_DECODE_AFTER_RESPONSES"
+"""The default of `--hold-decode-after-responses`: reaches the servers a training run starts (tests only)."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -107,6 +109,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         f"for a weight sync to land mid-response (default: ${DECODE_DELAY_ENV}, else 0: off)",
     )
     parser.add_argument(
+        "--hold-decode-after-responses",
+        type=int,
+        default=int(os.environ.get(HOLD_DECODE_ENV, 0)),
+        help="test aid: once this many responses have ended under the weights served, decoding "
+        "waits until the weights change (or its requests are aborted), so the next batch is "
+        f"mid-generation when a weight sync lands (default: ${HOLD_DECODE_ENV}, else 0: off)",
+    )
+    parser.add_argument(
         "--enable-memory-saver",
         action="store_true",
         help="allow /release_memory_occupation and /resume_memory_occupation (SGLang's flag; "
@@ -132,6 +142,7 @@ def build_service(args: argparse.Namespace) -> RolloutService:
         weight_version=args.weight_version,
         seed=args.seed,
         decode_delay_s=args.decode_delay_ms / 1000,
+        hold_after_responses=args.hold_decode_after_responses,
         enable_memory_saver=args.enable_memory_saver,
         kv_pool_bytes=int(args.kv_pool_mb * 2**20),
     )
