@@ -12,7 +12,7 @@ import networkx as nx
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_gspo"
 FLOORS = [  # lowest first; a module may import from its own floor and the floors below
-    {"errors", "checksums", "deferred_compile", "optional", "patches"},
+    {"errors", "checksums", "deferred_compile", "optional", "patches", "python_command"},
     {"algorithms", "tasks"},
     {"model"},
     {"config"},

@@ -27,7 +27,6 @@ Definitions follow SGLang 0.5.23 (`srt/layers/sampler.py`, `logprob_processor.py
 
 from __future__ import annotations
 
-import collections
 import json
 import threading
 import time
@@ -146,12 +145,10 @@ class GenerationEngine:
         """A test aid (`serve --decode-delay-ms`): each decode step waits this long first, so a
         generation is still running when a test's weight sync lands."""
         self.hold_after_responses = hold_after_responses
-        """A test aid (`serve --hold-decode-after-responses N`): once N responses have ended (not
-        aborted) under the weights served, a batch decodes one token and waits, lock held, until
-        generation is paused or its rows are aborted. So the requests after those N are mid-generation when
-        the next weight sync pauses generation: an event, where a decode delay is only a margin.
-        For syncs that pause first: any other weight update waits for the held batch forever."""
-        self._ended_under: collections.Counter[str] = collections.Counter()  # weight version -> responses
+        """A test aid (`serve --hold-decode-after-responses N`): once N responses have ended (not aborted)
+        under the weights served, a batch decodes one token, then waits (lock held) for a pause or its
+        rows' abort. A sync that pauses first lands mid-response; one that does not would wait forever."""
+        self._ended_under: dict[str, int] = {}  # weight version -> responses ended under it
         self.dtype = dtype
         self.device = torch.device(device)
         self.return_original_logprob = return_original_logprob
@@ -302,11 +299,6 @@ class GenerationEngine:
             self._resumed.wait(0.05)  # an abort sets an Event, not this condition: look again soon
         return "retract" if retract else "in_place"
 
-    def _hold_until_paused_or_aborted(self, items: list[GenerationInput], rows: list[int]) -> None:
-        """The `hold_after_responses` test aid: wait, lock held, for a pause or the rows' abort."""
-        while not self._paused and not all(items[b].abort.is_set() for b in rows):
-            time.sleep(0.01)  # neither a pause nor an abort notifies: look again soon
-
     # --------------------------------------------------------------- generation
     def check_input(self, item: GenerationInput) -> None:
         """Raise ValueError (SGLang's wording where it has one) for inputs the engine cannot run."""
@@ -394,7 +386,7 @@ class GenerationEngine:
         waiting = [False] * bsz  # aborted while retracted (SGLang: in the waiting queue)
         prefix: list[torch.Tensor | None] = [None] * bsz  # per row [positions, L, k] of a retract's prefill
         want_routing = any(it.return_routed_experts for it in items)
-        hold = 0 < self.hold_after_responses <= self._ended_under[self.weight_version]  # a test aid
+        hold = 0 < self.hold_after_responses <= self._ended_under.get(self.weight_version, 0)  # a test aid
         while rows:
             tokens, lps = self._sample(next_logits, [items[b] for b in rows], [generators[b] for b in rows])
             step_tokens, step_lps = tokens.tolist(), lps.tolist()  # one read per step, not two per row
@@ -418,9 +410,9 @@ class GenerationEngine:
             going_rows = list(rows)
             if self.decode_delay_s > 0:  # lock held: no weight update lands inside a step
                 time.sleep(self.decode_delay_s)
-            if hold:
-                self._hold_until_paused_or_aborted(items, rows)
-                hold = False
+            while hold and not self._paused and not all(items[b].abort.is_set() for b in rows):
+                time.sleep(0.01)  # the hold_after_responses aid, lock held: till a pause or an abort
+            hold = False
             version_before = self.weight_version
             held = self._hold_while_paused(items, rows)
             if held is not None:
@@ -461,7 +453,8 @@ class GenerationEngine:
                     decode_routing[b].append(routing[i, :, 0])
             next_logits = logits[:, -1]
 
-        self._ended_under[self.weight_version] += sum(f["type"] != "abort" for f in finish)
+        ended = sum(f["type"] != "abort" for f in finish)
+        self._ended_under[self.weight_version] = self._ended_under.get(self.weight_version, 0) + ended
         results = []
         for b, it in enumerate(items):
             routed = None
