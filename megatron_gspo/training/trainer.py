@@ -553,7 +553,8 @@ class Trainer:
                 routed_experts=self._routed_experts_layout() is not None,
             )
 
-        self.ahead = RolloutsAhead(self.cfg.rollout, engine, produce, lambda: self.weight_version)
+        left = self.cfg.trainer.steps - self.step  # no batch beyond the last step
+        self.ahead = RolloutsAhead(self.cfg.rollout, engine, produce, lambda: self.weight_version, left)
         return self.ahead
 
     def _rollouts_paused(self) -> contextlib.AbstractContextManager:

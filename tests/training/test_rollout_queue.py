@@ -24,14 +24,15 @@ class Versions:
         return {"groups": 4, "version": version}
 
 
-def run_trainer(producer, versions, steps, *, gap_at=None, train_s=0.02):
+def run_trainer(producer, versions, steps, *, gap_at=None, train_s=0.02, batches=None):
     """Take, 'train', sync (version + 1, or + 2 at `gap_at`) with the producer paused."""
     taken, popped = [], 0
     for step in range(1, steps + 1):
         taken.append(producer.take(versions.value))
         popped += 1 + taken[-1].stale_groups_dropped // 4
         deadline = time.monotonic() + 10
-        while len(versions.started_at) - popped < producer.max_staleness:  # ran ahead as far as allowed
+        ahead = producer.max_staleness if batches is None else min(producer.max_staleness, batches - step)
+        while len(versions.started_at) - popped < ahead:  # ran ahead as far as allowed
             assert time.monotonic() < deadline, "the producer did not run ahead"
             time.sleep(0.001)
         time.sleep(train_s)
@@ -52,6 +53,15 @@ def test_every_taken_batch_is_within_the_bound_and_the_queue_runs_ahead(k):
     assert [t.item.weight_version for t in taken] == [t.item.batch["version"] for t in taken]
     assert sum(t.stale_groups_dropped for t in taken) == 0
     assert not producer._thread.is_alive()
+
+
+def test_a_producer_told_the_run_length_starts_no_batch_past_the_last_step():
+    versions = Versions()
+    producer = RolloutProducer(versions.produce, 2, lambda: versions.value, lambda b: b["groups"], batches=5)
+    with producer:
+        taken = run_trainer(producer, versions, 5, batches=5)
+    assert [t.staleness for t in taken] == [0, 1, 2, 2, 2]  # as far ahead as k allows until the end
+    assert versions.started_at == [0, 0, 0, 1, 2]  # five batches: none for a sixth or seventh step
 
 
 def test_a_batch_older_than_the_bound_is_dropped_and_counted_never_taken():

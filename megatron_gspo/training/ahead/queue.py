@@ -63,6 +63,9 @@ class RolloutProducer:
             was started at; responses spanning versions pass their oldest token's).
         cancel: ends the batch being generated (`close` calls it): a stopping run does not wait
             for a batch it will not train on.
+        batches: how many batches the trainer will take in all (None: no end). None starts once
+            that many are taken or on their way, so the last steps generate no batch nobody
+            trains on (a dropped one is replaced).
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class RolloutProducer:
         wait_in_flight: bool = True,
         bound_version: Callable[[VersionedBatch], int] | None = None,
         cancel: Callable[[], None] | None = None,
+        batches: int | None = None,
     ):
         if max_staleness < 1:
             raise ValueError(f"max_staleness must be >= 1 for a producer, got {max_staleness}")
@@ -83,6 +87,7 @@ class RolloutProducer:
         self._bound_version = bound_version or (lambda item: item.weight_version)
         self._version, self._groups_of = current_version, groups_of
         self._cancel = cancel
+        self._left = batches  # batches the trainer has still to take
         self._cond = threading.Condition()
         self._queue: deque[VersionedBatch] = deque()
         self._outstanding = 0  # started and not yet taken (in generation + queued)
@@ -119,7 +124,7 @@ class RolloutProducer:
             while True:
                 with self._cond:
                     self._cond.wait_for(
-                        lambda: self._stop or (not self._pause_requests and self._outstanding < self._k)
+                        lambda: self._stop or (not self._pause_requests and self._outstanding < self._limit())
                     )
                     if self._stop:
                         return
@@ -139,6 +144,10 @@ class RolloutProducer:
             with self._cond:
                 self._error = err
                 self._cond.notify_all()
+
+    def _limit(self) -> int:
+        """Most batches started and not yet taken: k, or fewer near the end."""
+        return self._k if self._left is None else min(self._k, self._left)
 
     def requests_done(self) -> None:
         """Called by `produce` once its batch's responses are in: a sync may start from here.
@@ -180,5 +189,8 @@ class RolloutProducer:
                 self._cond.notify_all()
             staleness = version - self._bound_version(item)
             if staleness <= self._k:
+                with self._cond:
+                    if self._left is not None:
+                        self._left -= 1
                 return Taken(item, staleness, time.perf_counter() - start, dropped)
             dropped += self._groups_of(item.batch)

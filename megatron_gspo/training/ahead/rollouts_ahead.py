@@ -51,6 +51,7 @@ class RolloutsAhead:
             update_mode partial).
         produce: samples one batch at the given weight version.
         version: the trainer's current weight version.
+        batches: how many batches the run will take (None: no end; `RolloutProducer`).
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class RolloutsAhead:
         engine,
         produce: Callable[[int], RolloutBatch],
         version: Callable[[], int],
+        batches: int | None = None,
     ) -> None:
         self.rollout = rollout
         self.inflight = None
@@ -83,6 +85,7 @@ class RolloutsAhead:
             wait_in_flight=rollout.update_mode == "drain",
             bound_version=bound,
             cancel=engine.client.cancel_generation,  # a stopping run (SIGTERM) waits for no batch
+            batches=batches,
         )
         if rollout.update_mode == "drain":  # a sync waits for the batch's responses, not its scoring
             engine.on_responses = self.producer.requests_done
