@@ -107,7 +107,9 @@ def test_partial_rollouts_cut_by_every_sync_train_within_the_bound(tmp_path):
         f"rollout.max_staleness={k}", "rollout.update_mode=partial",
         "algorithm.routing_replay=r3", "drift.enabled=true", "drift.every=1",
     ]  # fmt: skip
-    env = {**ENV, HOLD_DECODE_ENV: "16"}  # a batch: rollout_batch_size x group_size responses
+    # a batch is 16 responses (rollout_batch_size x group_size), generated as one engine batch, so
+    # the launch's /health generation does not let the hold start inside step 1's batch
+    env = {**ENV, HOLD_DECODE_ENV: "16"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     records = read_metrics(tmp_path / "metrics.jsonl")[1:]

@@ -112,9 +112,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--hold-decode-after-responses",
         type=int,
         default=int(os.environ.get(HOLD_DECODE_ENV, 0)),
-        help="test aid: once this many responses have ended under the weights served, decoding "
-        "waits until the weights change (or its requests are aborted), so the next batch is "
-        f"mid-generation when a weight sync lands (default: ${HOLD_DECODE_ENV}, else 0: off)",
+        help="test aid: once this many responses (its own /health generations too) have ended "
+        "under the weights served, a batch decodes one token and waits for a pause or its abort, "
+        f"so the next sync that pauses lands mid-response (default: ${HOLD_DECODE_ENV}, else 0: off)",
     )
     parser.add_argument(
         "--enable-memory-saver",
