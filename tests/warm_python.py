@@ -46,8 +46,8 @@ from pathlib import Path
 
 from warm_python_client import SOCKET_VAR, startup_fingerprint
 
-# What the project runs its own Python programs with (megatron_gspo/python_command.py).
-PROJECT_PYTHON_VAR = "MEGATRON_GSPO_PYTHON"
+from megatron_gspo.python_command import PYTHON_VAR  # what the project runs its Python programs with
+
 CLIENT = Path(__file__).with_name("warm_python_client.py")
 # Imported once by the server. First the module that silences megatron-core's import-time
 # warnings about TransformerEngine and apex, as a fresh process does before importing it.
@@ -220,7 +220,7 @@ class WarmServer:
     def __init__(self) -> None:
         self.directory = tempfile.mkdtemp(prefix="megatron-gspo-warm-")
         self.path = os.path.join(self.directory, "warm.sock")
-        ours = (SOCKET_VAR, PROJECT_PYTHON_VAR)
+        ours = (SOCKET_VAR, PYTHON_VAR)
         env = {name: value for name, value in os.environ.items() if name not in ours}
         env["PYTHONUNBUFFERED"] = "1"
         Path(self.path + ".json").write_text(json.dumps(startup_fingerprint(env)))
@@ -232,11 +232,11 @@ class WarmServer:
             start_new_session=True,  # a child's stray killpg never reaches pytest
         )
         os.environ[SOCKET_VAR] = self.path
-        os.environ[PROJECT_PYTHON_VAR] = shlex.join(python())
+        os.environ[PYTHON_VAR] = shlex.join(python())
 
     def stop(self) -> None:
         os.environ.pop(SOCKET_VAR, None)
-        os.environ.pop(PROJECT_PYTHON_VAR, None)
+        os.environ.pop(PYTHON_VAR, None)
         self.process.kill()
         self.process.wait()
         shutil.rmtree(self.directory, ignore_errors=True)

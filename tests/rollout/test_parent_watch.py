@@ -17,13 +17,14 @@ import pytest
 
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.python_command import PYTHON_VAR
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, signals")
 
 # The servers start as deployments start them: a fresh interpreter, the launcher's child.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-ENV.pop("MEGATRON_GSPO_PYTHON", None)
+ENV.pop(PYTHON_VAR, None)
 
 GUARDED_SLEEPER = textwrap.dedent(
     """

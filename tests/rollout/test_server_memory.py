@@ -14,6 +14,7 @@ import torch
 
 from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf_checkpoint import load_hf_state_dict, make_tiny_hf_checkpoint
+from megatron_gspo.python_command import PYTHON_VAR
 from megatron_gspo.rollout import tensor_handles
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.errors import RolloutRequestError, WeightUpdateError
@@ -135,7 +136,7 @@ def test_release_refused_while_generating(checkpoint):
 @pytest.mark.slow  # a server subprocess: ~8 s
 def test_server_rss_drops_on_release_and_returns_on_resume(tmp_path, monkeypatch):
     """One subprocess server: weights of ~16 MiB (a 65,536-row vocabulary) and a 48 MiB KV pool."""
-    monkeypatch.delenv("MEGATRON_GSPO_PYTHON", raising=False)  # its RSS is the launcher's child's
+    monkeypatch.delenv(PYTHON_VAR, raising=False)  # its RSS is the launcher's child's
     big = tiny(vocab_size=65536, init_std=0.2)
     path = make_tiny_hf_checkpoint(tmp_path / "big", big, seed=0)
     weight_bytes = sum(t.numel() * t.element_size() for t in load_hf_state_dict(path).values())

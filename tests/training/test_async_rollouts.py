@@ -89,7 +89,8 @@ def test_partial_rollouts_cut_by_every_sync_train_within_the_bound(tmp_path):
     """k = 2, update_mode=partial, R3 and drift, every sync lands mid-batch: read from samples.jsonl.
 
     The server's test-only hold keeps each batch generating through the next sync: once a batch's
-    16 responses have ended under the weights served, decoding waits until the weights change.
+    16 responses have ended under the weights served, the next batch decodes one token and waits
+    for the sync's pause.
     With k = 2 the producer starts batch s + 1 as soon as batch s is done, and the trainer syncs
     after training step s, so every step from 2 on trains on responses that sync cut, after their
     first token (step 1's batch is generated before any sync). Each such response is made of

@@ -11,11 +11,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from megatron_gspo.python_command import PYTHON_VAR
+
 REPO = Path(__file__).resolve().parents[2]
 # Every process of the job is the launcher's descendant, the server too: none forked elsewhere
 # (tests/warm_python.py), so that what outlives the launcher is seen.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-ENV.pop("MEGATRON_GSPO_PYTHON", None)
+ENV.pop(PYTHON_VAR, None)
 
 
 def _descendants(pid):

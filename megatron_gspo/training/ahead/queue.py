@@ -63,7 +63,7 @@ class RolloutProducer:
             was started at; responses spanning versions pass their oldest token's).
         cancel: ends the batch being generated (`close` calls it): a stopping run does not wait
             for a batch it will not train on.
-        batches: how many batches the trainer will take in all (None: no end). None starts once
+        batches: how many batches the trainer will take in all (None: no end). No batch starts once
             that many are taken or on their way, so the last steps generate no batch nobody
             trains on (a dropped one is replaced).
     """
