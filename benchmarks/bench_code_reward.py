@@ -12,9 +12,9 @@ the cost measured; the programs themselves do almost nothing.
 import argparse
 import time
 
-from megatron_gspo.tasks.code_reward import CodeScorer, ScoringOptions
-from megatron_gspo.tasks.code_tests import parse_tests
-from megatron_gspo.tasks.sandbox import Limits
+from megatron_gspo.tasks.code.cases import parse_tests
+from megatron_gspo.tasks.code.reward import CodeScorer, ScoringOptions
+from megatron_gspo.tasks.code.sandbox import Limits
 
 FUNCTION = parse_tests(
     {"inputs": [[x] for x in (0, 1, 2, 5, -3)], "outputs": [3, 5, 7, 13, -3], "fn_name": "f"}

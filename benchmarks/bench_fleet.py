@@ -25,7 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout import SGLangClient, build_generate_request
 from megatron_gspo.rollout.router_launch import launch_router, router_available
 from megatron_gspo.rollout.server.launch import launch_embedded_server

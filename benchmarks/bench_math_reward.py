@@ -14,7 +14,7 @@ import argparse
 import random
 import time
 
-from megatron_gspo.tasks.math_reward import answers_match, math_verify_equal
+from megatron_gspo.tasks.math.reward import answers_match, math_verify_equal
 
 
 def gsm8k_pairs(n: int, seed: int = 0) -> list[tuple[str, str]]:

@@ -29,7 +29,7 @@ def export_demo_model(out_dir: Path):
     from megatron_gspo.config import build_model_config, load_config
     from megatron_gspo.model.builder import build_model
     from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
-    from megatron_gspo.model.hf_export import export_hf_checkpoint
+    from megatron_gspo.model.hf.export import export_hf_checkpoint
     from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 
     cfg = load_config(REPO / "configs" / "tiny_moe_cpu.yaml")

@@ -31,13 +31,13 @@ import torch
 from megatron_gspo.config import WeightSyncConfig
 from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import MoEModelConfig, qwen3_30b_a3b, qwen3_235b_a22b
-from megatron_gspo.model.convert import name_table
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
-from megatron_gspo.model.hf_export import export_hf_checkpoint
+from megatron_gspo.model.hf.convert import name_table
+from megatron_gspo.model.hf.export import export_hf_checkpoint
 from megatron_gspo.plan import sync_bytes
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.server.launch import launch_embedded_server
-from megatron_gspo.training.weight_sync import WeightSync
+from megatron_gspo.weight_sync.sync import WeightSync
 
 SYNCS = (
     ("distributed", "distributed", "none"),

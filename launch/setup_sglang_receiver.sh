@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A separate environment with SGLang's own weight-sync receiver code, for the tests that send the
-# trainer's weights to it (tests/training/sglang_receiver_shim.py). Deployments run SGLang apart
+# trainer's weights to it (tests/weight_sync/sglang_receiver_shim.py). Deployments run SGLang apart
 # from the trainer; so do these tests. Idempotent.
 #   bash launch/setup_sglang_receiver.sh          # ./.venv-sglang: Python 3.11, torch 2.13.0 CPU
 # VENV=dir picks another directory, PYTHON another interpreter.

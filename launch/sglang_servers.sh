@@ -21,7 +21,7 @@
 #   overrides the config. With fp8 the script refuses (before SGLang starts, DRY_RUN too) a MODEL
 #   whose config.json is not block FP8 (SGLang would quantise it per tensor online and drop the
 #   trainer's block scales) and a TP/EP whose per-rank expert width moe_intermediate_size /
-#   (TP / EP) is not a multiple of 128 (SGLang refuses to start): megatron_gspo/model/fp8_serving.py.
+#   (TP / EP) is not a multiple of 128 (SGLang refuses to start): megatron_gspo/model/fp8/serving.py.
 #   Qwen3-30B-A3B-FP8: TP=4 EP=4 (768 per rank); Qwen3-235B-A22B-FP8: TP=8 EP=8 (1536).
 #
 # ROUTER=1 also starts SGLang's router (pip `sglang-router`, in the `router` extra) on this node,
@@ -78,7 +78,7 @@ fi
 ROUTED_EXPERTS=${ROUTED_EXPERTS:-1}
 if [ "${QUANTIZATION:-none}" = fp8 ]; then  # the project's check, from this checkout
   ROOT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-  PYTHONPATH="$ROOT_DIR${PYTHONPATH:+:$PYTHONPATH}" python -m megatron_gspo.model.fp8_serving "$MODEL" "$TP" "$EP"
+  PYTHONPATH="$ROOT_DIR${PYTHONPATH:+:$PYTHONPATH}" python -m megatron_gspo.model.fp8.serving "$MODEL" "$TP" "$EP"
 fi
 if [ "$HOST" = 0.0.0.0 ] || [ "$HOST" = "::" ]; then
   {

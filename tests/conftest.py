@@ -95,16 +95,16 @@ MODULE_SECONDS = {  # a worker's seconds in the 3.12 stage (-n 2, 2026-11-29): a
     "test_cli_user_errors.py": 145,
     "training/test_startup_sync.py": 140,
     "training/test_sft_target_multiprocess.py": 140,  # one test: never the run's tail
-    "training/test_weight_sync_multiprocess.py": 120,
+    "weight_sync/test_weight_sync_multiprocess.py": 120,
     "training/test_train_routing_replay.py": 120,
-    "training/test_colocated_run.py": 110,  # one test, two runs
+    "placement/test_colocated_run.py": 110,  # one test, two runs
     "training/test_fleet_loss.py": 105,
     "rollout/test_router_fleet.py": 100,
     "training/test_async_rollouts.py": 90,
     "training/test_launcher_signals.py": 90,
     "training/test_math_run.py": 75,
     "training/test_reference_multiprocess.py": 65,
-    "model/test_convert_multiprocess.py": 45,
+    "model/hf/test_convert_multiprocess.py": 45,
 }
 
 
@@ -134,16 +134,16 @@ analysis/test_drift_report.py analysis/test_logprob_mismatch.py analysis/test_ru
 analysis/test_tool_prompts.py
 benchmarks/test_reproduce_quick.py benchmarks/test_run_quick.py
 benchmarks/test_stability_grid.py benchmarks/test_staleness_sweep.py
-model/test_fp8.py model/test_hf_checkpoint.py model/test_hf_stream.py
+model/fp8/test_fp8.py model/hf/test_hf_checkpoint.py model/hf/test_hf_stream.py
 model/test_routing_layout.py
 rollout/test_batch.py rollout/test_client.py rollout/test_client_embedded.py
 rollout/test_client_router_args.py rollout/test_parent_watch.py rollout/test_partial_merge.py
 rollout/test_serve_checkpoints.py rollout/test_server.py rollout/test_server_engine.py
-rollout/test_server_robustness.py rollout/test_server_scheduler.py rollout/test_update_group.py
+rollout/test_server_robustness.py rollout/test_server_scheduler.py weight_sync/test_update_group.py
 rollout/test_validation.py rollout/test_weight_version_spans.py
-tasks/test_arithmetic_tasks.py tasks/test_code_dataset.py tasks/test_code_reward_table.py
-tasks/test_math_data_files.py tasks/test_math_dataset.py tasks/test_math_reward.py
-tasks/test_math_reward_table.py tasks/test_prompt_stream.py tasks/test_sandbox.py
+tasks/test_arithmetic_tasks.py tasks/code/test_code_dataset.py tasks/code/test_code_reward_table.py
+tasks/math/test_math_data_files.py tasks/math/test_math_dataset.py tasks/math/test_math_reward.py
+tasks/math/test_math_reward_table.py tasks/test_prompt_stream.py tasks/code/test_sandbox.py
 tasks/test_task_evaluation.py tasks/test_task_registry.py tasks/test_task_tokenizer.py
 test_config.py test_docs.py test_fp8_serving.py test_gpu_smoke_wheels.py test_import_floors.py
 test_plan.py test_sglang_launcher.py test_sglang_launcher_bind.py
@@ -152,8 +152,8 @@ training/test_checkpoint_source.py training/test_drift_sampling.py training/test
 training/test_math_run.py training/test_metrics_wandb.py training/test_micro_batching.py
 training/test_progress_bar.py training/test_rollout_queue.py training/test_rollout_step.py
 training/test_rollouts_ahead.py training/test_samples_log.py training/test_sampling_seeds.py
-training/test_save_schedule.py training/test_segment_staleness.py training/test_shm_exports.py
-training/test_termination.py
+training/test_save_schedule.py training/test_segment_staleness.py weight_sync/test_shm_exports.py
+test_termination.py
 """.split()
 )
 
@@ -169,12 +169,12 @@ analysis/test_drift_report.py analysis/test_logprob_mismatch.py analysis/test_to
 rollout/test_partial_rollouts.py rollout/test_router_fleet.py rollout/test_serve_checkpoints.py
 rollout/test_server_pause.py
 test_cli_user_errors.py
-training/test_async_rollouts.py training/test_checkpoint_kill.py training/test_colocated_run.py
+training/test_async_rollouts.py training/test_checkpoint_kill.py placement/test_colocated_run.py
 training/test_fleet_loss.py training/test_fleet_sync.py training/test_infer_train_drift_server.py
 training/test_inflight_updates.py training/test_launcher_signals.py training/test_math_run.py
-training/test_sender_memory.py training/test_server_checks.py training/test_startup_sync.py
-training/test_termination.py training/test_train_cli.py training/test_user_flows.py
-training/test_weight_sync.py training/test_weight_sync_tensor_handles.py
+weight_sync/test_sender_memory.py rollout/test_server_checks.py training/test_startup_sync.py
+test_termination.py training/test_train_cli.py training/test_user_flows.py
+weight_sync/test_weight_sync.py weight_sync/test_weight_sync_tensor_handles.py
 """.split()
 )
 

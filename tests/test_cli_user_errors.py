@@ -173,7 +173,7 @@ def test_serve_on_a_busy_port_is_one_line_before_the_model_loads(tmp_path):
     import socket
 
     from megatron_gspo.model.config import tiny
-    from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+    from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 
     model = make_tiny_hf_checkpoint(tmp_path / "hf", tiny(vocab_size=80))
     with socket.create_server(("127.0.0.1", 0)) as busy:
@@ -184,7 +184,7 @@ def test_serve_on_a_busy_port_is_one_line_before_the_model_loads(tmp_path):
 
 def test_drift_metrics_without_drift_is_refused_before_any_work(tmp_path):
     from megatron_gspo.model.config import tiny
-    from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+    from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 
     model = make_tiny_hf_checkpoint(tmp_path / "hf", tiny(vocab_size=80))
     metrics = tmp_path / "metrics.jsonl"

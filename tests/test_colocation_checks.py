@@ -67,7 +67,7 @@ def test_optimizer_offload_options():
 
 
 class _Servers:
-    """What `_handle_sources` reads of a client: the servers' URLs and their /server_info."""
+    """What `handle_sources` reads of a client: the servers' URLs and their /server_info."""
 
     def __init__(self, *layouts):
         self.urls = [f"http://s{i}" for i in range(len(layouts))]
@@ -78,19 +78,19 @@ class _Servers:
 
 
 def test_each_server_rank_takes_the_trainer_rank_on_its_gpu():
-    from megatron_gspo.training.weight_sync import _handle_sources
+    from megatron_gspo.weight_sync.tensors import handle_sources
 
     # 2 nodes of 4: servers listed node by node, in any GPU order within a node (SGLang's placement).
     servers = _Servers((2, 2, 1), (2, 0, 1), (4, 0, 1))
-    assert _handle_sources(servers, world=8, per_node=4) == [[2, 3], [0, 1], [4, 5, 6, 7]]
-    assert _handle_sources(_Servers((2, 0, 2), (2, 1, 2)), world=4, per_node=4) == [[0, 2], [1, 3]]
+    assert handle_sources(servers, world=8, per_node=4) == [[2, 3], [0, 1], [4, 5, 6, 7]]
+    assert handle_sources(_Servers((2, 0, 2), (2, 1, 2)), world=4, per_node=4) == [[0, 2], [1, 3]]
     with pytest.raises(
         ColocationError, match=r"servers http://s0 and http://s1 both have a rank on GPU 1 of node 0"
     ):
-        _handle_sources(_Servers((2, 0, 1), (2, 1, 1)), world=4, per_node=4)
+        handle_sources(_Servers((2, 0, 1), (2, 1, 1)), world=4, per_node=4)
     with pytest.raises(
         ColocationError, match=r"http://s0 \(tp_size=2, base_gpu_id=3, .*GPUs \[3, 4\] of node 0"
     ):
-        _handle_sources(_Servers((2, 3, 1)), world=4, per_node=4)
+        handle_sources(_Servers((2, 3, 1)), world=4, per_node=4)
     with pytest.raises(ColocationError, match=r"http://s1 .* of node 1, outside the trainer's 1 node"):
-        _handle_sources(_Servers((4, 0, 1), (4, 0, 1)), world=4, per_node=4)
+        handle_sources(_Servers((4, 0, 1), (4, 0, 1)), world=4, per_node=4)

@@ -58,7 +58,7 @@ def test_hf_roundtrip(tmp_path, engine):
 
 def test_hf_check_catches_gate_up_swapped_at_bf16_tolerance(tmp_path, monkeypatch):
     """A conversion that swaps fc1's halves both ways round-trips exactly; the log-probs catch it."""
-    import megatron_gspo.model.convert as convert
+    import megatron_gspo.model.hf.convert as convert
 
     merge, split = convert._merge, convert._split
 

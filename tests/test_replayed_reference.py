@@ -4,7 +4,7 @@ import torch
 from replayed_reference import teacher_forced
 
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 
 CFG = tiny(vocab_size=len(build_char_tokenizer()), init_std=0.2)

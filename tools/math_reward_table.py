@@ -6,8 +6,8 @@ r"""Agreement table of the math reward: the old hand-written reward vs math-veri
 Each case is (completion, reference, expected reward). Columns: the project's reward before
 math-verify (read from git at `--old-rev`, the last commit with the hand-written sympy
 reward), math-verify alone (`parse` + `verify` on the raw texts, as its README shows), and
-the project's reward now (`megatron_gspo.tasks.math_reward.math_reward`), which
-tests/tasks/test_math_reward_table.py holds equal to the expected column on every row.
+the project's reward now (`megatron_gspo.tasks.math.reward.math_reward`), which
+tests/tasks/math/test_math_reward_table.py holds equal to the expected column on every row.
 """
 
 from __future__ import annotations
@@ -76,15 +76,15 @@ CASES: list[tuple[str, str, float, str]] = [
 def load_old_reward(rev: str = OLD_REV):
     """The `math_reward` function of `rev` (read with git show), or None when git cannot give it."""
     repo = Path(__file__).resolve().parents[1]
-    try:
-        source = subprocess.run(
-            ["git", "show", f"{rev}:megatron_gspo/tasks/math_reward.py"],
-            cwd=repo,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.CalledProcessError):
+    for path in ("megatron_gspo/tasks/math/reward.py", "megatron_gspo/tasks/math_reward.py"):  # now, before
+        try:
+            source = subprocess.run(
+                ["git", "show", f"{rev}:{path}"], cwd=repo, capture_output=True, text=True, check=True
+            ).stdout
+            break
+        except (OSError, subprocess.CalledProcessError):
+            continue
+    else:
         return None
     module = types.ModuleType("old_math_reward")
     sys.modules[module.__name__] = module  # dataclasses look their module up while being built
@@ -102,7 +102,7 @@ def math_verify_alone(completion: str, reference: str) -> float:
 
 def rows(old_rev: str = OLD_REV) -> list[dict]:
     """One dict per case: completion, reference, old, math_verify, new, expected, note."""
-    from megatron_gspo.tasks.math_reward import math_reward
+    from megatron_gspo.tasks.math.reward import math_reward
 
     old = load_old_reward(old_rev)
     out = []

@@ -300,8 +300,8 @@ def megatron_policy(checkpoint: str | os.PathLike) -> Iterator[torch.nn.Module]:
     from megatron.core import parallel_state
 
     from megatron_gspo.model.builder import build_model
-    from megatron_gspo.model.convert import load_hf_checkpoint, read_hf_config
     from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+    from megatron_gspo.model.hf.convert import load_hf_checkpoint, read_hf_config
 
     owns = not dist.is_initialized()
     if owns or not parallel_state.model_parallel_is_initialized():
@@ -403,7 +403,7 @@ def run_mismatch(
         model: the Megatron policy already holding `cfg.checkpoint`'s weights; default: built and
             loaded here in a world of one.
     """
-    from megatron_gspo.model.convert import read_hf_config
+    from megatron_gspo.model.hf.convert import read_hf_config
 
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts: need at least one prompt, and no empty prompt")

@@ -141,7 +141,7 @@ def _checkpoint_model(args: argparse.Namespace):
     """(resolved checkpoint, its architecture) of `--hf-path`."""
     from megatron_gspo.checkpoint.meta import MODEL_DIR
     from megatron_gspo.checkpoint.source import resolve_checkpoint
-    from megatron_gspo.model.convert import read_hf_config
+    from megatron_gspo.model.hf.convert import read_hf_config
 
     source = resolve_checkpoint(args.hf_path, "--hf-path")
     return source, read_hf_config(source.path if source.kind == "hf" else source.path / MODEL_DIR)
@@ -183,7 +183,7 @@ def _check_tiny_layout(args: argparse.Namespace) -> None:
 def _load_checkpoint(model, source, model_cfg) -> None:
     """The checkpoint's weights into this rank's shard (HF: per-shard reads; training: dist ckpt)."""
     from megatron_gspo.checkpoint.load import load_weights
-    from megatron_gspo.model.convert import load_hf_checkpoint
+    from megatron_gspo.model.hf.convert import load_hf_checkpoint
 
     if source.kind == "hf":
         load_hf_checkpoint(model, source.path, model_cfg)

@@ -61,7 +61,7 @@ from megatron_gspo.checkpoint.steps import (
 )
 from megatron_gspo.checksums import CHECKSUM_ALGORITHM
 from megatron_gspo.model.config import MoEModelConfig
-from megatron_gspo.model.hf_config import to_hf_config
+from megatron_gspo.model.hf.config import to_hf_config
 
 logger = logging.getLogger(__name__)
 

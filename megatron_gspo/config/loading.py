@@ -95,7 +95,7 @@ def to_yaml(cfg: RunConfig) -> str:
 
 def build_model_config(cfg: RunConfig) -> MoEModelConfig:
     """The policy architecture: read from `model.hf_path`, or the preset with its overrides."""
-    from megatron_gspo.model.hf_config import HFConfigError, read_hf_config
+    from megatron_gspo.model.hf.config import HFConfigError, read_hf_config
 
     if cfg.model.hf_path:
         try:

@@ -125,7 +125,7 @@ class RolloutConfig:
     with `--quantization fp8` (launch/sglang_servers.sh with CONFIG); the embedded server
     computes with the dequantised values. With real SGLang servers (server_urls / router_url)
     `validate` refuses it unless `server_checkpoint` is block FP8 and the server layout gives each
-    rank whole 128-wide blocks of every expert (`model/fp8_serving.py`)."""
+    rank whole 128-wide blocks of every expert (`model/fp8/serving.py`)."""
     server_checkpoint: str | None = None
     """The checkpoint the SGLang servers are launched from (launch/sglang_servers.sh MODEL), read
     by the start-up check of quantization=fp8 (its config.json's quantization_config and
@@ -354,7 +354,7 @@ class WeightSyncConfig:
     (`/update_weights_from_distributed`; NCCL on GPU, gloo on CPU). tensor: buckets through
     `/update_weights_from_tensor` in SGLang's format, handles to the trainer's memory and never the
     bytes (CUDA IPC on GPU, shared memory on CPU), so for servers on the trainer's own node
-    (colocated; `rollout/tensor_handles.py`). disk: a full HF checkpoint in
+    (colocated; `weight_sync/tensor_handles.py`). disk: a full HF checkpoint in
     `trainer.weight_sync_dir` that every server re-reads (debugging; servers that cannot join a group)."""
     bucket_mb: float = 1024.0
     """Bucket size: the sender holds about two buckets beyond its own shards."""
@@ -368,7 +368,7 @@ class WeightSyncConfig:
     timeout_s: float = 600.0
     """Longest wait for one protocol step (group join, one bucket). Past it the trainer aborts its
     side of the group; an NCCL group's own collective timeout (its watchdog's) is 600 s longer
-    (`rollout/update_group.py`), so the watchdog does not end the trainer first."""
+    (`weight_sync/update_group.py`), so the watchdog does not end the trainer first."""
     release_timeout_s: float = 30.0
     """After a failed attempt, longest wait for the servers to close their sessions, and again to
     leave the group; one still held in a broadcast (a peer died in it; SGLang cannot abort a

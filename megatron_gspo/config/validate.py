@@ -22,7 +22,7 @@ from megatron_gspo.config.value_checks import (
     check_weight_sync,
 )
 from megatron_gspo.errors import ConfigError
-from megatron_gspo.model.fp8_serving import Fp8ServingError, check_fp8_serving
+from megatron_gspo.model.fp8.serving import Fp8ServingError, check_fp8_serving
 from megatron_gspo.optional import installed, missing_message
 
 
@@ -403,7 +403,7 @@ def _check_fp8_rollouts(rollout: RolloutConfig) -> None:
     """rollout.quantization=fp8 on real SGLang servers: a block-FP8 server checkpoint, a layout SGLang takes.
 
     The embedded server dequantises what it receives at any width, so only real SGLang servers
-    (`rollout.server_urls` / `rollout.router_url`) are checked (`model/fp8_serving.py` says why).
+    (`rollout.server_urls` / `rollout.router_url`) are checked (`model/fp8/serving.py` says why).
     """
     if rollout.quantization != "fp8" or not (rollout.server_urls or rollout.router_url):
         return

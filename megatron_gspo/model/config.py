@@ -1,6 +1,6 @@
 """Architecture of a Qwen3-MoE-shaped policy, and how it maps to HF and Megatron configs.
 
-One dataclass describes the network; `hf_config.to_hf_config` / `from_hf_config` translate it to
+One dataclass describes the network; `hf.config.to_hf_config` / `from_hf_config` translate it to
 and from HF `Qwen3MoeConfig` fields (config.json), and `model/builder.py` turns it into a
 Megatron `TransformerConfig`. Presets: `tiny` (CPU tests and the demo), `qwen3_30b_a3b`
 and `qwen3_235b_a22b` (sizes of the released checkpoints; never instantiated on CPU).

@@ -3,7 +3,7 @@
 Importing the package registers the built-in tasks ("addition", "sort_digits", "math_jsonl", "code").
 """
 
-from megatron_gspo.tasks import arithmetic, code_dataset, math_dataset, sorting  # noqa: F401  (registers the tasks)
+from megatron_gspo.tasks import arithmetic, code, math, sorting  # noqa: F401  (importing registers the tasks)
 from megatron_gspo.tasks.base import Problem, Task, available_tasks, get_task, register_task
 from megatron_gspo.tasks.data import PromptStream, sft_batches
 from megatron_gspo.tasks.evaluation import evaluate_accuracy

@@ -50,7 +50,7 @@ def add_export_args(parser: argparse.ArgumentParser) -> None:
 def _model_description(checkpoint: Path):
     """(architecture, tokenizer or None) recorded in the checkpoint's `model/` directory."""
     from megatron_gspo.checkpoint.meta import MODEL_DIR, CheckpointError, read_meta
-    from megatron_gspo.model.hf_config import read_hf_config
+    from megatron_gspo.model.hf.config import read_hf_config
 
     try:
         meta = read_meta(checkpoint)
@@ -98,7 +98,7 @@ def run_export(args: argparse.Namespace) -> int:
     checkpoint = source.path
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    from megatron_gspo.model.hf_checkpoint import ExportTargetError, check_export_target
+    from megatron_gspo.model.hf.checkpoint import ExportTargetError, check_export_target
 
     try:
         check_export_target(
@@ -133,7 +133,7 @@ def export_training_checkpoint(
     from megatron_gspo.checkpoint.load import load_weights
     from megatron_gspo.model.builder import build_model
     from megatron_gspo.model.distributed import destroy_distributed, init_distributed
-    from megatron_gspo.model.hf_export import export_hf_checkpoint
+    from megatron_gspo.model.hf.export import export_hf_checkpoint
 
     init_distributed(parallel)
     try:

@@ -177,7 +177,7 @@ def run_train(args: argparse.Namespace) -> int:
     if relaunching:
         return relaunch(args.nproc)
     # SIGTERM unwinds like Ctrl-C, so the embedded rollout server and exported weights are cleaned up.
-    from megatron_gspo.training.termination import exit_on_sigterm
+    from megatron_gspo.termination import exit_on_sigterm
 
     exit_on_sigterm()
     rank0 = os.environ.get("RANK", "0") == "0"

@@ -35,9 +35,9 @@ import torch
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.control_plane import on_rank0
-from megatron_gspo.model.convert import load_hf_checkpoint
-from megatron_gspo.model.hf_checkpoint import ExportDamagedError, verify_export
-from megatron_gspo.model.hf_export import export_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import ExportDamagedError, verify_export
+from megatron_gspo.model.hf.convert import load_hf_checkpoint
+from megatron_gspo.model.hf.export import export_hf_checkpoint
 from megatron_gspo.model.pipeline import run_micro_batches
 from megatron_gspo.training.step.forward import MicroBatch
 

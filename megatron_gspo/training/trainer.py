@@ -57,27 +57,27 @@ from megatron_gspo.config import (
 )
 from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.control_plane import broadcast_from_rank0, call_on_rank0, on_rank0
-from megatron_gspo.model.convert import ConversionError, load_hf_checkpoint
 from megatron_gspo.model.distributed import compute_device, destroy_distributed, init_distributed
-from megatron_gspo.model.hf_checkpoint import ExportTargetError, check_export_target
-from megatron_gspo.model.hf_export import export_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import ExportTargetError, check_export_target
+from megatron_gspo.model.hf.convert import ConversionError, load_hf_checkpoint
+from megatron_gspo.model.hf.export import export_hf_checkpoint
 from megatron_gspo.model.optim import build_optimizer, ddp_options, wrap_ddp
 from megatron_gspo.model.packing import packing_layout
+from megatron_gspo.placement.colocation import Colocated, Placement
+from megatron_gspo.placement.offload import TrainerOffload
 from megatron_gspo.rollout import RolloutBatch
 from megatron_gspo.rollout.fleet import FleetTooSmallError
+from megatron_gspo.rollout.server_checks import check_servers, refuse_unreachable_endpoints
 from megatron_gspo.tasks import PromptStream, evaluate_accuracy
 from megatron_gspo.tasks.prompt_check import check_prompts
 from megatron_gspo.tasks.tokenizer import resolve_add_bos
+from megatron_gspo.termination import exit_if_terminated
 from megatron_gspo.training.ahead.rollouts_ahead import RolloutsAhead
-from megatron_gspo.training.colocation import Colocated, Placement
 from megatron_gspo.training.metrics import MetricsLogger, ZeroRewardWatch
-from megatron_gspo.training.offload import TrainerOffload
 from megatron_gspo.training.reference import ReferencePolicy
 from megatron_gspo.training.run_lock import RunLock, lock_path
 from megatron_gspo.training.run_setup import load_tokenizer, weight_sync_dir
-from megatron_gspo.training.server_checks import check_servers, refuse_unreachable_endpoints
 from megatron_gspo.training.sft import run_sft
-from megatron_gspo.training.shm_exports import claim_export_dir
 from megatron_gspo.training.step.metrics import peak_memory_metrics, progress_label
 from megatron_gspo.training.step.micro_batches import DataLayout
 from megatron_gspo.training.step.rollouts import RolloutEngine, rollout_servers
@@ -93,8 +93,8 @@ from megatron_gspo.training.step.update import (
     recompute_old_logprobs,
     train_on_batch,
 )
-from megatron_gspo.training.termination import exit_if_terminated
-from megatron_gspo.training.weight_sync import WeightSync
+from megatron_gspo.weight_sync.shm_exports import claim_export_dir
+from megatron_gspo.weight_sync.sync import WeightSync
 
 logger = logging.getLogger(__name__)
 

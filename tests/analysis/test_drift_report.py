@@ -9,7 +9,7 @@ from warm_python import python
 
 from megatron_gspo.analysis.drift_report import Sample, compare, load_dump, load_hf, save_dump, teacher_forced
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.hf_checkpoint import load_hf_state_dict, make_tiny_hf_checkpoint, save_hf_state_dict
+from megatron_gspo.model.hf.checkpoint import load_hf_state_dict, make_tiny_hf_checkpoint, save_hf_state_dict
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 
 TOKENIZER = build_char_tokenizer()

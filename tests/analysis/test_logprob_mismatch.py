@@ -25,7 +25,7 @@ from megatron_gspo.analysis.logprob_mismatch import (
 from megatron_gspo.analysis.mismatch_cli import by_length_tables, write_report
 from megatron_gspo.cli import main as cli_main
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.tasks import get_task

@@ -303,16 +303,16 @@ def check_hf_roundtrip(tmp_path: Path, model_cfg, engine, *, te: bool) -> str:
     """
     from transformers import AutoModelForCausalLM
 
-    from megatron_gspo.model.convert import (
+    from megatron_gspo.model.distributed import compute_device
+    from megatron_gspo.model.hf.checkpoint import load_hf_state_dict, make_tiny_hf_checkpoint
+    from megatron_gspo.model.hf.convert import (
         hf_to_megatron,
         hf_token_logprobs,
         load_hf_checkpoint,
         logprob_diff,
         random_tokens,
     )
-    from megatron_gspo.model.distributed import compute_device
-    from megatron_gspo.model.hf_checkpoint import load_hf_state_dict, make_tiny_hf_checkpoint
-    from megatron_gspo.model.hf_export import export_hf_checkpoint
+    from megatron_gspo.model.hf.export import export_hf_checkpoint
     from megatron_gspo.model.sharding import gather_global_state_dict
 
     cfg = model_cfg.replace(init_std=INIT_STD)

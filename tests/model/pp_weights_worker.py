@@ -47,9 +47,9 @@ def check_case(case: str, parallel, work: Path) -> dict:
     import torch.distributed as dist
 
     from megatron_gspo.model.builder import build_model
-    from megatron_gspo.model.convert import hf_to_megatron, load_hf_checkpoint
-    from megatron_gspo.model.hf_checkpoint import load_hf_state_dict
-    from megatron_gspo.model.hf_export import export_hf_checkpoint
+    from megatron_gspo.model.hf.checkpoint import load_hf_state_dict
+    from megatron_gspo.model.hf.convert import hf_to_megatron, load_hf_checkpoint
+    from megatron_gspo.model.hf.export import export_hf_checkpoint
     from megatron_gspo.model.sharding import ShardingError, gather_global_state_dict, load_global_state_dict
 
     cfg, src = CASES[case], work / case

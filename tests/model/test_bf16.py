@@ -14,10 +14,10 @@ from safetensors import safe_open
 
 from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.convert import load_hf_checkpoint
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
 from megatron_gspo.model.engine import EngineConfig
-from megatron_gspo.model.hf_export import export_hf_checkpoint
+from megatron_gspo.model.hf.convert import load_hf_checkpoint
+from megatron_gspo.model.hf.export import export_hf_checkpoint
 from megatron_gspo.model.logprobs import packed_forward, sequence_logprobs
 from megatron_gspo.model.optim import OptimConfig, build_optimizer, optimizer_step, wrap_ddp, zero_grads
 from megatron_gspo.model.packing import pack_sequences

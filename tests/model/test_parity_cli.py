@@ -174,7 +174,7 @@ def test_layout_on_the_users_own_checkpoint(tmp_path):
     """`--hf-path`: the layout is checked on the checkpoint's architecture and weights; a layout
     that does not divide it is refused by name before any worker starts."""
     from megatron_gspo.model.config import tiny
-    from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+    from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 
     hf = make_tiny_hf_checkpoint(
         tmp_path / "hf", tiny(vocab_size=90, num_layers=3, num_experts=6, init_std=0.2)
@@ -198,7 +198,7 @@ def test_a_healthy_layout_passes_on_a_user_like_checkpoint(tmp_path):
     weights by 2 lr under the layout's reduction order (max|dweight| 1.07e-5 > 1e-5: a false
     FAIL); the linear Adam step compares the gradients themselves."""
     from megatron_gspo.model.config import tiny
-    from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+    from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 
     hf = make_tiny_hf_checkpoint(tmp_path / "hf", tiny(vocab_size=600, tie_word_embeddings=False), seed=3)
     result = parity("--tp", "2", "--ep", "2", "--hf-path", str(hf))

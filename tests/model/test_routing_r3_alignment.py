@@ -12,9 +12,9 @@ import torch
 from megatron_gspo.algorithms.drift import routing_drift
 from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.convert import load_hf_checkpoint
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.convert import load_hf_checkpoint
 from megatron_gspo.model.logprobs import pack_sequences, packed_forward
 from megatron_gspo.model.routing import (
     RoutingCapture,

@@ -18,16 +18,16 @@ from test_hf_config import VOCAB, save_hf
 from transformers import AutoModelForCausalLM
 
 from megatron_gspo.model.builder import build_model
-from megatron_gspo.model.convert import (
+from megatron_gspo.model.distributed import ParallelConfig, init_distributed
+from megatron_gspo.model.generate import greedy_generate
+from megatron_gspo.model.hf.checkpoint import load_hf_state_dict
+from megatron_gspo.model.hf.convert import (
     load_hf_checkpoint,
     random_tokens,
     read_hf_config,
 )
-from megatron_gspo.model.distributed import ParallelConfig, init_distributed
-from megatron_gspo.model.generate import greedy_generate
-from megatron_gspo.model.hf_checkpoint import load_hf_state_dict
-from megatron_gspo.model.hf_export import export_hf_checkpoint
-from megatron_gspo.model.hf_stream import iter_hf_tensors
+from megatron_gspo.model.hf.export import export_hf_checkpoint
+from megatron_gspo.model.hf.stream import iter_hf_tensors
 from megatron_gspo.model.logprobs import sequence_logprobs
 
 WORKER = Path(__file__).with_name("vocab_padding_worker.py")

@@ -23,13 +23,13 @@ def main() -> None:
     import torch.distributed as dist
 
     from megatron_gspo.model.builder import build_model
-    from megatron_gspo.model.convert import (
+    from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+    from megatron_gspo.model.hf.convert import (
         load_hf_checkpoint,
         random_tokens,
         read_hf_config,
     )
-    from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
-    from megatron_gspo.model.hf_export import export_hf_checkpoint
+    from megatron_gspo.model.hf.export import export_hf_checkpoint
     from megatron_gspo.model.logprobs import sequence_logprobs
 
     parallel = ParallelConfig(tensor_parallel=2)

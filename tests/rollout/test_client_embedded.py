@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout import (
     RolloutBatch,
     RolloutRequestError,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.python_command import PYTHON_VAR
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 

@@ -17,7 +17,7 @@ import torch
 from replayed_reference import routes_of, teacher_forced
 
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout import SGLangClient, build_generate_request, parse_generate_response
 from megatron_gspo.rollout.partial import PartialRollouts, segments_of
 from megatron_gspo.rollout.server.launch import launch_embedded_server

@@ -17,7 +17,7 @@ import pytest
 from warm_python import kill_server, python
 
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout import (
     SGLangClient,
     StaleRolloutError,
@@ -27,10 +27,10 @@ from megatron_gspo.rollout import (
 from megatron_gspo.rollout.fleet import FleetTooSmallError
 from megatron_gspo.rollout.router_launch import launch_router, router_available
 from megatron_gspo.rollout.server.launch import launch_embedded_server
+from megatron_gspo.rollout.server_checks import served_weights
 from megatron_gspo.rollout.types import RolloutBatch
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 from megatron_gspo.training.metrics import read_metrics
-from megatron_gspo.training.server_checks import served_weights
 
 pytestmark = [
     pytest.mark.skipif(router_available() is not None, reason=str(router_available())),

@@ -16,8 +16,8 @@ from warm_python import python
 
 from megatron_gspo.checkpoint.load import load_weights
 from megatron_gspo.model.builder import build_model
-from megatron_gspo.model.convert import read_hf_config
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+from megatron_gspo.model.hf.convert import read_hf_config
 from megatron_gspo.model.logprobs import sequence_logprobs
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

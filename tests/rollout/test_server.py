@@ -11,10 +11,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.hf_checkpoint import load_hf_state_dict, make_tiny_hf_checkpoint, save_hf_state_dict
-from megatron_gspo.rollout import contract, tensor_handles
+from megatron_gspo.model.hf.checkpoint import load_hf_state_dict, make_tiny_hf_checkpoint, save_hf_state_dict
+from megatron_gspo.rollout import contract
 from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
+from megatron_gspo.weight_sync import tensor_handles
 
 TOKENIZER = build_char_tokenizer()
 # init std 0.2: sharp logits and routing, so a wrong definition shows up far above float noise.

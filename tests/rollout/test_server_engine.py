@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.rollout.server.decode_aids import DecodeAids
 from megatron_gspo.rollout.server.engine import (
     GenerationEngine,
     GenerationInput,
@@ -190,10 +191,10 @@ def test_tokens_generated_counts_every_decoded_output_token(ckpt):
 
 
 def test_the_hold_aid_holds_later_rows_after_one_token_until_a_pause_or_an_abort(ckpt):
-    """`hold_after_responses=1`: once a response has ended under the weights served, a batch decodes
-    one token and waits: an abort ends it with that token, a pause lets it through, and a sync
+    """`DecodeAids(hold_after_responses=1)`: once a response has ended under the weights served, a
+    batch decodes one token and waits: an abort ends it with that token, a pause lets it through, and a sync
     (pause, then weights) therefore always lands mid-response, whatever the box's speed."""
-    engine = GenerationEngine(ckpt, hold_after_responses=1)
+    engine = GenerationEngine(ckpt, aids=DecodeAids(hold_after_responses=1))
     options = SamplingOptions(max_new_tokens=32, ignore_eos=True)
     (first,) = engine.generate([GenerationInput(PROMPT, options)])
     assert len(first.output_ids) == 32  # no response had ended: not held

@@ -13,16 +13,17 @@ import pytest
 import torch
 
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.hf_checkpoint import load_hf_state_dict, make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import load_hf_state_dict, make_tiny_hf_checkpoint
 from megatron_gspo.python_command import PYTHON_VAR
-from megatron_gspo.rollout import tensor_handles
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.errors import RolloutRequestError, WeightUpdateError
+from megatron_gspo.rollout.server.decode_aids import DecodeAids
 from megatron_gspo.rollout.server.engine import GenerationEngine
 from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.rollout.server.scheduler import BatchScheduler
 from megatron_gspo.rollout.server.service import RolloutService
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
+from megatron_gspo.weight_sync import tensor_handles
 
 TOKENIZER = build_char_tokenizer()
 CFG = tiny(vocab_size=len(TOKENIZER), init_std=0.2)
@@ -116,7 +117,7 @@ def test_bad_tags_are_named(service, tags, wrong):
 
 
 def test_release_refused_while_generating(checkpoint):
-    svc = _service(checkpoint, enable_memory_saver=True, decode_delay_s=0.01)
+    svc = _service(checkpoint, enable_memory_saver=True, aids=DecodeAids(delay_s=0.01))
     try:
         long = {**GREEDY, "sampling_params": {**GREEDY["sampling_params"], "max_new_tokens": 200}}
         answers = []

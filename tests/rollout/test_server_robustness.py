@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout import contract
 from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer

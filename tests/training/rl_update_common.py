@@ -10,8 +10,8 @@ import torch.distributed as dist
 from megatron_gspo.algorithms import compute_group_advantages
 from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.convert import load_hf_checkpoint
 from megatron_gspo.model.distributed import ParallelConfig, compute_device
+from megatron_gspo.model.hf.convert import load_hf_checkpoint
 from megatron_gspo.model.optim import wrap_ddp
 from megatron_gspo.rollout import RolloutBatch, RolloutSample
 from megatron_gspo.training.step.micro_batches import DataLayout

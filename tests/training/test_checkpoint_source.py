@@ -15,7 +15,7 @@ import pytest
 from megatron_gspo.checkpoint.source import remove_dead_exports, resolve_checkpoint
 from megatron_gspo.config import ConfigError
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 
 STEP_4, STEP_2 = "step_00000004", "step_00000002"
 

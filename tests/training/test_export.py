@@ -22,8 +22,8 @@ from megatron_gspo.checkpoint.source import hf_checkpoint_dir
 from megatron_gspo.config import ConfigError
 from megatron_gspo.model.builder import build_model
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.convert import load_hf_checkpoint
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
+from megatron_gspo.model.hf.convert import load_hf_checkpoint
 from megatron_gspo.model.logprobs import sequence_logprobs
 from megatron_gspo.model.sharding import gather_global_state_dict, load_global_state_dict
 

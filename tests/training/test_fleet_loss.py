@@ -22,7 +22,7 @@ from warm_python import kill_server, python
 
 from megatron_gspo.checkpoint.meta import step_dir_name
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout.router_launch import launch_router, router_available
 from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer

@@ -33,9 +33,9 @@ from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.fleet import FleetTooSmallError
 from megatron_gspo.rollout.router_launch import launch_router, router_available
 from megatron_gspo.rollout.server.launch import launch_embedded_server
+from megatron_gspo.rollout.server_checks import served_weights
 from megatron_gspo.training.ahead.inflight_updates import InFlightUpdates
-from megatron_gspo.training.server_checks import served_weights
-from megatron_gspo.training.weight_sync import WeightSync
+from megatron_gspo.weight_sync.sync import WeightSync
 
 pytestmark = [
     pytest.mark.skipif(router_available() is not None, reason=str(router_available())),

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 from warm_python import python
 
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer, encode_prompt
 from megatron_gspo.training.metrics import read_metrics
 

@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout import SGLangClient, build_generate_request
 from megatron_gspo.rollout.partial import segments_of
 from megatron_gspo.rollout.server.launch import launch_embedded_server

@@ -17,7 +17,7 @@ from warm_python import python
 
 from megatron_gspo.config import build_task, load_config
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.rollout import RolloutSample
 from megatron_gspo.training.metrics import read_metrics
 from megatron_gspo.training.step.rollouts import RolloutEngine

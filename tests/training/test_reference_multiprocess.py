@@ -11,7 +11,7 @@ from forked_torchrun import torchrun
 from kl_worker import ESTIMATORS, KEYS, MODEL, TOKEN_KL_KEYS, run
 
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 
 WORKER = Path(__file__).with_name("kl_worker.py")
 

@@ -9,7 +9,7 @@ import pytest
 from warm_python import python
 
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.training.metrics import read_metrics
 
 # 21 problems: the DP ranks decode 11 and 10, so their packed shapes and finishing steps differ.

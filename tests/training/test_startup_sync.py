@@ -21,7 +21,7 @@ import torch
 from warm_python import python
 
 from megatron_gspo.model.config import tiny
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
 from megatron_gspo.training.metrics import read_metrics
 

@@ -13,7 +13,7 @@ from forked_torchrun import torchrun
 from rl_update_common import MODEL, build_policy
 
 from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed, init_distributed
-from megatron_gspo.model.hf_checkpoint import make_tiny_hf_checkpoint
+from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.training.step.micro_batches import DataLayout
 
 WORKER = Path(__file__).with_name("budget_worker.py")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,12 +36,13 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from megatron_gspo.model.hf_checkpoint import (
+from megatron_gspo.model.hf.checkpoint import (
     check_finite,
     copy_into_model,
     hf_to_module_state,
     load_hf_state_dict,
 )
+from megatron_gspo.rollout.server.decode_aids import DecodeAids
 from megatron_gspo.rollout.server.memory import MemoryOccupation
 
 GREEDY_EPS = 1e-6  # SGLang treats temperature below this as greedy
@@ -135,20 +135,12 @@ class GenerationEngine:
         weight_version: str = "default",
         seed: int = 0,
         device: str = "cpu",
-        decode_delay_s: float = 0.0,
-        hold_after_responses: int = 0,
+        aids: DecodeAids | None = None,
         enable_memory_saver: bool = False,
         kv_pool_bytes: int = 0,
     ) -> None:
         self.model_path = str(model_path)
-        self.decode_delay_s = decode_delay_s
-        """A test aid (`serve --decode-delay-ms`): each decode step waits this long first, so a
-        generation is still running when a test's weight sync lands."""
-        self.hold_after_responses = hold_after_responses
-        """A test aid (`serve --hold-decode-after-responses N`): once N responses have ended (not aborted)
-        under the weights served, a batch decodes one token, then waits (lock held) for a pause or its
-        rows' abort. A sync that pauses first lands mid-response; one that does not would wait forever."""
-        self._ended_under: dict[str, int] = {}  # weight version -> responses ended under it
+        self.aids = aids  # the test aids (rollout/server/decode_aids.py); None unless a flag set them
         self.dtype = dtype
         self.device = torch.device(device)
         self.return_original_logprob = return_original_logprob
@@ -386,7 +378,7 @@ class GenerationEngine:
         waiting = [False] * bsz  # aborted while retracted (SGLang: in the waiting queue)
         prefix: list[torch.Tensor | None] = [None] * bsz  # per row [positions, L, k] of a retract's prefill
         want_routing = any(it.return_routed_experts for it in items)
-        hold = 0 < self.hold_after_responses <= self._ended_under.get(self.weight_version, 0)  # a test aid
+        hold = self.aids is not None and self.aids.batch_holds(self.weight_version)
         while rows:
             tokens, lps = self._sample(next_logits, [items[b] for b in rows], [generators[b] for b in rows])
             step_tokens, step_lps = tokens.tolist(), lps.tolist()  # one read per step, not two per row
@@ -408,10 +400,9 @@ class GenerationEngine:
                 mask, tokens = mask[keep], tokens[keep]
                 rows = [rows[i] for i in going]
             going_rows = list(rows)
-            if self.decode_delay_s > 0:  # lock held: no weight update lands inside a step
-                time.sleep(self.decode_delay_s)
-            while hold and not self._paused and not all(items[b].abort.is_set() for b in rows):
-                time.sleep(0.01)  # the hold_after_responses aid, lock held: till a pause or an abort
+            if self.aids is not None:  # lock held: no weight update lands inside a step
+                aborted = [items[b].abort for b in rows]
+                self.aids.at_step(hold, lambda: self._paused or all(a.is_set() for a in aborted))  # noqa: B023
             hold = False
             version_before = self.weight_version
             held = self._hold_while_paused(items, rows)
@@ -453,8 +444,8 @@ class GenerationEngine:
                     decode_routing[b].append(routing[i, :, 0])
             next_logits = logits[:, -1]
 
-        ended = sum(f["type"] != "abort" for f in finish)
-        self._ended_under[self.weight_version] = self._ended_under.get(self.weight_version, 0) + ended
+        if self.aids is not None:
+            self.aids.batch_ended(self.weight_version, sum(f["type"] != "abort" for f in finish))
         results = []
         for b, it in enumerate(items):
             routed = None

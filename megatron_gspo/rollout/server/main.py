@@ -18,6 +18,7 @@ import sys
 import torch
 
 from megatron_gspo.rollout.server import http_app
+from megatron_gspo.rollout.server.decode_aids import DecodeAids
 from megatron_gspo.rollout.server.engine import GenerationEngine
 from megatron_gspo.rollout.server.scheduler import BatchScheduler
 from megatron_gspo.rollout.server.service import GENERATION_PATHS, GET_ROUTES, POST_ROUTES, RolloutService
@@ -141,8 +142,7 @@ def build_service(args: argparse.Namespace) -> RolloutService:
         return_original_logprob=args.return_original_logprob,
         weight_version=args.weight_version,
         seed=args.seed,
-        decode_delay_s=args.decode_delay_ms / 1000,
-        hold_after_responses=args.hold_decode_after_responses,
+        aids=DecodeAids.from_flags(args.decode_delay_ms / 1000, args.hold_decode_after_responses),
         enable_memory_saver=args.enable_memory_saver,
         kv_pool_bytes=int(args.kv_pool_mb * 2**20),
     )

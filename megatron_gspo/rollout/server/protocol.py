@@ -5,7 +5,7 @@ types and unknown `sampling_params` keys get the real server's 400 text. Feature
 embedded engine does not implement (streaming, stop strings, penalties, n > 1, top
 log-probs, ...) are refused with a 400 naming the field, never silently ignored.
 
-(/update_weights_from_tensor's payload, SGLang's tensor handles, is `rollout/tensor_handles.py`.)
+(/update_weights_from_tensor's payload, SGLang's tensor handles, is `weight_sync/tensor_handles.py`.)
 """
 
 from __future__ import annotations

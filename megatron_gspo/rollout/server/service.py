@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from megatron_gspo.rollout import contract, tensor_handles
+from megatron_gspo.rollout import contract
 from megatron_gspo.rollout.server.engine import GenerationEngine, GenerationInput, SamplingOptions
 from megatron_gspo.rollout.server.fields import (
     RequestError,
@@ -26,6 +26,7 @@ from megatron_gspo.rollout.server.memory import MemoryOccupationError, check_tag
 from megatron_gspo.rollout.server.protocol import build_response, check_response, parse_generate
 from megatron_gspo.rollout.server.scheduler import BatchScheduler
 from megatron_gspo.rollout.server.weight_receiver import WeightReceiver, WeightSyncError
+from megatron_gspo.weight_sync import tensor_handles
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ partially updated"), and `weight_version` (carried by the last bucket) keeps its
 failed sync leaves mixed weights under the old version until a retry sends every bucket again.
 `/end_weight_update` closes the session; its `{"abort": true}` (an extension this project's
 sender adds after a failure) changes nothing, as SGLang ignores the field. Blockwise FP8 weights
-(`X.weight` float8_e4m3fn with `X.weight_scale_inv`, `model/fp8.py`) are loaded dequantised once
+(`X.weight` float8_e4m3fn with `X.weight_scale_inv`, `model/fp8/blockwise.py`) are loaded dequantised once
 both halves have arrived: the engine computes with the FP8 values, as an FP8 SGLang server does.
 """
 
@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.model.fp8 import dequantize_named
-from megatron_gspo.model.hf_checkpoint import check_fits_model
-from megatron_gspo.model.hf_stream import flat_nbytes, tensor_dtype, unflatten_bucket
+from megatron_gspo.model.fp8.blockwise import dequantize_named
+from megatron_gspo.model.hf.checkpoint import check_fits_model
+from megatron_gspo.model.hf.stream import flat_nbytes, tensor_dtype, unflatten_bucket
 from megatron_gspo.rollout.server.engine import GenerationEngine
 from megatron_gspo.rollout.server.memory import MemoryOccupationError
-from megatron_gspo.rollout.update_group import destroy_update_group, init_update_group
+from megatron_gspo.weight_sync.tensor_handles import FLATTENED_BUCKET
+from megatron_gspo.weight_sync.update_group import destroy_update_group, init_update_group
 
-FLATTENED_BUCKET = "flattened_bucket"
 _BACKENDS = ("gloo", "nccl")
 
 
