@@ -30,3 +30,14 @@ def report_user_error(message: str, code: int = 2) -> None:
         return
     with contextlib.suppress(FileExistsError), open(path, "x") as f:  # the first worker wins
         f.write(f"{code}\n{message}\n")
+
+
+def report_verdict(code: int) -> None:
+    """Under `--nproc N` (or a re-launch): this exit status is the command's printed answer, not a crash.
+
+    The launcher then exits with `code` and shows no torchrun failure report (no message of its own).
+    """
+    path = os.environ.get(USER_ERROR_FILE_ENV)
+    if path:
+        with contextlib.suppress(FileExistsError), open(path, "x") as f:
+            f.write(f"{code}\n")

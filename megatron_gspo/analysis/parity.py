@@ -33,6 +33,15 @@ With `--hf-path CKPT` the model is the user's own checkpoint (an HF directory, a
 checkpoint or a run directory, `checkpoint/source.py`): its architecture and weights
 replace the tiny random policy, so a layout is checked on the model it will train.
 
+Like with like: both runs take the same micro-batches (`_plan`: the same samples, packed with
+the layout's pad multiple; a rank with none left runs a zero-weight filler) and vocabulary
+padding (the reference pads the vocabulary to the layout's multiple, as training at that TP
+does). The MoE load-balancing loss is not linear and counted per micro-batch, so both weight
+each micro-batch's aux loss by its share of the loss normaliser, as RL does
+(`model/aux_loss.py`); its coefficient is the checkpoint's `router_aux_loss_coef` unless
+`--aux-loss-coeff` says otherwise (RL's `algorithm.aux_loss_coeff` is 0 by default), and the
+line says which.
+
 On a CPU machine without an outer torchrun, the command re-launches itself under torchrun
 with gloo workers; on GPU nodes run it under torchrun directly.
 """
@@ -88,6 +97,11 @@ def add_parity_args(parser: argparse.ArgumentParser) -> None:
         help=f"fp32: bound on every max difference (default {DEFAULT_TOLERANCE:g}); bf16 has its own bounds",
     )
     parser.add_argument("--distributed-optimizer", action="store_true", help="shard Adam states over DP")
+    parser.add_argument(
+        "--aux-loss-coeff",
+        type=float,
+        help="MoE load-balancing loss coefficient of both runs (default: the model's router_aux_loss_coef)",
+    )
     parser.add_argument(
         "--hf-path",
         help="check on this checkpoint (HF dir, training checkpoint or run dir), not the tiny random model",
@@ -200,23 +214,34 @@ def _batch(vocab_size: int, seed: int) -> tuple[list[torch.Tensor], list[torch.T
     return seqs, masks
 
 
-def _packed(seqs: list[torch.Tensor], indices: list[int], tp: int):
-    """`indices` of `seqs` as packed micro-batches of `MICRO_BATCH_SIZE` (shapes uniform over EP)."""
+def _plan(num_samples: int) -> list[list[int]]:
+    """The micro-batches of both runs: `MICRO_BATCH_SIZE` consecutive samples each.
+
+    Data-parallel rank r of a run takes `plan[r::dp]`, so both runs hold the same micro-batches
+    whatever their DP sizes (the aux loss of a micro-batch depends on what it holds).
+    """
+    return [
+        list(range(i, min(i + MICRO_BATCH_SIZE, num_samples)))
+        for i in range(0, num_samples, MICRO_BATCH_SIZE)
+    ]
+
+
+def _packed(seqs: list[torch.Tensor], chunks: list[list[int]], pad_multiple: int):
+    """`chunks` of `seqs` as packed micro-batches (shapes uniform over EP)."""
     from megatron_gspo.model.packing import pack_sequences, pad_to_shape, uniform_shape
 
     out = []
-    for start in range(0, len(indices), MICRO_BATCH_SIZE):
-        chunk = indices[start : start + MICRO_BATCH_SIZE]
-        packed = pack_sequences([seqs[i] for i in chunk], pad_multiple=tp)
+    for chunk in chunks:
+        packed = pack_sequences([seqs[i] for i in chunk], pad_multiple=pad_multiple)
         out.append((chunk, pad_to_shape(packed, *uniform_shape(packed))))
     return out
 
 
-def _schedule_logprobs(ddp, seqs: list[torch.Tensor], tp: int) -> torch.Tensor:
+def _schedule_logprobs(ddp, seqs: list[torch.Tensor], pad_multiple: int) -> torch.Tensor:
     """[B, T] log-probs of every sample, forward-only through the schedule, on every rank."""
     from megatron_gspo.model.pipeline import run_micro_batches, share_from_last_stage
 
-    micro_batches = _packed(seqs, list(range(len(seqs))), tp)
+    micro_batches = _packed(seqs, _plan(len(seqs)), pad_multiple)
     out = torch.zeros(len(seqs), max(len(s) for s in seqs))
 
     def keep(i, logprobs, _entropy):
@@ -229,7 +254,7 @@ def _schedule_logprobs(ddp, seqs: list[torch.Tensor], tp: int) -> torch.Tensor:
     return share_from_last_stage(out)
 
 
-def _one_step(model_cfg, parallel, seqs, masks, weights, args, source=None):
+def _one_step(model_cfg, parallel, seqs, masks, weights, args, source=None, *, pad_multiple=1):
     """Build, load weights, log-probs of every sample, one optimizer step on this DP rank's share.
 
     The step is Adam made linear in the gradient in fp32 (it compares gradients), plain Adam in
@@ -237,10 +262,12 @@ def _one_step(model_cfg, parallel, seqs, masks, weights, args, source=None):
 
     Both go through megatron's schedule (`model/pipeline.py`) in micro-batches of
     `MICRO_BATCH_SIZE`, so a pipeline has several micro-batches in flight. The weights are
-    `weights` (global), else the checkpoint `source`, else the seeded random init.
+    `weights` (global), else the checkpoint `source`, else the seeded random init. Every run
+    packs with `pad_multiple` (the layout's).
     """
     from megatron.core import parallel_state as ps
 
+    from megatron_gspo.model.aux_loss import AuxLossWeights, aux_loss_scale
     from megatron_gspo.model.builder import build_model
     from megatron_gspo.model.distributed import compute_device, init_distributed
     from megatron_gspo.model.engine import EngineConfig
@@ -256,7 +283,7 @@ def _one_step(model_cfg, parallel, seqs, masks, weights, args, source=None):
 
     init_distributed(parallel, seed=args.seed)
     engine = EngineConfig(dtype=args.dtype, recompute_activations=args.recompute)
-    model = build_model(model_cfg, parallel, engine)
+    model = build_model(model_cfg, parallel, engine, aux_loss_coeff=_aux_coeff(model_cfg, args))
     if weights is not None:
         load_global_state_dict(model, weights)
     elif source is not None:
@@ -268,25 +295,39 @@ def _one_step(model_cfg, parallel, seqs, masks, weights, args, source=None):
         _optim_config(args),
         distributed_optimizer=parallel.distributed_optimizer,
     )
-    tp = parallel.tensor_parallel
-    logprobs = _schedule_logprobs(ddp, seqs, tp)
+    logprobs = _schedule_logprobs(ddp, seqs, pad_multiple)
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    micro_batches = _packed(seqs, list(range(dp_rank, len(seqs), dp)), tp)
+    plan = _plan(len(seqs))
+    mine = plan[dp_rank::dp]
+    micro_batches = _packed(seqs, mine or plan[:1], pad_multiple)  # none left: a zero-weight filler
+    tokens = [sum(int(masks[s][1:].sum()) for s in chunk) if mine else 0 for chunk, _ in micro_batches]
     total_tokens = sum(int(m[1:].sum()) for m in masks)
+    device = compute_device()
+    aux = AuxLossWeights(
+        [
+            aux_loss_scale(torch.tensor(n, device=device), torch.tensor(total_tokens, device=device), dp)
+            for n in tokens
+        ]
+    )
 
     def loss_fn(i, local_logprobs, _entropy):
         local_mask = torch.zeros_like(local_logprobs)
         for row, sample in enumerate(micro_batches[i][0]):
-            local_mask[row, : len(masks[sample])] = masks[sample].to(compute_device(), torch.float32)
+            local_mask[row, : len(masks[sample])] = masks[sample].to(device, torch.float32)
         local_mask[:, 0] = 0.0
-        return -(local_logprobs * local_mask).sum() / total_tokens * dp_loss_scale(), {}
+        return -(local_logprobs * local_mask).sum() / total_tokens * dp_loss_scale() * bool(mine), {}
 
     zero_grads(ddp, optimizer)
-    run_micro_batches(ddp, [p for _, p in micro_batches], loss_fn, forward_only=False)
+    run_micro_batches(ddp, [p for _, p in micro_batches], loss_fn, forward_only=False, hooks=[aux])
     stepped, grad_norm = optimizer_step(ddp, optimizer, scheduler)
     if not stepped:
         raise RuntimeError("parity: the optimizer step was skipped (non-finite gradients)")
     return initial, logprobs, gather_global_state_dict(model), grad_norm
+
+
+def _aux_coeff(model_cfg, args: argparse.Namespace) -> float:
+    """The load-balancing loss coefficient of both runs: `--aux-loss-coeff`, else the model's."""
+    return model_cfg.aux_loss_coeff if args.aux_loss_coeff is None else args.aux_loss_coeff
 
 
 def _optim_config(args: argparse.Namespace):
@@ -306,7 +347,9 @@ def _fp32_logprobs(model_cfg, parallel, seqs, weights, args) -> torch.Tensor:
     from megatron_gspo.model.sharding import load_global_state_dict
 
     init_distributed(parallel, seed=args.seed)
-    model = build_model(model_cfg, parallel, EngineConfig(dtype="fp32"))
+    model = build_model(
+        model_cfg, parallel, EngineConfig(dtype="fp32"), aux_loss_coeff=_aux_coeff(model_cfg, args)
+    )
     load_global_state_dict(model, weights)
     with torch.no_grad():
         return sequence_logprobs(model, seqs)[0]
@@ -361,6 +404,7 @@ class _Diffs:
 def _check(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
+    from megatron_gspo.errors import report_verdict
     from megatron_gspo.model import config as model_configs
     from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed
 
@@ -372,24 +416,34 @@ def _check(args: argparse.Namespace) -> int:
         init = {"init_std": BF16_INIT_STD} if bf16 else {}
         model_cfg = model_configs.tiny(vocab_size=96, num_layers=args.num_layers, **init)
     seqs, masks = _batch(model_cfg.vocab_size, args.seed)
-    reference = ParallelConfig(token_dispatcher=args.dispatcher)
+    layout = _layout(args)
+    # TP=1 with the layout's vocabulary padding: the same rows (an odd vocabulary is padded at TP2)
+    reference = ParallelConfig(
+        token_dispatcher=args.dispatcher,
+        make_vocab_size_divisible_by=layout.make_vocab_size_divisible_by * layout.tensor_parallel,
+    )
+    pad = layout.pad_multiple
     weights, ref_logprobs, ref_updated, ref_norm = _one_step(
-        model_cfg, reference, seqs, masks, None, args, source
+        model_cfg, reference, seqs, masks, None, args, source, pad_multiple=pad
     )
     if bf16:
         rounding = _Diffs.of(_fp32_logprobs(model_cfg, reference, seqs, weights, args), ref_logprobs, seqs)
-    layout = _layout(args)
-    _, logprobs, updated, grad_norm = _one_step(model_cfg, layout, seqs, masks, weights, args)
+    _, logprobs, updated, grad_norm = _one_step(
+        model_cfg, layout, seqs, masks, weights, args, pad_multiple=pad
+    )
     diffs = _Diffs.of(logprobs, ref_logprobs, seqs, updated, ref_updated, None if bf16 else weights)
     model = "tiny random model" if source is None else f"{source.path}"
     model += (
         f" ({model_cfg.num_layers} layers, {model_cfg.num_experts} experts top-{model_cfg.moe_topk}, "
         f"vocab {model_cfg.vocab_size})"
     )
+    aux_coeff = _aux_coeff(model_cfg, args)
+    aux_from = "--aux-loss-coeff" if args.aux_loss_coeff is not None else "the model's router_aux_loss_coef"
     head = (
         f"parity tp={args.tp} ep={args.ep} pp={args.pp}{_stages_text(layout, model_cfg.num_layers)} "
         f"dispatcher={args.dispatcher} dtype={args.dtype} "
-        f"world={dist.get_world_size()} on {model} vs tp=1 ep=1: max|dlogprob|={diffs.logprob_max:.3e} "
+        f"world={dist.get_world_size()} on {model} aux_loss_coeff={aux_coeff:g} ({aux_from}) "
+        f"vs tp=1 ep=1: max|dlogprob|={diffs.logprob_max:.3e} "
         f"max|dweight| after one {'Adam' if bf16 else 'linear Adam'} step={diffs.weight_max:.3e} "
         f"grad_norm {grad_norm:.6f} vs {ref_norm:.6f}"
     )
@@ -426,5 +480,7 @@ def _check(args: argparse.Namespace) -> int:
         line = f"{head} step rel {diffs.step_rel:.3e} -> {verdict} (tolerance {tolerance:g})"
     if dist.get_rank() == 0:
         print(line, flush=True)
+        if not ok:
+            report_verdict(1)  # the line is the answer: the launcher shows no torchrun failure report
     destroy_distributed()
     return 0 if ok else 1

@@ -38,6 +38,7 @@ from megatron_gspo.model.packing import (
     pack_sequences,
     packing_layout,
     pad_to_shape,
+    padding_mask,
     thd_params,
     uniform_shape,
     unpack,
@@ -121,7 +122,8 @@ def stage_forward(
     `PackedSeqParams` when the model's attention takes them (TE); megatron's local attention
     refuses them, and there (CPU) the THD row runs with the equivalent block-diagonal mask of
     its sequences instead: the same input row, padding and token order, only the attention
-    kernel differs.
+    kernel differs. Every stage gets megatron's `padding_mask` (`packing.padding_mask`), so
+    padded positions never enter the routers' statistics (aux loss, expert-bias counts).
 
     Args:
         model: a megatron GPTModel stage (optionally wrapped by megatron DDP).
@@ -146,7 +148,7 @@ def stage_forward(
     last = is_last_stage(model)
     found: dict = {}
     hook = _logprob_loss(model, temperature, with_entropy, found) if last else contextlib.nullcontext()
-    inputs = (packed.tokens, packed.position_ids, packed.labels)
+    inputs = (packed.tokens, packed.position_ids, packed.labels, padding_mask(packed))
     cp_size, cp_rank, cp_group = context_parallel_state()
     if cp_size > 1:
         if packed.layout != "thd":
@@ -154,7 +156,8 @@ def stage_forward(
         cu_padded = packed.cu_seqlens_padded()
         index = partition_index(cu_padded, cp_size, cp_rank)
         inputs = tuple(t.index_select(1, index.to(t.device)) for t in inputs)
-    tokens, position_ids, labels = (t.to(device) for t in inputs)
+    tokens, position_ids, labels, padding = (t.to(device) for t in inputs)
+    kwargs["padding_mask"] = _stage_padding(model, padding)
     with hook:
         output = model(tokens, position_ids, labels=labels, **kwargs)
     entropy = found["entropy"].transpose(0, 1) if last and with_entropy else None
@@ -162,6 +165,24 @@ def stage_forward(
         output = gather_positions(output, cu_padded, index, cp_group)
         entropy = None if entropy is None else gather_positions(entropy, cu_padded, index, cp_group)
     return output, entropy
+
+
+def _stage_padding(model: torch.nn.Module, padding: torch.Tensor) -> torch.Tensor:
+    """The `padding_mask` this stage's GPTModel takes: [R, L] on the first, SP-sliced after it.
+
+    Megatron keeps padding out of the routers' statistics (aux loss, expert bias) with it, but
+    only the stage with the embedding splits it for sequence parallelism; a later stage's
+    hidden states hold this TP rank's L / TP positions, so it gets that slice (as the
+    embedding's scatter takes it).
+    """
+    module = unwrap_model(model)
+    if module.pre_process or not module.config.sequence_parallel:
+        return padding
+    from megatron.core import parallel_state as ps
+
+    per_rank = padding.shape[1] // ps.get_tensor_model_parallel_world_size()
+    first = ps.get_tensor_model_parallel_rank() * per_rank
+    return padding[:, first : first + per_rank]
 
 
 def packed_forward(

@@ -29,6 +29,11 @@ Under the allgather dispatcher, ranks that exchange tokens in MoE layers need th
 (`uniform_shape`): for THD that is the total padded length, the extra tail belonging to the
 last sequence's padding. The alltoall dispatcher takes each rank's own shape.
 
+Padding (token id 0, a real token of most vocabularies) is never a sample's token: attention
+never sees it, no log-prob is read there, and `padding_mask` keeps it out of the MoE routers'
+statistics (the load-balancing loss, expert-bias counts), so the extra padding a layout adds
+(TP's multiple, EP peers' shapes) changes nothing.
+
 Router token order (routing replay): hidden states are [S=L, B=R, H], so the router sees
 token index `l * R + r`; under sequence parallelism TP rank i holds positions
 [i L/tp, (i+1) L/tp). For THD (R = 1) the token index is the position in the row.
@@ -296,6 +301,18 @@ def block_causal_mask(packed: PackedBatch, device: torch.device | str) -> torch.
     visible = (sample.unsqueeze(-1) == sample.unsqueeze(-2)) & (sample.unsqueeze(-1) >= 0)
     visible &= position.view(L, 1) >= position.view(1, L)
     return ~visible
+
+
+def padding_mask(packed: PackedBatch) -> torch.Tensor:
+    """[R, L] bool on the CPU, True where no sample's token sits (megatron's MoE `padding_mask`).
+
+    A sample's last token is one of its tokens (routed by its forward), though nothing follows it.
+    """
+    R, L = packed.tokens.shape
+    real = torch.zeros(R * L, dtype=torch.bool)
+    for row, start, n in packed.segments:
+        real[row * L + start : row * L + start + n] = True
+    return ~real.view(R, L)
 
 
 def thd_params(packed: PackedBatch, device: torch.device | str):

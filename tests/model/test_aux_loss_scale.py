@@ -15,6 +15,8 @@ from megatron_gspo.model.builder import build_model, transformer_config
 from megatron_gspo.model.config import qwen3_30b_a3b, tiny
 from megatron_gspo.model.distributed import ParallelConfig, init_distributed
 from megatron_gspo.model.engine import EngineConfig, KernelAvailability
+from megatron_gspo.model.logprobs import packed_forward
+from megatron_gspo.model.packing import pack_sequences, pad_to_shape
 
 CPU = KernelAvailability(cuda=False, te=False, apex_grad_accum=False)
 
@@ -76,6 +78,34 @@ def test_megatron_backward_applies_the_per_micro_batch_weight(aux_model):
             # elements near zero (terms that cancel) need on some CPUs
             torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
     set_aux_loss_scale(torch.tensor(1.0))  # megatron's default, for later tests in this process
+
+
+def test_padding_adds_nothing_to_the_aux_loss(aux_model):
+    """Padded positions (token 0) are kept out of routing statistics: a micro-batch padded to a
+    larger shape (as TP's multiple or EP peers' shapes pad it) gives the aux-loss gradients of the
+    same samples packed without padding, and token 0's embedding row (unused by the samples) none."""
+    gen = torch.Generator().manual_seed(1)
+    samples = [torch.randint(3, 32, (n,), generator=gen) for n in (7, 5)]
+    exact = pack_sequences(samples, row_len=12)  # one row of 12 tokens: no padding at all
+    assert exact.padding_fraction == 0.0
+    padded = pad_to_shape(pack_sequences(samples, pad_multiple=4), 3, 16)  # 2 rows of 8 -> 3 of 16
+
+    def grads(packed):
+        aux_model.zero_grad(set_to_none=True)
+        set_aux_loss_scale(torch.tensor(1.0))
+        logprobs, _ = packed_forward(aux_model, packed)
+        (logprobs.sum() * 0.0).backward()
+        return {n: p.grad.clone() for n, p in aux_model.named_parameters() if p.grad is not None}
+
+    want, got = grads(exact), grads(padded)
+    routers = [n for n in want if "router" in n]
+    assert routers and all(want[n].abs().max() > 1e-4 for n in routers)  # the aux loss is on
+    for name in routers:
+        torch.testing.assert_close(
+            got[name], want[name], rtol=1e-5, atol=1e-6 * want[name].abs().max().item()
+        )
+    embedding = "embedding.word_embeddings.weight"
+    assert got[embedding][0].abs().max() == 0.0  # before: trained by padding's aux-loss gradient alone
 
 
 @pytest.mark.multiprocess
