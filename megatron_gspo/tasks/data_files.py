@@ -76,6 +76,9 @@ def _from_disk(path: Path, option: str) -> list[tuple[int, dict[str, Any]]]:
 def field(row: Mapping[str, Any], key: str) -> Any:
     """`row[key]`, where a dotted key reaches into nested objects ("reward_model.ground_truth").
 
+    A part of the path that is a JSON object held as a string (LiveCodeBench's `metadata`
+    column, `'{"func_name": "f"}'`) is parsed on the way through.
+
     Raises:
         KeyError: the key (or one of its parts) is absent.
     """
@@ -83,6 +86,11 @@ def field(row: Mapping[str, Any], key: str) -> Any:
         return row[key]
     value: Any = row
     for part in key.split("."):
+        if isinstance(value, str | bytes) and value.lstrip()[:1] in ("{", b"{"):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise KeyError(key) from None
         if not isinstance(value, Mapping) or part not in value:
             raise KeyError(key)
         value = value[part]

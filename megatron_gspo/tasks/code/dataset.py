@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from collections.abc import Sequence
 
@@ -19,9 +21,11 @@ DEFAULT_TEMPLATE = (
     "```python code block at the end of your answer."
 )
 FUNCTION_TEMPLATE = (
-    "{problem}\n\nWrite a Python 3 function `{fn_name}` that solves the problem. Give the complete code "
-    "in one ```python code block at the end of your answer."
+    "{problem}\n\nWrite a Python 3 function `{fn_name}` that solves the problem, starting from:\n"
+    "```python\n{starter_code}\n```\nGive the complete code in one ```python code block at the end of "
+    "your answer."
 )
+BAD_ROW_MODES = ("raise", "skip")
 
 
 @register_task("code")
@@ -34,18 +38,29 @@ class CodeTask(FileTask):
     `{"inputs", "outputs", "fn_name"}`, CodeContests `{"input", "output"}`, LiveCodeBench test
     lists; a JSON string column is parsed). Every row's tests are checked when the file is read.
 
-    The prompt is `template` with "{problem}" (and "{fn_name}" for function-call problems) filled
-    in, then the tokenizer's chat template when `chat_template` says so. The program is the last
-    fenced code block of the completion (`extract="last_block"`), or the whole completion
-    (`extract="whole"`). Every program runs in the sandbox (`sandbox.py`, bubblewrap); a run
-    refuses to start without one unless `sandbox: none`, which runs model-written code on the host.
+    The prompt is `template` with "{problem}" (and "{fn_name}", "{starter_code}" for
+    function-call problems) filled in, then the tokenizer's chat template when `chat_template`
+    says so. The program is the last fenced code block of the completion
+    (`extract="last_block"`), or the whole completion (`extract="whole"`). Every program runs
+    in the sandbox (`sandbox.py`, bubblewrap); a run refuses to start without one unless
+    `sandbox: none`, which runs model-written code on the host.
 
     Args:
         path: the data set.
         prompt_key: field holding the problem statement.
         tests_key: field holding the tests.
-        fn_name_key: field holding the function name when the tests do not carry one.
-        solution_key: field holding a reference program (cold-start SFT targets); None: none.
+        fn_name_key: field holding the function name when the tests do not carry one (read only
+            for rows whose tests are function calls; a dotted key reaches into JSON strings).
+        solution_key: field holding a reference program (cold-start SFT targets); None: none. A
+            list of programs, or a JSON string of one (APPS `solutions`), gives its first.
+        starter_code_key: field holding the function's starter code ("{starter_code}"); a row
+            without it (or None) gets `def fn_name(arg1, ...):` with the tests' argument count.
+        float_tolerance_key: field holding a row's own float tolerance (null: exact); rows
+            without the field use `float_tolerance`.
+        on_bad_row: "raise" (a bad row stops the run, naming it) or "skip" (it is left out,
+            logged and counted in `reward/code_rows_skipped`).
+        prelude: run function-call programs after the standard imports (`typing`'s names,
+            `collections`, `heapq`, `math`, ...) as LiveCodeBench's harness does.
         template: prompt text for stdin/stdout problems.
         function_template: prompt text for function-call problems.
         chat_template: apply the tokenizer's chat template (None: when the tokenizer has one).
@@ -71,6 +86,10 @@ class CodeTask(FileTask):
         tests_key: str = "input_output",
         fn_name_key: str | None = None,
         solution_key: str | None = None,
+        starter_code_key: str | None = "starter_code",
+        float_tolerance_key: str | None = None,
+        on_bad_row: str = "raise",
+        prelude: bool = True,
         template: str = DEFAULT_TEMPLATE,
         function_template: str = FUNCTION_TEMPLATE,
         chat_template: bool | None = None,
@@ -93,6 +112,10 @@ class CodeTask(FileTask):
                 raise ValueError(f"{name} must contain '{{problem}}', got {text!r}")
         if extract not in ("last_block", "whole"):
             raise ValueError(f"extract must be 'last_block' or 'whole', got {extract!r}")
+        if on_bad_row not in BAD_ROW_MODES:
+            raise ValueError(f"on_bad_row must be one of {BAD_ROW_MODES}, got {on_bad_row!r}")
+        if prelude not in (True, False):
+            raise ValueError(f"prelude must be true or false, got {prelude!r}")
         if chat_template not in (None, True, False):
             raise ValueError(f"chat_template must be true, false or unset, got {chat_template!r}")
         wall = wall_limit_s if wall_limit_s is not None else 2.0 * time_limit_s + 2.0
@@ -103,6 +126,7 @@ class CodeTask(FileTask):
             float_tolerance=float_tolerance,
             sandbox=sandbox,
             python=python,
+            prelude=prelude,
         )
         if sandbox == "none":
             logger.warning(
@@ -119,6 +143,8 @@ class CodeTask(FileTask):
             ) from None
         self.keys = {"prompt_key": prompt_key, "tests_key": tests_key}
         self.fn_name_key, self.solution_key, self.max_tests = fn_name_key, solution_key, max_tests
+        self.starter_code_key, self.float_tolerance_key = starter_code_key, float_tolerance_key
+        self.on_bad_row, self.rows_skipped = on_bad_row, 0
         self.template, self.function_template, self.extract = template, function_template, extract
         self.chat_template = chat_template
         self.max_prompt_len, self.max_answer_len = max_prompt_len, max_answer_len
@@ -135,38 +161,81 @@ class CodeTask(FileTask):
 
     def _read(self, path: str, option: str) -> list[Problem]:
         unit, rows = read_rows(path, option)
-        problems = []
+        problems, skipped = [], []
         for number, row in rows:
             where = f"{path} {unit} {number}"
-            statement = self._value(row, self.keys["prompt_key"], "prompt_key", where)
-            fn_name = None
-            if self.fn_name_key is not None:
-                fn_name = self._value(row, self.fn_name_key, "fn_name_key", where) or None
             try:
-                tests = parse_tests(
-                    self._value(row, self.keys["tests_key"], "tests_key", where), fn_name, self.max_tests
-                )
+                problems.append(self._problem(row, number, where))
             except ValueError as err:
-                raise ValueError(
-                    f"{where} (task.options.tests_key={self.keys['tests_key']!r}): {err}"
-                ) from None
-            solution = ""
-            if self.solution_key is not None:
-                solution = str(self._value(row, self.solution_key, "solution_key", where))
-            metadata = {"line": number, "tests": tests}
-            messages = chat_messages(statement)
-            if messages is not None:
-                prompt = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
-                metadata["messages"] = messages
-            else:
-                template = self.template if tests.fn_name is None else self.function_template
-                prompt = template.replace("{problem}", str(statement)).replace(
-                    "{fn_name}", tests.fn_name or ""
-                )
-            problems.append(Problem(prompt, solution, metadata))
+                if self.on_bad_row == "raise":
+                    raise
+                skipped.append(str(err))
+        if skipped:  # one line for the count, the first reasons for what to fix
+            self.rows_skipped += len(skipped)
+            logger.warning(
+                "%s=%s: skipped %d bad row(s) of %d (task.options.on_bad_row=skip); first: %s",
+                option, path, len(skipped), len(rows), " | ".join(skipped[:3]),
+            )  # fmt: skip
         if not problems:
             raise ValueError(f"{option}={path} holds no problems")
         return problems
+
+    def _problem(self, row: dict, number: int, where: str) -> Problem:
+        statement = self._value(row, self.keys["prompt_key"], "prompt_key", where)
+        raw_tests = self._value(row, self.keys["tests_key"], "tests_key", where)
+        fn_name = None
+        if self.fn_name_key is not None:  # only function-call rows need it: a stdin row may lack it
+            try:
+                fn_name = field(row, self.fn_name_key) or None
+            except KeyError:
+                pass
+        try:
+            tests = parse_tests(raw_tests, fn_name, self.max_tests)
+        except ValueError as err:
+            hint = ""
+            if "function name" in str(err) and self.fn_name_key is not None:
+                hint = f" (task.options.fn_name_key={self.fn_name_key!r} is not in the row)"
+            raise ValueError(
+                f"{where} (task.options.tests_key={self.keys['tests_key']!r}): {err}{hint}"
+            ) from None
+        if self.float_tolerance_key is not None:
+            try:
+                tolerance = field(row, self.float_tolerance_key)
+            except KeyError:
+                tolerance = ...
+            if tolerance is not ...:
+                if tolerance is not None and not (isinstance(tolerance, int | float) and tolerance >= 0):
+                    raise ValueError(
+                        f"{where}: task.options.float_tolerance_key={self.float_tolerance_key!r} holds "
+                        f"{tolerance!r}; expected a number >= 0 or null"
+                    )
+                tests = dataclasses.replace(tests, float_tolerance=tolerance, own_tolerance=True)
+        solution = ""
+        if self.solution_key is not None:
+            solution = _solution(self._value(row, self.solution_key, "solution_key", where), where)
+        metadata = {"line": number, "tests": tests}
+        messages = chat_messages(statement)
+        if messages is not None:
+            metadata["messages"] = messages
+            return Problem("\n".join(f"{m['role']}: {m['content']}" for m in messages), solution, metadata)
+        if tests.fn_name is None:
+            return Problem(self.template.replace("{problem}", str(statement)), solution, metadata)
+        prompt = self.function_template.replace("{problem}", str(statement)).replace(
+            "{fn_name}", tests.fn_name
+        )
+        return Problem(prompt.replace("{starter_code}", self._starter(row, tests)), solution, metadata)
+
+    def _starter(self, row: dict, tests) -> str:
+        """The row's starter code, or a signature with the tests' argument count."""
+        if self.starter_code_key is not None:
+            try:
+                code = field(row, self.starter_code_key)
+            except KeyError:
+                code = None
+            if isinstance(code, str) and code.strip():
+                return code.rstrip()
+        args = ", ".join(f"arg{i + 1}" for i in range(len(tests.inputs[0])))
+        return f"def {tests.fn_name}({args}):"
 
     def program(self, completion: str) -> str | None:
         """The program in `completion` (`extract`), or None."""
@@ -186,7 +255,9 @@ class CodeTask(FileTask):
     ) -> tuple[list[float], dict[str, float]]:
         """Rewards of a batch, scored in the pool, and its `reward/code_*` outcome shares."""
         results = self.score(problems, completions)
-        return [r.reward for r in results], outcome_metrics(results)
+        metrics = outcome_metrics(results)
+        metrics["reward/code_rows_skipped"] = float(self.rows_skipped)
+        return [r.reward for r in results], metrics
 
     def judge_batch(
         self, problems: Sequence[Problem], completions: Sequence[str]
@@ -212,3 +283,26 @@ class CodeTask(FileTask):
             )
         target = problem.answer if self.extract == "whole" else fence(problem.answer)
         return problem.metadata.get("messages") or problem.prompt, target
+
+
+def _solution(value, where: str) -> str:
+    """A reference program: text, or the first of a list of programs (APPS: a JSON string of one)."""
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass  # a program that happens to start with "[" is a program
+    if isinstance(value, list | tuple):
+        programs = [p for p in value if isinstance(p, str) and p.strip()]
+        if not programs or len(programs) != len(value):
+            raise ValueError(
+                f"{where}: task.options.solution_key holds a list of {len(value)} item(s) that are not all "
+                "non-empty program texts"
+            )
+        return programs[0]
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(
+            f"{where}: task.options.solution_key holds {type(value).__name__} {str(value)[:40]!r}, "
+            "not a program"
+        )
+    return value

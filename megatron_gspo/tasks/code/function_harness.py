@@ -2,7 +2,7 @@
 
 Usage (the scorer's command line, in the sandbox):
 
-    python function_harness.py PROGRAM FN_NAME PER_TEST_CPU_S STOP_ON_ERROR < arguments.json
+    python function_harness.py PROGRAM FN_NAME PER_TEST_CPU_S STOP_ON_ERROR PRELUDE < arguments.json
 
 Standard input holds a JSON list of argument lists. The program is executed once (module name
 "solution", so a `__main__` guard does not run); its function is `FN_NAME` at top level, else
@@ -11,6 +11,9 @@ standard output the harness started with: {"value": returned value} (JSON round 
 become lists, sets sorted lists), {"error": "..."} or {"timeout": true} (the test's CPU time
 passed PER_TEST_CPU_S). The program's own prints go to /dev/null; its standard input is empty.
 With STOP_ON_ERROR=1 the harness stops at the first error or timeout (all-or-nothing rewards).
+With PRELUDE=1 the program runs in a namespace that already holds the standard imports
+(`PRELUDE`: `typing`'s names such as `List`, `collections`, `heapq`, `math`, ...), as
+LiveCodeBench's harness gives LeetCode-style code; its own line numbers are unchanged.
 A program that cannot be compiled or executed exits 1 with its error on stderr.
 
 Only the standard library is imported: this file runs under the sandbox's interpreter, outside
@@ -22,6 +25,19 @@ import json
 import os
 import signal
 import sys
+
+PRELUDE = """\
+from typing import *
+from collections import *
+from itertools import *
+from functools import *
+from heapq import *
+from bisect import *
+from math import *
+import array, bisect, collections, copy, functools, heapq, itertools, math, operator, random
+import re, string, sys, typing
+from builtins import *  # noqa: math's pow (no modulus) must not shadow the builtin
+"""
 
 
 class _TestTimeout(BaseException):
@@ -41,6 +57,7 @@ def _jsonable(value):
 def main(argv):
     """Run the tests named on the command line and standard input; the exit status of the harness."""
     program_path, fn_name, per_test_s, stop_on_error = argv[1], argv[2], float(argv[3]), argv[4] == "1"
+    prelude = len(argv) > 5 and argv[5] == "1"
     tests = json.loads(sys.stdin.read())
     results = os.fdopen(os.dup(1), "w")
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -50,6 +67,8 @@ def main(argv):
     with open(program_path, encoding="utf-8") as f:
         source = f.read()
     namespace = {"__name__": "solution"}
+    if prelude:  # compiled apart from the program, so its tracebacks keep their own line numbers
+        exec(compile(PRELUDE, "prelude.py", "exec"), namespace)
     exec(compile(source, "main.py", "exec"), namespace)
     target = namespace.get(fn_name)
     if target is None and isinstance(namespace.get("Solution"), type):

@@ -77,6 +77,8 @@ class ScoringOptions:
         float_tolerance: absolute-or-relative tolerance for numbers (None: exact spelling/value).
         sandbox: "bwrap" or "none" (no isolation; see `sandbox.py`).
         python: the interpreter programs run with (None: the system's python3).
+        prelude: function-call programs run after the standard imports (LiveCodeBench's habit:
+            `List[int]` without `from typing import List` is not an error).
     """
 
     reward: str = "fraction"
@@ -85,6 +87,7 @@ class ScoringOptions:
     float_tolerance: float | None = None
     sandbox: str = "bwrap"
     python: str | None = None
+    prelude: bool = True
 
     def __post_init__(self):
         if self.reward not in REWARD_MODES:
@@ -104,6 +107,11 @@ def _result(passed: int, total: int, first_failure: Outcome | None, options: Sco
     else:
         reward = passed / total
     return CodeResult(reward, passed, total, first_failure or Outcome.PASS)
+
+
+def _tolerance(tests: TestSuite, options: ScoringOptions) -> float | None:
+    """The row's own tolerance when it has one, else the task's."""
+    return tests.float_tolerance if tests.own_tolerance else options.float_tolerance
 
 
 def _compiles(program: str) -> bool:
@@ -131,7 +139,9 @@ def score_program(program: str | None, tests: TestSuite, options: ScoringOptions
         )
         if run.status is RunStatus.OK:
             got = run.stdout.decode("utf-8", "replace")
-            ok = outputs_match(got, expected, mode=options.compare, float_tolerance=options.float_tolerance)
+            ok = outputs_match(
+                got, expected, mode=options.compare, float_tolerance=_tolerance(tests, options)
+            )
             failure = None if ok else Outcome.WRONG
         else:
             failure = _FAIL_STATUS[run.status]
@@ -145,22 +155,30 @@ def score_program(program: str | None, tests: TestSuite, options: ScoringOptions
 def _score_function(runner, program: str, tests: TestSuite, options: ScoringOptions) -> CodeResult:
     stop = "1" if options.reward == "all" else "0"
     argv = [runner.python, f"{CODE_DIR}/harness.py", f"{CODE_DIR}/main.py", tests.fn_name]
-    argv += [str(options.limits.cpu_s), stop]
+    argv += [str(options.limits.cpu_s), stop, "1" if options.prelude else "0"]
     files = {"main.py": program, "harness.py": HARNESS.read_text(encoding="utf-8")}
     per_test = options.limits
     extra = per_test.cpu_s * (len(tests) - 1)  # the whole run's budget: every test's
     total_limits = dataclasses.replace(per_test, cpu_s=per_test.cpu_s + extra, wall_s=per_test.wall_s + extra)
     run = runner.run(files, argv, json.dumps([list(a) for a in tests.inputs]).encode(), total_limits)
-    lines = run.stdout.decode("utf-8", "replace").splitlines()
+    lines = iter(run.stdout.split(b"\n"))
     passed, first_failure = 0, None
-    for i, expected in enumerate(tests.outputs):
+    tolerance = _tolerance(tests, options)
+    for expected in tests.outputs:
+        line = next(lines, b"")
+        # a value far longer than the expected one is wrong without parsing it (bounded memory)
+        too_long = len(line) > 2 * len(json.dumps(expected)) + 256
         try:
-            record = json.loads(lines[i])
-        except (IndexError, json.JSONDecodeError):  # the harness died (or never ran the test)
+            record = None if too_long else json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            record = None
+        if not isinstance(record, dict) and not too_long:  # the harness died (or never ran the test)
             first_failure = first_failure or _FAIL_STATUS.get(run.status, Outcome.ERROR)
             break
-        if "value" in record:
-            ok = values_match(record["value"], expected, float_tolerance=options.float_tolerance)
+        if too_long:
+            failure = Outcome.WRONG
+        elif "value" in record:
+            ok = values_match(record["value"], expected, float_tolerance=tolerance)
             failure = None if ok else Outcome.WRONG
         else:
             failure = Outcome.TIMEOUT if record.get("timeout") else Outcome.ERROR

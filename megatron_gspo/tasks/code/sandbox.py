@@ -123,6 +123,8 @@ class RunResult:
     wall_s: float
 
 
+SANDBOX_ENV = (("PATH", "/usr/bin:/bin"), ("LANG", "C.UTF-8"))
+"""The whole environment bwrap (and so the sandbox's pid 1) starts with: nothing of the trainer's."""
 _NOBODY = 65534  # the kernel's overflow uid; owns nothing on the host
 _TIME_SIGNALS = (signal.SIGXCPU, signal.SIGKILL)  # SIGKILL: the hard CPU limit
 
@@ -292,10 +294,16 @@ class BubblewrapSandbox(_Runner):
         self.version = _parse_version(probe.stdout)
 
     def popen_user(self) -> dict:
-        """As root, start bwrap as `nobody`: root's own processes ignore the process-count limit."""
+        """As root, start bwrap as `nobody`: root's own processes ignore the process-count limit.
+
+        bwrap itself starts with an allow-listed environment: the sandbox's pid 1 is bwrap's
+        fork, and `/proc/1/environ` inside shows the environment bwrap was started with (the
+        trainer's API keys, were it inherited); `--clearenv` only cleans the program's.
+        """
+        env = {"env": dict(SANDBOX_ENV)}
         if os.geteuid() != 0:
-            return {}
-        return {"user": _NOBODY, "group": _NOBODY, "extra_groups": []}
+            return env
+        return {**env, "user": _NOBODY, "group": _NOBODY, "extra_groups": []}
 
     def command(self, code_dir: str, argv: list[str], limits: Limits, info_fd: int) -> list[str]:
         """The bwrap command line of one run."""

@@ -1,8 +1,12 @@
 """The code task reads problems as data sets hold them and scores completions through the sandbox."""
 
+import base64
 import importlib.util
 import json
 import logging
+import os
+import pickle
+import zlib
 from pathlib import Path
 
 import pytest
@@ -198,3 +202,155 @@ def test_demo_data_is_the_generators_and_every_solution_is_right():
         tests = row["input_output"]
         assert [namespace["f"](*args) for args in tests["inputs"]] == tests["outputs"], row["question"]
     assert rows[27 + 9 * 27 + 18]["solution"] == "def f(x): return (x-1)*1"  # "sub 1 mul 1": brackets
+
+
+def packed(value) -> str:
+    """LiveCodeBench's private_test_cases encoding: base64(zlib(pickle(value)))."""
+    return base64.b64encode(zlib.compress(pickle.dumps(value))).decode()
+
+
+LCB_ROWS = [  # as LiveCodeBench ships them: metadata a JSON string, private tests packed
+    {
+        "question_content": "Given nums and target, return the indices of the two numbers adding to target.",
+        "starter_code": (
+            "class Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n        "
+        ),
+        "public_test_cases": json.dumps(
+            [{"input": "[2,7,11,15]\n9", "output": "[0, 1]", "testtype": "functional"}]
+        ),
+        "private_test_cases": packed(json.dumps([
+            {"input": "[3,2,4]\n6", "output": "[1, 2]", "testtype": "functional"},
+            {"input": "[3,3]\n6", "output": "[0, 1]", "testtype": "functional"},
+        ])),
+        "metadata": json.dumps({"func_name": "twoSum"}),
+    },
+    {
+        "question_content": "Read n and print n squared.",
+        "starter_code": "",
+        "public_test_cases": json.dumps([{"input": "3\n", "output": "9\n", "testtype": "stdin"}]),
+        "private_test_cases": packed(json.dumps([{"input": "12\n", "output": "144\n", "testtype": "stdin"}])),
+        "metadata": "{}",  # a stdin row has no func_name
+    },
+]  # fmt: skip
+TWO_SUM = (
+    "```python\nclass Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n"
+    "        seen = {}\n        for i, x in enumerate(nums):\n            if target - x in seen:\n"
+    "                return [seen[target - x], i]\n            seen[x] = i\n```"
+)
+
+
+def lcb_task(tmp_path, tests_key, **options):
+    path = write_jsonl(tmp_path / "lcb.jsonl", LCB_ROWS)
+    return get_task(
+        "code", path=str(path), prompt_key="question_content", tests_key=tests_key,
+        fn_name_key="metadata.func_name", time_limit_s=1, **options,
+    )  # fmt: skip
+
+
+def test_livecodebench_as_shipped_loads_and_scores(tmp_path):
+    """metadata is a JSON string; stdin rows have no func_name; the starter code is in the prompt."""
+    task = lcb_task(tmp_path, "public_test_cases")
+    function, stdin = task.all_problems()
+    assert function.metadata["tests"].fn_name == "twoSum" and stdin.metadata["tests"].fn_name is None
+    assert (
+        "```python\nclass Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n```"
+        in (function.prompt)
+    )
+    assert task.reward(function, TWO_SUM) == 1.0  # List without an import: the prelude has it
+    assert task.reward(stdin, "```python\nprint(int(input()) ** 2)\n```") == 1.0
+
+
+def test_livecodebench_private_tests_are_decoded(tmp_path):
+    task = lcb_task(tmp_path, "private_test_cases")
+    function, stdin = task.all_problems()
+    assert function.metadata["tests"].inputs == ([[3, 2, 4], 6], [[3, 3], 6])
+    assert function.metadata["tests"].outputs == ([1, 2], [0, 1])
+    assert stdin.metadata["tests"].inputs == ("12\n",)
+    assert task.reward(function, TWO_SUM) == 1.0
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/mgspo-pwned",))
+
+
+@pytest.mark.parametrize(
+    "blob, message",
+    [
+        (packed(_Boom()), "names posix.system"),  # a pickle that would run a command is never run
+        (packed({1, 2}), "holds a set; only plain values"),  # no class lookup, but not a plain value
+        (packed("[{not json"), "unpickles to a string that is not JSON"),
+        (base64.b64encode(b"not zlib at all, certainly").decode(), "not base64 \\+ zlib"),
+        ("this is neither json nor base64!", "string but not JSON"),
+    ],
+)
+def test_packed_tests_never_run_code_and_errors_say_why(blob, message):
+    with pytest.raises(ValueError, match=message):
+        parse_tests(blob)
+    assert not os.path.exists("/tmp/mgspo-pwned")
+
+
+def test_packed_tests_cannot_decompress_without_bound(monkeypatch):
+    from megatron_gspo.tasks.code import cases
+
+    monkeypatch.setattr(cases, "MAX_PACKED_BYTES", 1 << 20)
+    bomb = base64.b64encode(zlib.compress(b"\0" * (4 << 20))).decode()
+    with pytest.raises(ValueError, match="decompresses to over 1 MiB"):
+        parse_tests(bomb)
+
+
+def test_apps_solutions_column_gives_its_first_program(tmp_path):
+    row = {
+        **STDIN_ROW,
+        "solutions": json.dumps(["a, b = map(int, input().split())\nprint(a + b)", "print(0)"]),
+    }
+    path = write_jsonl(tmp_path / "apps.jsonl", [row])
+    task = get_task("code", path=str(path), solution_key="solutions", time_limit_s=1)
+    (problem,) = task.all_problems()
+    _, target = task.sft_example(problem)
+    assert target == "```python\na, b = map(int, input().split())\nprint(a + b)\n```"  # not '["a, b = ...'
+    assert task.reward(problem, target) == 1.0
+
+
+@pytest.mark.parametrize("solutions", [json.dumps([]), json.dumps(["ok", 3]), ["", ""]])
+def test_apps_solutions_that_are_no_programs_are_refused_by_name(tmp_path, solutions):
+    path = write_jsonl(tmp_path / "apps.jsonl", [{**STDIN_ROW, "solutions": solutions}])
+    with pytest.raises(ValueError, match="line 1: task.options.solution_key holds"):
+        get_task("code", path=str(path), solution_key="solutions", time_limit_s=1)
+
+
+def test_function_rows_without_starter_code_get_a_signature(tmp_path):
+    path = write_jsonl(tmp_path / "code.jsonl", [FUNCTION_ROW])
+    (problem,) = get_task("code", path=str(path), time_limit_s=1).all_problems()
+    assert "```python\ndef larger(arg1, arg2):\n```" in problem.prompt
+
+
+def test_bad_rows_are_skipped_and_counted_when_asked(tmp_path, caplog):
+    empty = {"question": "q", "input_output": ""}  # APPS has rows like this
+    path = write_jsonl(tmp_path / "apps.jsonl", [STDIN_ROW, empty, FUNCTION_ROW, {"question": "q"}])
+    with pytest.raises(ValueError, match="line 2"):
+        get_task("code", path=str(path), time_limit_s=1)
+    with caplog.at_level(logging.WARNING):
+        task = get_task("code", path=str(path), time_limit_s=1, on_bad_row="skip")
+    assert [p.metadata["line"] for p in task.all_problems()] == [1, 3]
+    assert "skipped 2 bad row(s) of 4 (task.options.on_bad_row=skip)" in caplog.text
+    assert "line 2" in caplog.text and "line 4" in caplog.text
+    _, metrics = task.score_batch(task.all_problems()[:1], ["```python\nprint(3)\n```"])
+    assert metrics["reward/code_rows_skipped"] == 2.0
+    with pytest.raises(ValueError, match="on_bad_row must be one of"):
+        get_task("code", path=str(path), on_bad_row="ignore")
+
+
+def test_a_row_tolerance_field(tmp_path):
+    rows = [
+        {**STDIN_ROW, "input_output": {"inputs": ["\n"], "outputs": ["0.5\n"]}, "tol": 0.01},
+        {**STDIN_ROW, "input_output": {"inputs": ["\n"], "outputs": ["0.5\n"]}},
+    ]
+    path = write_jsonl(tmp_path / "code.jsonl", rows)
+    task = get_task("code", path=str(path), time_limit_s=1, float_tolerance_key="tol")
+    own, default = task.all_problems()
+    assert task.reward(own, "```python\nprint(0.505)\n```") == 1.0
+    assert task.reward(default, "```python\nprint(0.505)\n```") == 0.0  # the task's: exact
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{**rows[0], "tol": "loose"}])
+    with pytest.raises(ValueError, match="float_tolerance_key='tol' holds 'loose'"):
+        get_task("code", path=str(bad), float_tolerance_key="tol")

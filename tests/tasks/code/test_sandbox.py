@@ -267,3 +267,24 @@ def test_a_caller_holding_over_1024_descriptors_still_runs_programs(sandbox):
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_no_process_inside_sees_the_trainers_environment(sandbox, still_works, monkeypatch):
+    """Cause 1: pid 1 (bwrap's forked init) once held the trainer's whole environment."""
+    monkeypatch.setenv("MGSPO_FAKE_API_KEY", "hunter2-secret")
+    source = (
+        "import os\n"
+        "seen = []\n"
+        "for pid in [p for p in os.listdir('/proc') if p.isdigit()] + ['self']:\n"
+        "    try:\n"
+        "        seen.append((pid, open(f'/proc/{pid}/environ', 'rb').read()))\n"
+        "    except OSError as err:\n"
+        "        seen.append((pid, type(err).__name__.encode()))\n"
+        "print(len(seen), b'hunter2' in b''.join(v for _, v in seen), dict(seen).get('1', b'')[:200])\n"
+    )
+    result = run(sandbox, source)
+    assert result.status is RunStatus.OK, result.stderr
+    count, leaked, pid1 = result.stdout.split(b" ", 2)
+    assert int(count) >= 3  # pid 1, the program, self: not vacuous
+    assert leaked == b"False", pid1
+    assert b"MGSPO_FAKE_API_KEY" not in result.stdout
