@@ -457,3 +457,23 @@ def test_hf_path_leaves_no_preset_in_the_config_it_saves(tmp_path):
     saved = yaml.safe_load(to_yaml(cfg))["model"]
     assert saved["preset"] is None and saved["hf_path"] == str(tmp_path)
     assert load_config(DEMO).model.preset == "tiny"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.server_urls=[http://10.0.0.5:30000]"], "starts the run's own SGLang servers"),
+        (["rollout.sglang_max_total_tokens=0"], "rollout.sglang_max_total_tokens must be >= 1, got 0"),
+        (["rollout.placement=colocated"], "needs SGLang's memory saver (torch_memory_saver, CUDA only)"),
+        (["rollout.quantization=fp8"], "rollout.quantization=fp8 needs servers launched from a block-FP8"),
+    ],
+)
+def test_engine_sglang_refuses_what_it_cannot_start(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check(["rollout.engine=sglang", *overrides])
+
+
+def test_engine_sglang_validates_on_the_demo():
+    check(
+        ["rollout.engine=sglang", "rollout.dtype=bf16", "rollout.sglang_args=[--mem-fraction-static, '0.5']"]
+    )

@@ -53,7 +53,17 @@ class RolloutConfig:
     """The rollout engine (SGLang servers or the embedded CPU server) and sampling."""
 
     server_urls: list[str] = field(default_factory=list)
-    """SGLang server URLs; empty (and no router_url) starts the embedded server on this machine."""
+    """SGLang server URLs; empty (and no router_url) starts `engine` servers on this machine."""
+    engine: Literal["embedded", "sglang"] = "embedded"
+    """The servers a run without server_urls / router_url starts: embedded (this project's CPU
+    server, SGLang's HTTP contract) or sglang (real SGLang, `python -m sglang.launch_server`, from
+    launch/setup_sglang.sh's environment; on a host without CUDA its CPU engine). Each SGLang
+    server logs to <run_dir>/sglang/server-<i>.log."""
+    sglang_max_total_tokens: int = 4096
+    """engine=sglang: each server's KV pool in tokens (--max-total-tokens; SGLang otherwise sizes it
+    from free memory, most of the RAM on a CPU host)."""
+    sglang_args: list[str] = field(default_factory=list)
+    """engine=sglang: more `sglang.launch_server` arguments, e.g. ["--mem-fraction-static", "0.8"]."""
     router_url: str | None = None
     """SGLang's router (pip `sglang-router`) in front of the servers, instead of server_urls:
     generation goes through it, weight sync and control calls to every worker it lists at

@@ -77,6 +77,7 @@ def check_rollout(rollout: Any) -> None:
     if rollout.server_threads < 1:
         raise ValueCheckError(f"rollout.server_threads must be >= 1, got {rollout.server_threads}")
     check_router(rollout)
+    check_engine(rollout)
     if (rollout.server_urls or rollout.router_url) and rollout.dtype != "fp32":
         raise ValueCheckError(
             f"rollout.dtype={rollout.dtype} sets the embedded server's dtype; the SGLang servers in "
@@ -93,6 +94,33 @@ def check_rollout(rollout: Any) -> None:
         raise ValueCheckError(
             f"rollout.rollout_batch_size x group_size = {responses} responses per step exceeds "
             f"{MAX_RESPONSES_PER_STEP}: rank 0 holds a step's batch in host memory"
+        )
+
+
+def check_engine(rollout: Any) -> None:
+    """rollout.engine=sglang: servers the run starts itself, in a layout it can start them in."""
+    if rollout.engine != "sglang":
+        return
+    if rollout.server_urls or rollout.router_url:
+        raise ValueCheckError(
+            "rollout.engine=sglang starts the run's own SGLang servers, but rollout.server_urls / "
+            "router_url name running ones: remove one of them"
+        )
+    if rollout.sglang_max_total_tokens < 1:
+        raise ValueCheckError(
+            f"rollout.sglang_max_total_tokens must be >= 1, got {rollout.sglang_max_total_tokens}"
+        )
+    if rollout.placement == "colocated":
+        raise ValueCheckError(
+            "rollout.engine=sglang starts disaggregated servers only: a colocated run needs SGLang's "
+            "memory saver (torch_memory_saver, CUDA only); launch colocated servers with "
+            "launch/sglang_servers.sh, or use engine=embedded"
+        )
+    if rollout.quantization != "none":
+        raise ValueCheckError(
+            f"rollout.engine=sglang serves the trainer's checkpoint as it is; rollout.quantization="
+            f"{rollout.quantization} needs servers launched from a block-FP8 checkpoint "
+            "(launch/sglang_servers.sh, rollout.server_checkpoint)"
         )
 
 

@@ -468,9 +468,11 @@ class Trainer:
         changed = cfg.sft.steps > 0 or self.step > 0 or not cfg.model.hf_path
         start_dir, must_sync = self._startup_weights(changed)
         must_sync = must_sync or cfg.rollout.quantization == "fp8"  # servers start from bf16 weights
+        routed = self._routed_experts_layout() is not None
         servers = rollout_servers(
-            cfg.rollout, start_dir, weight_version=self.weight_version, seed=cfg.trainer.seed
-        )
+            cfg.rollout, start_dir, weight_version=self.weight_version, seed=cfg.trainer.seed,
+            log_dir=self.run_dir / "sglang", routed_experts=routed,
+        )  # fmt: skip
         evals: list[dict[str, float]] = []
         with servers if self.rank0 else contextlib.nullcontext() as client:
             engine = (
@@ -484,7 +486,7 @@ class Trainer:
                 lambda: check_servers(
                     client,
                     sync_method=cfg.weight_sync.method,
-                    routed_experts=self._routed_experts_layout() is not None,
+                    routed_experts=routed,
                     version=self.weight_version,
                     expected_path=start_dir or cfg.model.hf_path,
                     memory_saver=self.placement.colocated,

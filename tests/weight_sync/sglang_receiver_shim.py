@@ -1,6 +1,6 @@
 """An SGLang server reduced to its weight-sync endpoints, receiving with SGLang's own code (test code).
 
-Runs in the SGLang environment (`launch/setup_sglang_receiver.sh`), never in the trainer's:
+Runs in the SGLang environment (`launch/setup_sglang.sh`), never in the trainer's:
 
     .venv-sglang/bin/python tests/weight_sync/sglang_receiver_shim.py --tp-size 2 --dump-dir D --port-file F
 

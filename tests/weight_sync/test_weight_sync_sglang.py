@@ -1,7 +1,7 @@
 """The trainer's distributed and tensor weight syncs against SGLang's own receiving code.
 
 Two servers of TP 2 (`sglang_receiver_shim.py`, in the SGLang environment that
-`launch/setup_sglang_receiver.sh` makes) join the weight-update group at rank offsets 1 and 3
+`launch/setup_sglang.sh` makes) join the weight-update group at rank offsets 1 and 3
 through SGLang's `WeightUpdater`, receive every flattened bucket through SGLang's
 `FlattenedTensorBucket` inside SGLang's begin/end session, and hand the reconstructed tensors to
 their model's `load_weights`. Each of the four receiving ranks must get the trainer's HF-named
@@ -43,7 +43,7 @@ START_TIMEOUT_S = 300  # imports on a loaded 2-core box
 def sglang_receiver_missing() -> str | None:
     """Why SGLang's receiver code cannot run here (None: it can)."""
     if not SGLANG_PYTHON.exists():
-        return f"{SGLANG_PYTHON} missing: run launch/setup_sglang_receiver.sh"
+        return f"{SGLANG_PYTHON} missing: run launch/setup_sglang.sh"
     probe = (
         "from sglang.srt.utils.common import init_custom_process_group\n"
         "from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket\n"

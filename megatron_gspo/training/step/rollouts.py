@@ -29,6 +29,7 @@ from megatron_gspo.rollout import (
     parse_generate_response,
 )
 from megatron_gspo.rollout.partial import PartialRollouts, segments_of
+from megatron_gspo.rollout.sglang_launch import launch_sglang_server
 from megatron_gspo.tasks import Problem, Task
 from megatron_gspo.tasks.tokenizer import problem_prompt_ids
 from megatron_gspo.training.ahead.staleness import check_not_older
@@ -240,20 +241,66 @@ def embedded_server_count(cfg: RolloutConfig, devices_per_node: int) -> int:
     return devices_per_node // cfg.server_tensor_parallel if cfg.placement == "colocated" else 1
 
 
+def sglang_server_args(
+    cfg: RolloutConfig, *, weight_version: int, seed: int, routed_experts: bool
+) -> list[str]:
+    """`sglang.launch_server` arguments of a run's own SGLang server (rollout.engine=sglang)."""
+    args = ["--weight-version", str(weight_version), "--random-seed", str(seed)]
+    args += ["--dtype", SERVER_DTYPES[cfg.dtype], "--skip-server-warmup"]
+    args += ["--enable-return-routed-experts"] if routed_experts else []
+    args += ["--enable-deterministic-inference"] if cfg.deterministic_inference else []
+    return args + list(cfg.sglang_args)
+
+
+def start_sglang_server(
+    stack: contextlib.ExitStack, cfg: RolloutConfig, model_dir, log_dir: Path, args: Sequence[str]
+) -> str:
+    """Start one real SGLang server for the run (stopped when `stack` closes); returns its URL."""
+    import torch
+
+    index = len(list(log_dir.glob("server-*.log"))) if log_dir.exists() else 0
+    server = stack.enter_context(
+        launch_sglang_server(
+            model_dir,
+            log_path=log_dir / f"server-{index}.log",
+            device="cuda" if torch.cuda.is_available() else "cpu",
+            max_total_tokens=cfg.sglang_max_total_tokens,
+            extra_args=args,
+            num_threads=cfg.server_threads,
+            timeout=cfg.server_start_timeout_s,
+        )
+    )
+    logger.info("SGLang server on %s serving %s (log %s)", server.url, model_dir, server.log_path)
+    return server.url
+
+
 @contextlib.contextmanager
 def rollout_servers(
-    cfg: RolloutConfig, model_dir: str | Path | None, *, weight_version: int, seed: int
+    cfg: RolloutConfig,
+    model_dir: str | Path | None,
+    *,
+    weight_version: int,
+    seed: int,
+    log_dir: Path,
+    routed_experts: bool = False,
 ) -> Iterator[SGLangClient]:
-    """A client for the configured servers, or for embedded servers started on `model_dir`.
+    """A client for the configured servers, or for `rollout.engine` servers started on `model_dir`.
 
     Servers given by URL serve what they were launched with; the trainer syncs its weights
-    to them when those differ (`Trainer._startup_weights`). Embedded servers are stopped on exit;
-    a colocated run's (one per `server_tensor_parallel` devices of the node) are launched with
-    the memory saver, as SGLang's must be.
+    to them when those differ (`Trainer._startup_weights`). Servers the run starts are stopped on
+    exit: real SGLang ones (rollout.engine=sglang) log to `log_dir`, return routed experts when
+    the run replays them (`routed_experts`); embedded ones of a colocated run (one per
+    `server_tensor_parallel` devices of the node) are launched with the memory saver, as SGLang's
+    must be.
     """
     with contextlib.ExitStack() as stack:
         urls = list(cfg.server_urls)
-        if not urls and cfg.router_url is None:
+        if not urls and cfg.router_url is None and cfg.engine == "sglang":
+            args = sglang_server_args(
+                cfg, weight_version=weight_version, seed=seed, routed_experts=routed_experts
+            )
+            urls.append(start_sglang_server(stack, cfg, model_dir, log_dir, args))
+        elif not urls and cfg.router_url is None:
             embedded = embedded_server_count(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             args = ["--weight-version", str(weight_version), "--seed", str(seed)]
             tp = cfg.server_tensor_parallel

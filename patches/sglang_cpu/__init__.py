@@ -1,0 +1,1 @@
+"""SGLang's CPU engine on a host without a GPU (`gpuless.py`, loaded in SGLang's own environment)."""
