@@ -4,6 +4,8 @@
 #   launch/demo_cpu.sh trainer.steps=10 trainer.seed=2
 # CONFIG picks another demo, e.g. the code demo (needs bubblewrap: apt-get install -y bubblewrap):
 #   CONFIG=configs/code_tiny_cpu.yaml launch/demo_cpu.sh
+# With real SGLang 0.5.23 rollouts (its CPU engine; bash launch/setup_sglang.sh first, docs/sglang-on-cpu.md):
+#   launch/demo_cpu.sh rollout.engine=sglang
 # Under torchrun with gloo instead (TP2 or EP2 on CPU):
 #   OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node 2 -m megatron_gspo.cli train \
 #     --config configs/tiny_moe_cpu.yaml parallel.expert_parallel=2
