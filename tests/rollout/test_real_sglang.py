@@ -153,6 +153,59 @@ def test_abort_all_ends_a_request_in_flight_with_finish_reason_abort(setup, engi
     assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 400
 
 
+def generate_rows(url: str, rows: int, max_new_tokens: int) -> list[dict]:
+    body = {
+        "input_ids": [PROMPTS[i % len(PROMPTS)] for i in range(rows)],
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True},
+    }
+    answer = post(url, "/generate", body, timeout=300)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_pause_mid_generation_in_each_mode(setup, engine, mode):
+    """abort ends the rows in flight (finish reason abort); retract and in_place hold them, and once
+    continued they finish at full length (SGLang: io_struct.PauseGenerationReqInput)."""
+    url, rows, tokens = setup[2][engine].url, 8, 480  # 8 x 487 tokens: inside the 4096-token KV pool
+    with cf.ThreadPoolExecutor(1) as pool:
+        batch = pool.submit(generate_rows, url, rows, tokens)
+        time.sleep(0.5)  # the rows are decoding: 3,840 tokens take seconds on either server
+        assert post(url, "/pause_generation", {"mode": mode}).status_code == 200
+        time.sleep(0.5)
+        held = not batch.done()
+        assert post(url, "/continue_generation").status_code == 200
+        answers = batch.result(300)
+    reasons = {a["meta_info"]["finish_reason"]["type"] for a in answers}
+    if mode == "abort":
+        assert reasons == {"abort"} and all(a["meta_info"]["completion_tokens"] < tokens for a in answers)
+    else:
+        assert held and reasons == {"length"}
+        assert [a["meta_info"]["completion_tokens"] for a in answers] == [tokens] * rows
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_flush_cache_is_refused_under_an_in_place_pause_with_rows_held(setup, engine):
+    url = setup[2][engine].url
+    with cf.ThreadPoolExecutor(1) as pool:
+        batch = pool.submit(generate_rows, url, 8, 480)
+        time.sleep(0.5)
+        assert post(url, "/pause_generation", {"mode": "in_place"}).status_code == 200
+        try:
+            refused = post(url, "/flush_cache")
+        finally:
+            assert post(url, "/continue_generation").status_code == 200
+        batch.result(300)
+    assert refused.status_code == 400
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_update_weights_from_tensor_outside_a_session_is_refused(setup, engine):
+    answer = post(setup[2][engine].url, "/update_weights_from_tensor", {"serialized_named_tensors": []})
+    assert answer.status_code == 400
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_retired_endpoints_are_404(setup, engine):
     url = setup[2][engine].url
