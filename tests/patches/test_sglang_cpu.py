@@ -17,7 +17,9 @@ import pytest
 from megatron_gspo.patches.sglang_cpu import gpuless
 from megatron_gspo.rollout.sglang_launch import sglang_python, sglang_unavailable
 
-pytestmark = pytest.mark.skipif(sglang_unavailable() is not None, reason=str(sglang_unavailable()))
+# The probes run SGLang's environment (~15 s each to import SGLang); the finder's own tests do not.
+slow = pytest.mark.slow
+needs_sglang = pytest.mark.skipif(sglang_unavailable() is not None, reason=str(sglang_unavailable()))
 
 NO_DRIVER = "Found no NVIDIA driver on your system"
 PROBE = textwrap.dedent(
@@ -72,6 +74,8 @@ def with_shim() -> dict:
     return _probe(cpu_engine=True)
 
 
+@slow
+@needs_sglang
 def test_each_piece_is_still_needed(without_shim):
     assert "libcuda.so.1" in without_shim["sgl_kernel"]
     assert NO_DRIVER in without_shim["host_buffer"]
@@ -79,6 +83,8 @@ def test_each_piece_is_still_needed(without_shim):
     assert without_shim["applied"] == []
 
 
+@slow
+@needs_sglang
 def test_the_shim_fixes_each_in_the_cpu_engine(with_shim):
     assert with_shim["sgl_kernel"] == "ok"
     assert with_shim["host_buffer"] == "ok"
@@ -86,6 +92,8 @@ def test_the_shim_fixes_each_in_the_cpu_engine(with_shim):
     assert with_shim["applied"] == [[fix.name for fix in gpuless.FIXES]]
 
 
+@slow
+@needs_sglang
 @pytest.mark.parametrize("fix", gpuless.FIXES, ids=lambda fix: fix.name)
 def test_each_fix_names_lines_sglang_still_has(fix, without_shim):
     root = Path(without_shim["sglang_dir"])
