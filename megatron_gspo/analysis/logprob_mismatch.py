@@ -260,7 +260,7 @@ def collect_rollouts(
                 "ignore_eos": cfg.ignore_eos,
                 "sampling_seed": cfg.seed + i * cfg.samples_per_prompt + j,
             }
-            bodies.append(build_generate_request(ids, params, rid=f"p{i}s{j}"))
+            bodies.append(build_generate_request(ids, params, rid=f"p{i}s{j}", vocab_size=vocab_size))
             inputs.append(list(ids))
     replies = client.generate(bodies)
     return [

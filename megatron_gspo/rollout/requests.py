@@ -16,6 +16,7 @@ def build_generate_request(
     return_routed_experts: bool = False,
     rid: str | None = None,
     check_sampling_params: bool = True,
+    vocab_size: int | None = None,
 ) -> dict[str, Any]:
     """A non-streaming ``/generate`` body for one prompt, in SGLang's request contract.
 
@@ -34,12 +35,16 @@ def build_generate_request(
         check_sampling_params: check them against SGLang's contract. A batch whose rows differ
             only in ``sampling_seed`` checks its first row's (the check costs a tenth of the
             producer's CPU per batch on small models).
+        vocab_size: when given, every prompt id must be below it. SGLang does not check: a prompt
+            id outside the model's vocabulary kills its scheduler (an IndexError in the embedding,
+            0.5.23 on CPU), the whole server with it, so it is refused here, before it is sent.
 
     Returns:
         The JSON-ready body.
 
     Raises:
-        ValueError: an empty prompt, a non-integer token id, or sampling params that SGLang's
+        ValueError: an empty prompt, a non-integer token id, one outside `vocab_size`, or sampling
+            params that SGLang's
             contract rejects (when the contract types are installed; the message is SGLang's).
     """
     ids = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)
@@ -48,6 +53,11 @@ def build_generate_request(
     bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0), None)
     if bad is not None:
         raise ValueError(f"prompt_ids must be non-negative integers, found {bad!r}")
+    if vocab_size is not None and (outside := sorted({t for t in ids if t >= vocab_size})):
+        raise ValueError(
+            f"prompt_ids hold token ids outside the model's vocabulary [0, {vocab_size}): {outside[:8]} "
+            "(the tokenizer knows more tokens than the checkpoint's vocab_size)"
+        )
     if not isinstance(sampling_params, Mapping):
         raise ValueError(f"sampling_params must be a mapping, got {type(sampling_params).__name__}")
     api = contract.load() if check_sampling_params else None

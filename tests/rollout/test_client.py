@@ -260,6 +260,11 @@ def test_build_generate_request_rejects_bad_input_with_reasons():
     assert build_generate_request([1], {"temprature": 0.5}, check_sampling_params=False)["input_ids"] == [1]
     with pytest.raises(ValueError, match="non-negative integers, found -1"):
         build_generate_request([1, -1], {}, check_sampling_params=False)
+    # A prompt id outside the model's vocabulary kills SGLang's scheduler (tests/rollout/
+    # test_real_sglang.py): refused before it is sent.
+    with pytest.raises(ValueError, match=r"outside the model's vocabulary \[0, 80\): \[80, 500\]"):
+        build_generate_request([1, 500, 80, 79], {}, vocab_size=80)
+    assert build_generate_request([1, 79], {}, vocab_size=80)["input_ids"] == [1, 79]
 
 
 # ---- generation -----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from megatron_gspo.model.config import tiny
 from megatron_gspo.model.hf.convert import random_tokens
 from megatron_gspo.model.logprobs import sequence_logprobs
 from megatron_gspo.rollout.client import SGLangClient
+from megatron_gspo.rollout.requests import build_generate_request
 from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.rollout.sglang_launch import launch_sglang_server, sglang_unavailable
 from megatron_gspo.weight_sync.sync import WeightSync
@@ -263,3 +264,26 @@ def test_weight_sync_serves_the_trainer_weights_on_both(setup, method):
         assert client.model_info()[0]["weight_version"] == str(version)
         gap = (served_logprobs(client, TOKENS) - trainer_logprobs(model)).abs().max()
         assert gap <= 1e-4, (name, float(gap))
+
+
+def test_an_out_of_vocabulary_prompt_kills_sglang_so_the_trainer_refuses_it_before_sending(setup):
+    """Last in the module: it ends the SGLang server. SGLang does not check prompt ids against the
+    vocabulary: one inside its padded embedding (a multiple of 64 rows) is served from a padding
+    row, silently; one beyond raises IndexError in its scheduler, and the server exits. The embedded
+    server refuses both with a 400, so the trainer must not rely on the server: it refuses such a
+    prompt itself (`build_generate_request(vocab_size=...)`)."""
+    servers = setup[2]
+    padded, beyond = CFG.vocab_size + 3, 500
+
+    def body(token: int) -> dict:
+        return {"input_ids": [1, token, 5], "sampling_params": {"max_new_tokens": 2}}
+
+    for token in (padded, beyond):
+        with pytest.raises(ValueError, match="outside the model's vocabulary"):
+            build_generate_request(body(token)["input_ids"], {}, vocab_size=CFG.vocab_size)
+        embedded = post(servers["embedded"].url, "/generate", body(token))
+        assert embedded.status_code == 400 and "outside [0, 80)" in embedded.text
+    assert post(servers["sglang"].url, "/generate", body(padded)).status_code == 200
+    with pytest.raises(httpx.TransportError):
+        post(servers["sglang"].url, "/generate", body(beyond))
+    assert servers["sglang"].process.wait(60) is not None  # the whole server went down

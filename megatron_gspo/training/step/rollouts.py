@@ -150,6 +150,7 @@ class RolloutEngine:
                         rid=f"step{step}-p{p}-r{j}",
                         return_routed_experts=bool(routing),
                         check_sampling_params=row == 0,  # the rows differ only in their seeds
+                        vocab_size=self.vocab_size if j == 0 else None,  # one prompt, G rows
                     )
                 )
                 prompts.append(ids)
@@ -218,7 +219,9 @@ class RolloutEngine:
         """One greedy completion per problem (held-out evaluation)."""
         params = {"max_new_tokens": self.cfg.max_new_tokens, "temperature": 0.0}
         bodies = [
-            build_generate_request(self.prompt_ids(p), params, return_logprob=False, rid=f"eval-{i}")
+            build_generate_request(
+                self.prompt_ids(p), params, return_logprob=False, rid=f"eval-{i}", vocab_size=self.vocab_size
+            )
             for i, p in enumerate(problems)
         ]
         responses = self.client.generate_batched(bodies)
