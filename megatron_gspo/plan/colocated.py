@@ -133,6 +133,13 @@ def colocated_plan(args, cfg, model, states, activation_bytes: int, sender_bytes
         f"SGLang: --mem-fraction-static {fraction:.2f} holds these weights and a {args.kv_cache_gb:g} GiB "
         f"KV cache (launch/sglang_servers.sh: MEM_FRACTION={fraction:.2f})"
     )
+    if cfg.weight_sync.method == "tensor":
+        print(
+            "weight sync by CUDA IPC tensor handles: each bucket is allocated with expandable segments "
+            "off and they are switched back on after it (weight_sync/ipc_allocation.py): memory in an "
+            "expandable segment is shared as a file descriptor an SGLang server may not fetch "
+            "(pidfd_getfd), so PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True holds for the rest"
+        )
     phase, peak = max(phases.items(), key=lambda item: item[1])
     over = peak - args.gpu_memory_gb * GIB
     if over <= 0:

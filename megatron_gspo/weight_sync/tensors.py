@@ -19,7 +19,7 @@ from megatron_gspo.model import control_plane
 from megatron_gspo.model.distributed import compute_device
 from megatron_gspo.model.hf.stream import Bucket, iter_hf_tensors
 from megatron_gspo.rollout.client import SGLangClient
-from megatron_gspo.weight_sync import tensor_handles
+from megatron_gspo.weight_sync import ipc_allocation, tensor_handles
 from megatron_gspo.weight_sync.session import (
     SyncStats,
     WeightSyncFailed,
@@ -43,7 +43,8 @@ class TensorMethod:
         tp_sizes = [int(info.get("tp_size", 1)) for info in client.server_info()]
         device = compute_device()
         for bucket in buckets:
-            flat = tensor_handles.shareable(bucket.flatten_and_release(device))
+            with ipc_allocation.outside_expandable_segments(device):  # CUDA IPC cannot share those
+                flat = tensor_handles.shareable(bucket.flatten_and_release(device))
             per_server = [
                 [
                     tensor_handles.serialize_flattened_bucket(
@@ -56,6 +57,7 @@ class TensorMethod:
             post_handles(client, bucket, per_server, version)
             stats.add(bucket)
             del flat, per_server  # answered: the servers hold their own copies now
+        ipc_allocation.collect_ipc(device)
         return stats
 
     def _via_own_devices(self, client: SGLangClient | None, version: int) -> SyncStats:
@@ -76,7 +78,8 @@ class TensorMethod:
             for bucket in self._buckets(stream):
                 flat, own = None, None
                 try:
-                    flat = tensor_handles.shareable(bucket.flatten_and_release(device))
+                    with ipc_allocation.outside_expandable_segments(device):  # CUDA IPC cannot share those
+                        flat = tensor_handles.shareable(bucket.flatten_and_release(device))
                     own = (
                         tensor_handles.serialize_flattened_bucket(
                             flat, bucket.names, bucket.dtypes, bucket.shapes
@@ -95,6 +98,8 @@ class TensorMethod:
                     lambda: client.end_weight_update(abort=True, timeout_s=self.cfg.release_timeout_s)
                 )
             raise
+        finally:
+            ipc_allocation.collect_ipc(device)  # the buckets' blocks the servers have closed
         control_plane.on_rank0(lambda: protocol_call("end_weight_update", client.end_weight_update))
         stats.cache_flushed = control_plane.on_rank0(flush_cache, client)
         return stats

@@ -354,16 +354,34 @@ def test_plan_refuses_a_size_that_cannot_be(option, value, capsys):
 
 
 def test_train_launcher_dry_run(math_data):
+    result = train_dry_run(math_data, "configs/qwen3_30b_a3b_gspo.yaml", NNODES="2")
+    assert (
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True torchrun --nnodes 2 --node_rank 0" in result.stdout
+    )
+    assert "rollout.server_urls=[http://a:1,http://b:2]" in result.stdout
+    assert "on 16 ranks" in result.stdout and "fits" in result.stdout
+
+
+def test_the_colocated_dry_run_says_ipc_buckets_leave_expandable_segments(math_data):
+    # The launcher keeps expandable segments for the step; the tensor handles' buckets are made
+    # outside them (CUDA IPC of an expandable segment needs pidfd_getfd rights SGLang may lack).
+    result = train_dry_run(math_data, "configs/qwen3_30b_a3b_gspo_colocated.yaml", NNODES="1")
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True torchrun --nnodes 1" in result.stdout
+    assert "each bucket is allocated with expandable segments off" in result.stdout
+    assert "weight_sync/ipc_allocation.py" in result.stdout
+
+
+def train_dry_run(math_data, config: str, **extra) -> subprocess.CompletedProcess:
     env = {
         **{k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"},
         "DRY_RUN": "1",
-        "NNODES": "2",
         "DATA": str(math_data),
         "SGLANG_URLS": "http://a:1,http://b:2",
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        **extra,
     }
     result = subprocess.run(
-        ["bash", "launch/train_h100.sh", "configs/qwen3_30b_a3b_gspo.yaml"],
+        ["bash", "launch/train_h100.sh", config],
         capture_output=True,
         text=True,
         timeout=120,
@@ -371,11 +389,7 @@ def test_train_launcher_dry_run(math_data):
         env=env,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert (
-        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True torchrun --nnodes 2 --node_rank 0" in result.stdout
-    )
-    assert "rollout.server_urls=[http://a:1,http://b:2]" in result.stdout
-    assert "on 16 ranks" in result.stdout and "fits" in result.stdout
+    return result
 
 
 def sglang_dry_run(**extra):
