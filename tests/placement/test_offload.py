@@ -154,6 +154,36 @@ def test_a_colocated_checkpoint_frees_the_servers_kv_cache_for_its_duration(trai
 
 
 @pytest.mark.slow  # one embedded server
+def test_a_tag_left_released_by_a_failed_sync_is_not_released_again(trained, tmp_path, caplog):
+    """SGLang's memory saver ends the scheduler on a second release of a tag ("Cannot pause
+    allocation that is not active."); the embedded server refuses one (MemoryReleased), so a second
+    attempt is seen here. A sync that raised after the weights were resumed leaves the KV cache
+    released: the next hand-over releases the weights only, and the next sync resumes both."""
+    model, optimizer = trained
+    hf = make_tiny_hf_checkpoint(tmp_path / "hf", tiny(vocab_size=len(build_char_tokenizer())), seed=0)
+
+    def failing_sync():
+        raise RuntimeError("the sync failed")
+
+    with (
+        launch_embedded_server(hf, enable_memory_saver=True, kv_pool_mb=1) as server,
+        SGLangClient([server.url]) as client,
+    ):
+        placement = Colocated(TrainerOffload(model, optimizer))
+        placement.start(client)
+        placement.to_training(client)
+        with pytest.raises(RuntimeError, match="the sync failed"):
+            placement.sync(client, failing_sync)  # weights resumed, the KV cache still released
+        with caplog.at_level(logging.WARNING):
+            placement.to_training(client)  # a second kv_cache release would be refused here
+        assert "kv_cache is released already" in caplog.text
+        placement.sync(client, lambda: None)
+        assert placement.memory.released == set()
+        client.release_memory_occupation(["kv_cache", "weights"])  # both held again: accepted
+        client.resume_memory_occupation(["kv_cache", "weights"])
+
+
+@pytest.mark.slow  # one embedded server
 def test_a_colocated_sync_reads_the_weights_on_the_device_then_parks_them(trained, tmp_path):
     """The GPU's order on the CPU (`include_host` parks host storages too): after training the
     gradients and optimizer state are parked, the servers resume, the sync reads the parameters
