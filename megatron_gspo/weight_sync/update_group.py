@@ -148,10 +148,12 @@ def join_watching(
     if answers.done() and answers.exception() is not None:
         joined.add_done_callback(_destroy_if_made)
         raise answers.exception()
+    if joined.done() and joined.exception() is not None:
+        raise joined.exception()  # the trainer's own side failed: the servers' waits end by their timeout
     if not (joined.done() and answers.done()):
         joined.add_done_callback(_destroy_if_made)
         raise TimeoutError(f"weight-update group not joined within weight_sync.timeout_s={timeout_s}")
-    return joined.result()  # raises the trainer's own failure
+    return joined.result()
 
 
 def _destroy_if_made(joined: cf.Future) -> None:

@@ -64,9 +64,13 @@ def test_an_ipc_bucket_made_beside_expandable_segments_opens_in_another_process(
             flat, payload, expected = bucket(device)
         assert ipc_allocation.allocator_settings() == ipc_allocation.ON  # back for the rest of the step
         opened = open_elsewhere(payload)
-        # The control: the same bucket inside an expandable segment (fails where ptrace is limited).
-        control_flat, control_payload, _ = bucket(device)
-        control = open_elsewhere(control_payload)
+        # The control: the same bucket inside an expandable segment (fails where ptrace is limited;
+        # an older torch refuses to share it at all). Recorded, not asserted: it depends on the box.
+        try:
+            control_flat, control_payload, _ = bucket(device)
+            control = open_elsewhere(control_payload)
+        except RuntimeError as err:
+            control_flat, control = None, f"sender refused: {str(err).splitlines()[0][:120]}"
     finally:
         if before is not None:
             ipc_allocation.set_allocator_settings(before or ipc_allocation.OFF)

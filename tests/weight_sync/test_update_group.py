@@ -77,6 +77,14 @@ def test_the_join_returns_the_group_once_both_sides_are_done_and_times_out_other
     with pytest.raises(TimeoutError, match="timeout_s=0.3"):
         join_watching(lambda: object(), silent, timeout_s=0.3)
 
+    def failing_join():
+        raise RuntimeError("ProcessGroupNCCL is only supported with GPUs")
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="only supported with GPUs"):  # the trainer's own failure, at once
+        join_watching(failing_join, cf.Future(), timeout_s=30.0)
+    assert time.monotonic() - start < 2.0
+
 
 def test_nccl_collectives_outlive_the_deadline_and_gloo_keeps_it():
     assert collective_timeout_s("nccl", 600.0) == 600.0 + NCCL_ABORT_MARGIN_S
