@@ -8,7 +8,9 @@
 #
 # 1 GPU: NCCL world of one; local spec in bf16 (build, packed == one-sample-per-row, HF round
 # trip); with TransformerEngine: TE spec + bf16 + grouped GEMM builds (tiny and 4-layer), THD
-# packed == one-per-row, HF <-> Megatron round trip with TE names; 5 GSPO steps against the
+# packed == one-per-row, HF <-> Megatron round trip with TE names; colocation (a CUDA IPC bucket
+# opened by another process beside expandable segments, offloaded memory back to the driver);
+# context parallelism; 5 GSPO steps against the
 # embedded server; peak memory vs `megatron-gspo plan`'s estimate. 2+ GPUs: `megatron-gspo
 # parity` at TP2, EP2 and (4+ GPUs) TP2 x EP2 under torchrun.
 #
@@ -66,7 +68,7 @@ EOF
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 LOG=${LOG:-$(mktemp "${TMPDIR:-/tmp}/gpu-smoke-XXXXXX.log")}
-"$PY" -m pytest tests/gpu/test_gpu_single.py tests/gpu/test_gpu_parity.py -q -rA -p no:cacheprovider -o timeout=1800 -o junit_family=xunit1 \
+"$PY" -m pytest tests/gpu/test_gpu_single.py tests/gpu/test_gpu_colocation.py tests/gpu/test_gpu_context_parallel.py tests/gpu/test_gpu_parity.py -q -rA -p no:cacheprovider -o timeout=1800 -o junit_family=xunit1 \
   --junitxml="$WORK/report.xml" >"$LOG" 2>&1
 status=$?
 

@@ -48,6 +48,25 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 # (`plan` counts 79.1 GiB per H100 and a reserve, not room for fragmentation).
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
+# The control plane's gloo groups bind the address this host's name resolves to, which can be
+# 127.0.1.1 or a docker bridge; across nodes they must use the interface that reaches MASTER_ADDR.
+route_ifname() {  # the interface on the route to host $1; this host: the one holding its address,
+  local addr dev   # or the default route's where its name maps to loopback (127.0.1.1)
+  addr=$(getent ahostsv4 "$1" 2>/dev/null | awk 'NR == 1 {print $1}' || true)
+  [ -n "$addr" ] || return 0
+  dev=$(ip -o route get "$addr" 2>/dev/null | sed -n 's/.* dev \([^ ]*\).*/\1/p' || true)
+  if [ "$dev" = lo ] && [ "${addr#127.}" != "$addr" ]; then
+    dev=$(ip -o route show default 2>/dev/null | sed -n '1s/.* dev \([^ ]*\).*/\1/p' || true)
+  elif [ "$dev" = lo ]; then
+    dev=$(ip -o -4 addr show 2>/dev/null | awk -v a="$addr" 'index($4, a "/") == 1 {print $2; exit}' || true)
+  fi
+  printf '%s' "$dev"
+}
+if [ "$NNODES" -gt 1 ] && [ -z "${GLOO_SOCKET_IFNAME:-}" ]; then
+  GLOO_SOCKET_IFNAME=$(route_ifname "$MASTER_ADDR")
+  if [ -n "$GLOO_SOCKET_IFNAME" ]; then export GLOO_SOCKET_IFNAME; fi
+fi
+
 CMD=(torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS_PER_NODE")
 if [ "$NNODES" -gt 1 ] && [ "$RDZV" = c10d ]; then
   # The rendezvous host is MASTER_ADDR (NODE_RANK 0 hosts the c10d store there).
@@ -59,7 +78,8 @@ fi
 CMD+=(-m megatron_gspo.cli train --config "$CONFIG" "${OVERRIDES[@]}")
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  echo "would run on node ${NODE_RANK}/${NNODES}: PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF} ${CMD[*]}"
+  echo "would run on node ${NODE_RANK}/${NNODES}: PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF}" \
+    "${GLOO_SOCKET_IFNAME:+GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME} }${CMD[*]}"
   exec megatron-gspo plan --config "$CONFIG" --world-size "$WORLD_SIZE" "${OVERRIDES[@]}"
 fi
 exec "${CMD[@]}"

@@ -77,20 +77,66 @@ class _Servers:
         return self.infos
 
 
+def one_node(gpus: int, servers: int) -> list[tuple[int, list[bool]]]:
+    """Every rank of one node: on GPU `rank`, every server on its host."""
+    return [(gpu, [True] * servers) for gpu in range(gpus)]
+
+
 def test_each_server_rank_takes_the_trainer_rank_on_its_gpu():
     from megatron_gspo.weight_sync.tensors import handle_sources
 
-    # 2 nodes of 4: servers listed node by node, in any GPU order within a node (SGLang's placement).
-    servers = _Servers((2, 2, 1), (2, 0, 1), (4, 0, 1))
-    assert handle_sources(servers, world=8, per_node=4) == [[2, 3], [0, 1], [4, 5, 6, 7]]
-    assert handle_sources(_Servers((2, 0, 2), (2, 1, 2)), world=4, per_node=4) == [[0, 2], [1, 3]]
+    # One node of 4: servers in any GPU order (SGLang's placement: base_gpu_id + r * gpu_id_step).
+    assert handle_sources(_Servers((2, 2, 1), (2, 0, 1)), one_node(4, 2)) == [[2, 3], [0, 1]]
+    assert handle_sources(_Servers((2, 0, 2), (2, 1, 2)), one_node(4, 2)) == [[0, 2], [1, 3]]
     with pytest.raises(
-        ColocationError, match=r"servers http://s0 and http://s1 both have a rank on GPU 1 of node 0"
+        ColocationError, match=r"servers http://s0 and http://s1 both have a rank on GPU 1 of trainer rank 1"
     ):
-        handle_sources(_Servers((2, 0, 1), (2, 1, 1)), world=4, per_node=4)
+        handle_sources(_Servers((2, 0, 1), (2, 1, 1)), one_node(4, 2))
     with pytest.raises(
-        ColocationError, match=r"http://s0 \(tp_size=2, base_gpu_id=3, .*GPUs \[3, 4\] of node 0"
+        ColocationError, match=r"http://s0 \(tp_size=2, base_gpu_id=3, .*GPU 4 of its host, where"
     ):
-        handle_sources(_Servers((2, 3, 1)), world=4, per_node=4)
-    with pytest.raises(ColocationError, match=r"http://s1 .* of node 1, outside the trainer's 1 node"):
-        handle_sources(_Servers((4, 0, 1), (4, 0, 1)), world=4, per_node=4)
+        handle_sources(_Servers((2, 3, 1)), one_node(4, 1))
+    with pytest.raises(ColocationError, match=r"server http://s1 runs on no host of the trainer's ranks"):
+        handle_sources(_Servers((4, 0, 1), (4, 0, 1)), [(gpu, [True, False]) for gpu in range(4)])
+
+
+def test_servers_are_matched_to_the_ranks_on_their_own_host_not_by_the_nodes_join_order():
+    from megatron_gspo.weight_sync.tensors import handle_sources
+
+    # Two nodes of 4; c10d numbered node B first (ranks 0-3), the servers are listed A then B.
+    node_b = [(gpu, [False, True]) for gpu in range(4)]
+    node_a = [(gpu, [True, False]) for gpu in range(4)]
+    servers = _Servers((4, 0, 1), (4, 0, 1))
+    assert handle_sources(servers, node_b + node_a) == [[4, 5, 6, 7], [0, 1, 2, 3]]
+    # A localhost URL is local on every node: two ranks on its GPU 0, refused by name.
+    everywhere = [(gpu, [True]) for gpu in range(4)] * 2
+    with pytest.raises(ColocationError, match=r"GPU 0 of its host, where trainer ranks \[0, 4\] are"):
+        handle_sources(_Servers((4, 0, 1)), everywhere)
+
+
+@pytest.mark.parametrize(
+    ("url", "here"),
+    [
+        ("http://127.0.0.1:30000", True),
+        ("http://localhost:30000", True),
+        ("http://203.0.113.5:30000", False),  # TEST-NET-3: never this host
+    ],
+)
+def test_a_server_is_on_this_host_when_its_address_is_ours(url, here):
+    from megatron_gspo.weight_sync.tensors import on_this_host
+
+    assert on_this_host(url) is here
+
+
+def test_this_hosts_own_address_is_on_this_host():
+    import socket
+
+    from megatron_gspo.weight_sync.tensors import on_this_host
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:  # our address on the default route
+        try:
+            sock.connect(("203.0.113.5", 9))
+        except OSError:
+            pytest.skip("no route off this host")
+        ours = sock.getsockname()[0]
+    assert on_this_host(f"http://{ours}:30000")

@@ -369,7 +369,8 @@ class WeightSyncConfig:
     bucket_mb: float = 1024.0
     """Bucket size: the sender holds about two buckets beyond its own shards."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """Weight-update group backend; auto: nccl when the trainer runs on CUDA, else gloo."""
+    """Weight-update group backend; auto: nccl when the trainer and every server (`/get_server_info`'s
+    `device`) are on CUDA, else gloo."""
     master_address: str = ""
     """Address the servers reach the trainer's rank 0 at ("": this host's address on the route to
     the first server, 127.0.0.1 for a local one)."""

@@ -12,6 +12,12 @@ A colocated step, in order:
    generate (verl's and slime's order: sync, then offload the parameters).
 
 A disaggregated run has the same calls, with nothing released or parked.
+
+A tag is never released twice: torch_memory_saver (SGLang's `--enable-memory-saver`) answers a
+second pause of a tag with "Cannot pause allocation that is not active." and SGLang's scheduler
+exits. A step that failed between a release and its resume (a weight sync that raised) would
+release again at the next hand-over; `ServerMemory` remembers what the trainer released and has
+not resumed, and releases only what the servers hold.
 """
 
 from __future__ import annotations
@@ -55,6 +61,32 @@ class Placement:
         yield
 
 
+class ServerMemory:
+    """The memory tags the servers hold, as this trainer left them (rank 0 asks; every call is one tag).
+
+    A release is counted before it is asked (one that failed may still have happened: it is
+    never asked again until a resume succeeds); a resume only once answered.
+    """
+
+    def __init__(self) -> None:
+        self.released: set[str] = set()
+
+    def release(self, client, tag: str) -> bool:
+        """Release `tag` unless it is released already; whether it was asked now."""
+        if tag in self.released:
+            logger.warning("the servers' %s is released already (not resumed since): not released again", tag)
+            return False
+        self.released.add(tag)
+        client.release_memory_occupation([tag])
+        return True
+
+    def resume(self, client, tag: str) -> None:
+        """Resume `tag` if this trainer released it."""
+        if tag in self.released:
+            client.resume_memory_occupation([tag])
+            self.released.discard(tag)
+
+
 class Colocated(Placement):
     """The trainer's state and the servers' memory take turns on the same GPUs.
 
@@ -70,6 +102,8 @@ class Colocated(Placement):
         """Every rank: the servers are up (`start`), so a checkpoint frees their KV cache."""
         self.client = None
         """Rank 0's rollout client (None on the other ranks)."""
+        self.memory = ServerMemory()
+        """Rank 0: what the servers hold (a tag is released only while they hold it)."""
 
     def start(self, client) -> None:
         """The trainer parks its state before the servers' first generation."""
@@ -79,7 +113,7 @@ class Colocated(Placement):
     def to_training(self, client) -> dict[str, float]:
         """Servers free the KV cache, then the weights (rank 0 asks); every rank onloads."""
         t0 = time.perf_counter()
-        on_rank0(lambda: _release(client))  # collective: no rank onloads before the servers freed
+        on_rank0(lambda: self._release(client))  # collective: no rank onloads before the servers freed
         t1 = time.perf_counter()
         self.offload.onload()
         return {"colocate/release_s": t1 - t0, "colocate/onload_s": time.perf_counter() - t1}
@@ -89,12 +123,12 @@ class Colocated(Placement):
         t0 = time.perf_counter()
         moved = self.offload.offload(keep_weights=True)  # the sync reads the parameters
         t1 = time.perf_counter()
-        on_rank0(lambda: client.resume_memory_occupation([WEIGHTS]))
+        on_rank0(lambda: self.memory.resume(client, WEIGHTS))
         result = send()
         t2 = time.perf_counter()
         moved += self.offload.offload()
         t3 = time.perf_counter()
-        on_rank0(lambda: client.resume_memory_occupation([KV_CACHE]))
+        on_rank0(lambda: self.memory.resume(client, KV_CACHE))
         timings = {
             "colocate/offload_s": (t1 - t0) + (t3 - t2),
             "colocate/offload_bytes": float(moved),
@@ -111,27 +145,24 @@ class Colocated(Placement):
         checkpoint save phase). Before the servers are up (the cold start's save) nothing is freed.
         """
         # servers_up is the same on every rank (on_rank0 is collective), and so is `freed`
-        freed = self.servers_up and on_rank0(_free_kv_cache, self.client)
+        freed = self.servers_up and on_rank0(self._free_kv_cache, self.client)
         self.offload.onload()
         try:
             yield
         finally:
             self.offload.offload()
             if freed:
-                on_rank0(lambda: self.client.resume_memory_occupation([KV_CACHE]))
+                on_rank0(lambda: self.memory.resume(self.client, KV_CACHE))
 
+    def _free_kv_cache(self, client) -> bool:
+        """Rank 0: the servers free their KV cache for a checkpoint; False (logged) when they cannot."""
+        try:
+            return self.memory.release(client, KV_CACHE)
+        except (RolloutFault, RolloutRequestError) as err:  # a lost server must not cost the checkpoint
+            logger.warning("checkpoint: the servers keep their KV cache (%s); saving beside it", err)
+            return False
 
-def _free_kv_cache(client) -> bool:
-    """Rank 0: the servers free their KV cache for a checkpoint; False (logged) when they cannot."""
-    try:
-        client.release_memory_occupation([KV_CACHE])
-    except (RolloutFault, RolloutRequestError) as err:  # a lost server must not cost the checkpoint
-        logger.warning("checkpoint: the servers keep their KV cache (%s); saving beside it", err)
-        return False
-    return True
-
-
-def _release(client) -> None:
-    """Rank 0: every server frees its KV cache, then its weights (SGLang's order)."""
-    client.release_memory_occupation([KV_CACHE])
-    client.release_memory_occupation([WEIGHTS])
+    def _release(self, client) -> None:
+        """Rank 0: every server frees its KV cache, then its weights (SGLang's order)."""
+        self.memory.release(client, KV_CACHE)
+        self.memory.release(client, WEIGHTS)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -112,6 +113,8 @@ class ControlMixin:
         The servers block in the collective until the trainer joins too, so call with
         ``blocking=False`` and ``.result()`` the returned future after the trainer's own
         ``init_process_group``. Never retried (a half-joined collective cannot be re-entered).
+        The first refusal is the answer: servers that joined wait in the rendezvous for ranks
+        that will not come (until their own timeout), so they are not awaited.
 
         Args:
             master_address: the trainer's rendezvous address.
@@ -140,7 +143,7 @@ class ControlMixin:
             }
             for offset in rank_offsets
         ]
-        return self._maybe_background(blocking, "/init_weights_update_group", bodies)
+        return self._maybe_background(blocking, "/init_weights_update_group", bodies, stop_at_refusal=True)
 
     def update_weights_from_distributed(
         self,
@@ -264,10 +267,11 @@ class ControlMixin:
         body = {} if tags is None else {"tags": list(tags)}
         return self._broadcast("/resume_memory_occupation", body, expect_success=False)
 
-    def _maybe_background(self, blocking: bool, path: str, bodies: list[dict[str, Any]]):
-        if blocking:
-            return self._broadcast(path, bodies, retry=False)
-        return self._background.submit(self._broadcast, path, bodies, retry=False)
+    def _maybe_background(
+        self, blocking: bool, path: str, bodies: list[dict[str, Any]], *, stop_at_refusal: bool = False
+    ):
+        call = functools.partial(self._broadcast, path, bodies, retry=False, stop_at_refusal=stop_at_refusal)
+        return call() if blocking else self._background.submit(call)
 
     def _broadcast(
         self,
@@ -278,11 +282,14 @@ class ControlMixin:
         expect_success: bool = True,
         timeout_s: float | None = None,
         drop_lost: bool = False,
+        stop_at_refusal: bool = False,
     ) -> list[dict[str, Any]]:
         """POST to every server at once (one body for all, or one per server); all answers or an error.
 
         `drop_lost`: an unreachable server is handed to `drop_lost_workers` (behind a router it
-        leaves the fleet and its failure is not raised).
+        leaves the fleet and its failure is not raised). `stop_at_refusal`: the first failure
+        is raised without waiting for the other servers (a collective one refused cannot
+        complete; their calls end on daemon threads, by their own timeouts).
         """
         urls = list(self.urls)
         bodies = [body] * len(urls) if isinstance(body, Mapping) else list(body)
@@ -297,10 +304,12 @@ class ControlMixin:
         if len(urls) == 1:  # no thread to start for one server
             futures = [_done(call, urls[0], path, bodies[0])]
         else:
-            with cf.ThreadPoolExecutor(len(urls), thread_name_prefix="sglang-broadcast") as pool:
-                futures = [pool.submit(call, url, path, b) for url, b in zip(urls, bodies)]
-                cf.wait(futures)
-        failures = [(url, f.exception()) for url, f in zip(urls, futures) if f.exception() is not None]
+            futures = [_in_thread(call, url, path, b) for url, b in zip(urls, bodies)]
+            cf.wait(futures, return_when=cf.FIRST_EXCEPTION if stop_at_refusal else cf.ALL_COMPLETED)
+        pending = sum(not f.done() for f in futures)
+        failures = [
+            (url, f.exception()) for url, f in zip(urls, futures) if f.done() and f.exception() is not None
+        ]
         if drop_lost and failures:
             unreachable = {u: e for u, e in failures if isinstance(e, RolloutServerError)}
             alive = self.drop_lost_workers(unreachable, path) if unreachable else {}
@@ -316,6 +325,8 @@ class ControlMixin:
         url, first = failures[0]
         if len(urls) > 1 and isinstance(first, WeightUpdateError):
             failed = f"{len(failures)} of {len(urls)} failed: " + ", ".join(u for u, _ in failures)
+            if pending:
+                failed += f"; {pending} other(s) not awaited"
             raise WeightUpdateError(
                 url=url,
                 path=path,
@@ -352,11 +363,24 @@ class ControlMixin:
         return answer
 
 
-def _done(call: Callable[..., Any], *args: Any) -> cf.Future:
-    """`call(*args)` run here, as a finished future (its result or its exception)."""
+def _in_thread(call: Callable[..., Any], *args: Any) -> cf.Future:
+    """`call(*args)` on a daemon thread, as a future: one left running does not hold up an exit."""
     future: cf.Future = cf.Future()
+    threading.Thread(
+        target=_run_into, args=(future, call, *args), name="sglang-broadcast", daemon=True
+    ).start()
+    return future
+
+
+def _run_into(future: cf.Future, call: Callable[..., Any], *args: Any) -> None:
     try:
         future.set_result(call(*args))
     except Exception as err:  # noqa: BLE001 - handed over like a pool's future
         future.set_exception(err)
+
+
+def _done(call: Callable[..., Any], *args: Any) -> cf.Future:
+    """`call(*args)` run here, as a finished future (its result or its exception)."""
+    future: cf.Future = cf.Future()
+    _run_into(future, call, *args)
     return future

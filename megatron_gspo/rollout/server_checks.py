@@ -8,6 +8,11 @@ instead of failing the first weight sync after minutes of retries:
   `dp_size == 1` ("dp_size must be 1 for init parameter update group"). Such a deployment
   runs one server per DP replica (`launch/sglang_servers.sh` does with DP > 1), each URL in
   `rollout.server_urls`; `weight_sync.method: disk` works with any dp_size.
+- A server launched with `--pp-size` > 1 cannot take the distributed or tensor method: SGLang
+  joins the weight-update group as `rank_offset + tp_rank` (`model_runner.init_weights_update_group`
+  ignores the pipeline rank, so two stages claim one rank and the rendezvous hangs), and each TP
+  rank opens its own `serialized_named_tensors` entry (`deserialize_own_rank`), which this
+  project counts and places by TP rank only. `weight_sync.method: disk` works with any pp_size.
 - Routing Replay R3 and the drift metrics need `--enable-return-routed-experts`.
 - A colocated run (`memory_saver=True`) releases the servers' memory while it trains: SGLang
   without `--enable-memory-saver` answers `/release_memory_occupation` with 200 and frees
@@ -94,10 +99,18 @@ def refuse_unfit_servers(
 
     Raises:
         ConfigError: a server with dp_size > 1 for the distributed (or tensor, without DP
-            attention) method, without routed experts when they are needed, or without the
-            memory saver when it is needed.
+            attention) method, with pp_size > 1 for the distributed or tensor method, without
+            routed experts when they are needed, or without the memory saver when it is needed.
     """
     for url, info in zip(urls, infos, strict=True):
+        pp = int(info.get("pp_size", 1))
+        if pp > 1 and sync_method in ("distributed", "tensor"):
+            raise ConfigError(
+                f"rollout server {url} was launched with pp_size={pp}: SGLang's weight updates address "
+                f"its ranks by TP rank only (group rank = rank_offset + tp_rank, one tensor entry per TP "
+                f"rank), so its {pp} pipeline stages cannot take weight_sync.method={sync_method}; relaunch "
+                "it with --pp-size 1 (more TP, or more servers) or set weight_sync.method=disk"
+            )
         dp = int(info.get("dp_size", 1))
         refused = sync_method == "distributed" or (
             sync_method == "tensor" and not info.get("enable_dp_attention", False)

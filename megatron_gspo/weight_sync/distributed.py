@@ -7,6 +7,7 @@ on GPU, gloo on CPU) and rebuilt when the servers behind the router change or an
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +31,9 @@ from megatron_gspo.weight_sync.update_group import (
     destroy_update_group,
     free_port,
     init_update_group,
+    join_watching,
     master_address,
+    pick_backend,
     timed_out,
     wait_for_bucket,
 )
@@ -45,6 +48,7 @@ class _Group:
     group: dist.ProcessGroup
     name: str
     urls: list[str]
+    backend: str
     aborted: bool = False
 
 
@@ -64,7 +68,7 @@ class DistributedMethod:
         and their flat copy (made once k is answered; the tensors are dropped once copied).
         """
         stats = SyncStats()
-        device = torch.device("cpu") if self._backend() == "gloo" else compute_device()
+        device = torch.device("cpu") if self._group.backend == "gloo" else compute_device()
         in_flight: list[tuple] = []  # the bucket out, if any
         try:
             for bucket in buckets:
@@ -111,17 +115,12 @@ class DistributedMethod:
             try:
                 wait_for_bucket(work, answers, self.cfg.timeout_s)
             except BaseException as err:
-                if timed_out(err) or self._backend() == "nccl":
+                if timed_out(err) or self._group.backend == "nccl":
                     self._abort_group()
                 raise
 
         at_bucket(bucket, wait)
         return bucket
-
-    def _backend(self) -> str:
-        if self.cfg.backend != "auto":
-            return self.cfg.backend
-        return "nccl" if torch.cuda.is_available() else "gloo"
 
     def _ensure_group(self, client: SGLangClient | None) -> None:
         """Rank 0 and every server rank join a fresh group unless one is up (collective)."""
@@ -133,6 +132,7 @@ class DistributedMethod:
                 self._leave_group(client)
             infos = client.server_info()
             refuse_unfit_servers(client.urls, infos, sync_method="distributed", routed_experts=False)
+            backend = pick_backend(self.cfg.backend, compute_device(), infos)
             tp_sizes = [int(info.get("tp_size", 1)) for info in infos]
             offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
             world = 1 + sum(tp_sizes)
@@ -147,22 +147,26 @@ class DistributedMethod:
                     world_size=world,
                     rank_offsets=offsets,
                     group_name=name,
-                    backend=self._backend(),
+                    backend=backend,
                     blocking=False,
                 )
-                group = init_update_group(
+                join = functools.partial(
+                    init_update_group,
                     master_address=address,
                     master_port=port,
                     rank=0,
                     world_size=world,
                     group_name=name,
-                    backend=self._backend(),
+                    backend=backend,
                     timeout_s=self.cfg.timeout_s,
-                    collective_timeout=collective_timeout_s(self._backend(), self.cfg.timeout_s),
+                    collective_timeout=collective_timeout_s(backend, self.cfg.timeout_s),
                 )
-            answers.result(timeout=self.cfg.timeout_s)
-            self._group = _Group(group, name, list(client.urls))
-            logger.info("weight-update group %s: %d server rank(s) at %s:%d", name, world - 1, address, port)
+                group = join_watching(join, answers, self.cfg.timeout_s)  # a refusal ends it at once
+            self._group = _Group(group, name, list(client.urls), backend)
+            ranks = world - 1
+            logger.info(
+                "weight-update group %s (%s): %d server rank(s) at %s:%d", name, backend, ranks, address, port
+            )
 
         try:
             control_plane.on_rank0(join)

@@ -25,17 +25,36 @@ exits or the peer's own timeout).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import datetime
 import socket
+import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 from urllib.parse import urlparse
 
+import torch
 import torch.distributed as dist
 
 NCCL_ABORT_MARGIN_S = 600.0
 """How much longer than the deadline an NCCL group's collectives may run before torch's watchdog
 acts: what the sender may spend after a broadcast is enqueued and before its deadline starts
 (gathering the next bucket), plus the abort itself."""
+
+
+def pick_backend(configured: str, trainer_device: torch.device, infos: Sequence[Mapping[str, Any]]) -> str:
+    """`weight_sync.backend` with `auto` resolved for this trainer and these servers.
+
+    `auto` is NCCL only when the trainer is on CUDA and every server's `/get_server_info` says
+    `device: cuda` (SGLang serialises its `device` launch argument there; the embedded server
+    reports where it runs); otherwise gloo. A CPU server refuses NCCL, so guessing from the
+    trainer's side alone makes a GPU trainer wait for a group that server will never join.
+    """
+    if configured != "auto":
+        return configured
+    on_cuda = trainer_device.type == "cuda" and all(info.get("device") == "cuda" for info in infos)
+    return "nccl" if on_cuda else "gloo"
 
 
 def collective_timeout_s(backend: str, deadline_s: float) -> float:
@@ -98,6 +117,49 @@ def init_update_group(
     # both sides (the trainer joins from its global rank 0).
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+def join_watching(
+    join: Callable[[], dist.ProcessGroup], answers: cf.Future, timeout_s: float
+) -> dist.ProcessGroup:
+    """The trainer's side of the rendezvous (`join`), ended at once by a server's refusal.
+
+    A server that refuses the group (a CPU server asked for NCCL, a name it holds) answers at
+    once, but the rendezvous waits for every rank until its own timeout. So `join` runs on a
+    thread while `answers` (the servers' replies to `/init_weights_update_group`) is watched: the
+    first refusal is raised with the server's message. The rendezvous cannot be interrupted; given
+    up on, its thread ends by its own timeout and a group it still makes is destroyed (every join
+    has a fresh name and port, so nothing reuses them). The thread is a daemon one: an exiting
+    trainer does not wait for it (a pool's thread would be joined at exit).
+
+    Returns:
+        The group, once the trainer has joined and every server has answered, within `timeout_s`.
+    """
+    joined: cf.Future = cf.Future()
+
+    def run() -> None:
+        try:
+            joined.set_result(join())
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+            joined.set_exception(err)
+
+    threading.Thread(target=run, name="weight-update-join", daemon=True).start()
+    cf.wait([joined, answers], timeout=timeout_s, return_when=cf.FIRST_EXCEPTION)
+    if answers.done() and answers.exception() is not None:
+        joined.add_done_callback(_destroy_if_made)
+        raise answers.exception()
+    if joined.done() and joined.exception() is not None:
+        raise joined.exception()  # the trainer's own side failed: the servers' waits end by their timeout
+    if not (joined.done() and answers.done()):
+        joined.add_done_callback(_destroy_if_made)
+        raise TimeoutError(f"weight-update group not joined within weight_sync.timeout_s={timeout_s}")
+    return joined.result()
+
+
+def _destroy_if_made(joined: cf.Future) -> None:
+    if joined.exception() is None:
+        with contextlib.suppress(Exception):
+            destroy_update_group(joined.result())
 
 
 def destroy_update_group(group: dist.ProcessGroup) -> None:

@@ -19,7 +19,12 @@ from megatron_gspo.model.distributed import ParallelConfig, destroy_distributed,
 from megatron_gspo.model.hf.checkpoint import make_tiny_hf_checkpoint
 from megatron_gspo.model.optim import OptimConfig, build_optimizer, optimizer_step, wrap_ddp, zero_grads
 from megatron_gspo.placement.colocation import Colocated
-from megatron_gspo.placement.offload import ParkedStorages, TrainerOffload, trainer_state_tensors
+from megatron_gspo.placement.offload import (
+    ParkedStorages,
+    TrainerOffload,
+    pinned_host_bytes,
+    trainer_state_tensors,
+)
 from megatron_gspo.rollout.client import SGLangClient
 from megatron_gspo.rollout.server.launch import launch_embedded_server
 from megatron_gspo.tasks.tokenizer import build_char_tokenizer
@@ -62,6 +67,50 @@ def test_offload_then_onload_restores_every_byte_and_keeps_views(trained):
     assert any(isinstance(v, torch.Tensor) and v.abs().sum() > 0 for v in state)
 
 
+def test_the_trainer_offload_copies_weights_and_optimizer_state_and_drops_the_gradients(trained):
+    """The GPU's path on the CPU (`include_host`): parameters and Adam state come back bit for bit;
+    the gradients are not copied to the host but given back and brought back zeroed (every
+    mini-batch zeroes them before its backward), and `main_grad` still views DDP's buffer."""
+    model, optimizer = trained
+    ids = torch.randint(0, 32, (1, 8), generator=torch.Generator().manual_seed(1))
+    model(ids, torch.arange(8)[None], None).float().pow(2).mean().backward()
+    grad_buffer = model.buffers[0].grad_data
+    assert grad_buffer.abs().sum() > 0  # something for the offload to drop
+    params = list(model.module.parameters())
+    inner = optimizer.chained_optimizers[0].optimizer
+    state = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    kept = params + state
+    before = [t.detach().clone() for t in kept]
+    copied = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}.values())
+    offload = TrainerOffload(model, optimizer, include_host=True)
+    assert offload.offload() == copied  # weights and optimizer state; no gradient byte
+    assert offload.host_nbytes == copied  # not pinned on a CPU-only host: no rounding
+    assert grad_buffer.untyped_storage().nbytes() == 0 and params[0].untyped_storage().nbytes() == 0
+    offload.onload()
+    assert all(torch.equal(a, b) for a, b in zip(before, kept))
+    assert grad_buffer.untyped_storage().nbytes() > 0 and not grad_buffer.any()  # back, zeroed
+    lo, hi = grad_buffer.data_ptr(), grad_buffer.data_ptr() + grad_buffer.untyped_storage().nbytes()
+    assert all(lo <= p.main_grad.data_ptr() < hi for p in params)
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "host"),
+    [
+        (0, 0),
+        (1, 1),
+        (2, 2),
+        (3, 4),
+        (1000, 1024),
+        (2**30, 2**30),
+        (2**30 + 1, 2**31),
+        (9_600 * 2**20, 2**34),
+    ],
+)
+def test_pinned_host_copies_are_counted_as_the_pinned_allocator_rounds_them(nbytes, host):
+    # torch's CachingHostAllocator allocates c10::llvm::PowerOf2Ceil(size): a 9.6 GiB buffer takes 16 GiB
+    assert pinned_host_bytes(nbytes) == host
+
+
 def test_trainer_offload_on_cpu_moves_nothing(trained):
     model, optimizer = trained
     tensors = trainer_state_tensors(model, optimizer)
@@ -102,6 +151,36 @@ def test_a_colocated_checkpoint_frees_the_servers_kv_cache_for_its_duration(trai
             pass
         assert "the servers keep their KV cache" in caplog.text
         assert "MemoryReleased" in generate().text  # not resumed by the save: left as it was
+
+
+@pytest.mark.slow  # one embedded server
+def test_a_tag_left_released_by_a_failed_sync_is_not_released_again(trained, tmp_path, caplog):
+    """SGLang's memory saver ends the scheduler on a second release of a tag ("Cannot pause
+    allocation that is not active."); the embedded server refuses one (MemoryReleased), so a second
+    attempt is seen here. A sync that raised after the weights were resumed leaves the KV cache
+    released: the next hand-over releases the weights only, and the next sync resumes both."""
+    model, optimizer = trained
+    hf = make_tiny_hf_checkpoint(tmp_path / "hf", tiny(vocab_size=len(build_char_tokenizer())), seed=0)
+
+    def failing_sync():
+        raise RuntimeError("the sync failed")
+
+    with (
+        launch_embedded_server(hf, enable_memory_saver=True, kv_pool_mb=1) as server,
+        SGLangClient([server.url]) as client,
+    ):
+        placement = Colocated(TrainerOffload(model, optimizer))
+        placement.start(client)
+        placement.to_training(client)
+        with pytest.raises(RuntimeError, match="the sync failed"):
+            placement.sync(client, failing_sync)  # weights resumed, the KV cache still released
+        with caplog.at_level(logging.WARNING):
+            placement.to_training(client)  # a second kv_cache release would be refused here
+        assert "kv_cache is released already" in caplog.text
+        placement.sync(client, lambda: None)
+        assert placement.memory.released == set()
+        client.release_memory_occupation(["kv_cache", "weights"])  # both held again: accepted
+        client.resume_memory_occupation(["kv_cache", "weights"])
 
 
 @pytest.mark.slow  # one embedded server

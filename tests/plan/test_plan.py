@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -354,16 +355,50 @@ def test_plan_refuses_a_size_that_cannot_be(option, value, capsys):
 
 
 def test_train_launcher_dry_run(math_data):
+    result = train_dry_run(math_data, "configs/qwen3_30b_a3b_gspo.yaml", NNODES="2")
+    assert re.search(
+        r"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (GLOO_SOCKET_IFNAME=\S+ )?"
+        r"torchrun --nnodes 2 --node_rank 0",
+        result.stdout,
+    )
+    assert "rollout.server_urls=[http://a:1,http://b:2]" in result.stdout
+    assert "on 16 ranks" in result.stdout and "fits" in result.stdout
+
+
+def test_the_colocated_dry_run_says_ipc_buckets_leave_expandable_segments(math_data):
+    # The launcher keeps expandable segments for the step; the tensor handles' buckets are made
+    # outside them (CUDA IPC of an expandable segment needs pidfd_getfd rights SGLang may lack).
+    result = train_dry_run(math_data, "configs/qwen3_30b_a3b_gspo_colocated.yaml", NNODES="1")
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True torchrun --nnodes 1" in result.stdout
+    assert "each bucket is allocated with expandable segments off" in result.stdout
+    assert "weight_sync/ipc_allocation.py" in result.stdout
+    assert "GLOO_SOCKET_IFNAME" not in result.stdout  # one node: gloo stays on this host
+
+
+def test_a_multi_node_launch_sets_gloo_on_the_interface_that_reaches_the_master(math_data):
+    # gloo binds what this host's name resolves to: 127.0.1.1 or a docker bridge on some hosts.
+    config = "configs/qwen3_30b_a3b_gspo.yaml"
+    kept = train_dry_run(math_data, config, NNODES="2", GLOO_SOCKET_IFNAME="ib0")
+    assert "GLOO_SOCKET_IFNAME=ib0 torchrun --nnodes 2" in kept.stdout  # the operator's choice stands
+    routed = subprocess.run(["ip", "-o", "route", "show", "default"], capture_output=True, text=True)
+    if shutil.which("ip") is None or not routed.stdout.strip():
+        pytest.skip("no `ip` or no default route here: nothing to derive the interface from")
+    derived = train_dry_run(math_data, config, NNODES="2", MASTER_ADDR="localhost")
+    name = re.search(r"GLOO_SOCKET_IFNAME=(\S+) torchrun", derived.stdout)
+    assert name and name[1] != "lo" and Path("/sys/class/net", name[1]).exists(), derived.stdout[:300]
+
+
+def train_dry_run(math_data, config: str, **extra) -> subprocess.CompletedProcess:
     env = {
-        **{k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"},
+        **{k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "GLOO_SOCKET_IFNAME")},
         "DRY_RUN": "1",
-        "NNODES": "2",
         "DATA": str(math_data),
         "SGLANG_URLS": "http://a:1,http://b:2",
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        **extra,
     }
     result = subprocess.run(
-        ["bash", "launch/train_h100.sh", "configs/qwen3_30b_a3b_gspo.yaml"],
+        ["bash", "launch/train_h100.sh", config],
         capture_output=True,
         text=True,
         timeout=120,
@@ -371,11 +406,7 @@ def test_train_launcher_dry_run(math_data):
         env=env,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert (
-        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True torchrun --nnodes 2 --node_rank 0" in result.stdout
-    )
-    assert "rollout.server_urls=[http://a:1,http://b:2]" in result.stdout
-    assert "on 16 ranks" in result.stdout and "fits" in result.stdout
+    return result
 
 
 def sglang_dry_run(**extra):
@@ -537,30 +568,46 @@ def test_plan_counts_a_bos_only_when_the_tokenizer_has_one(tmp_path, bos):
 def test_colocated_30b_on_one_node_reports_each_phase_and_refuses_what_does_not_fit(math_data):
     """By hand: EP 8 leaves 1541M dense + 3624M expert params per rank (~5.2B); the expert Adam
     state, unsharded (expert DP 1), is 3624M x 12 bytes = 40.5 GiB; SGLang's bf16 weights over TP 4
-    are 30.5B x 2 / 4 = 14.2 GiB per GPU."""
+    are 30.5B x 2 / 4 = 14.2 GiB per GPU. Every phase carries SGLang's remainder 2, the trainer's
+    remainder 2 (what each keeps reserved with its state freed) and the reserve 6: 10 GiB."""
     args = ["--config", "configs/qwen3_30b_a3b_gspo_colocated.yaml", f"task.options.path={math_data}"]
     result = plan(*args, "--world-size", "8")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "per rank: 1541M dense + 3624M expert params" in result.stdout
-    assert "SGLang weights 14.2 GiB + KV cache 16 GiB per GPU" in result.stdout
-    assert "optimizer 42.7 GiB x 1 stepped on the host" in result.stdout  # 40.5 expert + 2.2 dense
-    for phase in ("generation", "training"):
-        assert f"phase {phase}: peak " in result.stdout
-    # The sync reads the trainer's bf16 weights 9.6 on the device (gradients and optimizer parked)
-    # beside SGLang's resumed 14.2, plus the 2.6 of sync buffers and the reserve 6.
-    assert "phase weight sync: peak 32.4 GiB per GPU" in result.stdout
-    # The save: trainer states 28.9 (bf16 weights 9.6 + fp32 grads 19.2 + the 0.0 optimizer share
-    # on the GPU) beside SGLang's weights 14.2 + its remainder 2 + the reserve 6 = 51.1 GiB,
-    # above training's 43.1 (its activations, without SGLang's weights).
-    assert "phase checkpoint save: peak 51.1 GiB per GPU" in result.stdout
+    out = result.stdout
+    assert "per rank: 1541M dense + 3624M expert params" in out
+    assert "SGLang weights 14.2 GiB + KV cache 16 GiB per GPU" in out
+    assert "optimizer 42.7 GiB x 1 stepped on the host" in out  # 40.5 expert + 2.2 dense
+    # Parked in pinned host memory: the bf16 weight buffers, 1541M x 2 = 2.9 GiB -> a 4 GiB block and
+    # 3624M x 2 = 6.8 GiB -> 8 GiB (the pinned allocator's powers of two); gradients dropped.
+    assert "parked in pinned host memory during generation: 12.0 GiB per rank" in out
+    both = "(SGLang's remainder 2, the trainer's 2 and the reserve 6 included)"
     # Start-up: the servers' static pool (weights 14.2 + KV cache 16) is held while the trainer's
-    # states 28.9 are on the GPU for the start-up sync (buffers 2.6; no SFT here) + the reserve 6.
-    assert "phase start-up: peak 67.7 GiB per GPU" in result.stdout
-    assert "colocated fits: the start-up phase decides (11.4 GiB to spare)" in result.stdout
+    # states 28.9 (bf16 weights 9.6 + fp32 grads 19.2 + the 0.0 optimizer share on the GPU) are on
+    # the GPU for the start-up sync (buffers 2.6; no SFT here) + 10.
+    assert f"phase start-up: peak 71.7 GiB per GPU {both}" in out
+    # Generation: SGLang's pool 30.2 beside what the trainer keeps reserved (its remainder): + 10.
+    assert f"phase generation: peak 40.2 GiB per GPU {both}" in out
+    # Training: the states 28.9 + one micro-batch's activations 6.2 (logits 3.3 + full-recompute
+    # layer inputs 3.0) + 10: without the activations this would read 38.9.
+    assert f"phase training: peak 45.1 GiB per GPU {both}" in out
+    # The sync reads the trainer's bf16 weights 9.6 on the device (gradients and optimizer parked)
+    # beside SGLang's resumed 14.2, plus the 2.6 of sync buffers + 10.
+    assert f"phase weight sync: peak 36.4 GiB per GPU {both}" in out
+    # The save: trainer states 28.9 beside SGLang's weights 14.2 + 10.
+    assert f"phase checkpoint save: peak 53.1 GiB per GPU {both}" in out
+    assert "colocated fits: the start-up phase decides (7.4 GiB to spare)" in out  # of 79.1
     # SGLang's static pool: (14.2 weights + 16 KV cache) / 79.1 GiB = 0.38 of the GPU
-    assert "SGLang: --mem-fraction-static 0.38 holds these weights and a 16 GiB KV cache" in result.stdout
+    assert "SGLang: --mem-fraction-static 0.38 holds these weights and a 16 GiB KV cache" in out
+    on_h200 = plan(*args, "--world-size", "8", "--gpu-memory-gb", "139")
+    assert on_h200.returncode == 0 and "the start-up phase decides (67.3 GiB to spare)" in on_h200.stdout
     no_offload = ["optim.optimizer_cpu_offload=false", "optim.overlap_cpu_optimizer_d2h_h2d=false"]
     refused = plan(*args, "--world-size", "8", *no_offload)
     assert refused.returncode == 1
     assert "DOES NOT FIT (colocated, start-up phase)" in refused.stdout
-    assert "phase checkpoint save: peak 93.7 GiB per GPU" in refused.stdout  # refused by it too
+    assert f"phase checkpoint save: peak 95.7 GiB per GPU {both}" in refused.stdout  # refused by it too
+    # Selective recompute keeps every layer's activations but attention's (62.4 + logits 3.3 = 65.7
+    # GiB): the training phase, 28.9 + 65.7 + 10 = 104.6 GiB, is what refuses it.
+    selective = plan(*args, "--world-size", "8", "engine.recompute_granularity=selective")
+    assert selective.returncode == 1
+    assert f"phase training: peak 104.6 GiB per GPU {both}" in selective.stdout
+    assert "DOES NOT FIT (colocated, training phase): 104.6 GiB is 25.5 GiB over" in selective.stdout

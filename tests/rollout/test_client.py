@@ -60,6 +60,8 @@ class FakeSGLang:
         reject_rid=None,
         update_fails=False,
         hold=None,
+        init_refusal=None,
+        init_hold=None,
     ):
         self.fail_first = fail_first  # first N /generate attempts fail
         self.failure = failure  # "503" or "drop"
@@ -68,6 +70,9 @@ class FakeSGLang:
         self.reject_rid = reject_rid  # /generate with this rid gets a 400
         self.update_fails = update_fails
         self.hold = hold  # a threading.Event: accepted /generate requests wait for it (at most 60 s)
+        self.init_refusal = init_refusal  # /init_weights_update_group answers 400 with this message
+        self.init_hold = init_hold  # an Event: /init_weights_update_group waits for it (at most 10 s),
+        # as a server waits in the group's rendezvous for ranks that may never come
         self.weight_version = "0"
         self.lock = threading.Lock()
         self.generate_attempts = 0
@@ -104,6 +109,10 @@ class FakeSGLang:
                         return self._json(400, {"success": False, "message": "file not found: /nope"})
                     fake.weight_version = body.get("weight_version", fake.weight_version)
                     return self._json(200, {"success": True, "message": "ok", "num_paused_requests": 0})
+                if self.path == "/init_weights_update_group" and fake.init_refusal is not None:
+                    return self._json(400, {"success": False, "message": fake.init_refusal})
+                if self.path == "/init_weights_update_group" and fake.init_hold is not None:
+                    fake.init_hold.wait(10)
                 if self.path in ("/pause_generation", "/continue_generation"):
                     return self._json(200, {"message": "done", "status": "ok"})
                 return self._json(200, {"success": True, "message": "ok"})
@@ -487,6 +496,27 @@ def test_distributed_update_calls_send_the_right_fields(servers):
     assert posts["/destroy_weights_update_group"] == {"group_name": "weight_update_group"}
     assert posts["/pause_generation"] == {"mode": "retract"}
     assert [p for p, _ in b.posts][-3:] == ["/pause_generation", "/flush_cache", "/continue_generation"]
+
+
+def test_a_refused_group_join_is_raised_without_waiting_for_servers_held_in_it(servers):
+    # One server refuses the group, the other waits in its rendezvous for ranks that will not come
+    # (until its own timeout): the refusal is the answer, at once.
+    hold = threading.Event()
+    held, refusing = servers(init_hold=hold), servers(init_refusal="backend='nccl' needs a CUDA device")
+    start = time.monotonic()
+    try:
+        with (
+            client_for(held.url, refusing.url, timeout_s=30.0) as client,
+            pytest.raises(WeightUpdateError) as info,
+        ):
+            client.init_weights_update_group(
+                master_address="x", master_port=1, world_size=3, rank_offsets=[1, 2]
+            )
+        assert time.monotonic() - start < 2.0 and not hold.is_set()
+    finally:
+        hold.set()
+    assert info.value.url == refusing.url and "needs a CUDA device" in info.value.server_message
+    assert "not awaited" in str(info.value)
 
 
 def test_client_arguments_are_checked():

@@ -137,6 +137,15 @@ def test_dp_attention_servers_take_tensor_updates_and_routed_experts_are_checked
     refuse_unfit_servers(urls, [{}, without], sync_method="distributed", routed_experts=False)
 
 
+@pytest.mark.parametrize("method", ["distributed", "tensor"])
+def test_a_pipeline_parallel_server_is_refused_for_group_and_tensor_sync(method):
+    # SGLang joins the group as rank_offset + tp_rank: two stages would claim one rank and hang.
+    urls = ["http://a:1", "http://b:2"]
+    with pytest.raises(ConfigError, match=r"http://b:2 was launched with pp_size=2.*weight_sync.method=disk"):
+        refuse_unfit_servers(urls, [{"pp_size": 1}, {"pp_size": 2}], sync_method=method, routed_experts=False)
+    refuse_unfit_servers(urls, [{"pp_size": 1}, {"pp_size": 2}], sync_method="disk", routed_experts=False)
+
+
 def test_a_colocated_run_refuses_servers_without_the_memory_saver():
     urls = ["http://a:1", "http://b:2"]
     saver, plain = {"enable_memory_saver": True}, {"enable_memory_saver": False}

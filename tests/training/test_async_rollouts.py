@@ -55,6 +55,9 @@ def test_staleness_one_trains_within_the_bound_and_drops_an_older_batch(tmp_path
     assert [r["rollout/stale_groups_dropped"] for r in steps] == [0, 0, 8, 0]
     assert all(r["rollout/samples"] == 32 and r["train/optimizer_steps"] == 2 for r in steps)
     assert all(0 <= r["perf/overlap"] <= 1 and r["time/wait_rollout_s"] >= 0 for r in steps)
+    # Batches generated: 4 trained + the dropped v1 one; none starts once the 4th is taken (the
+    # run's batch count caps the producer: a 6th would be generated for nobody).
+    assert "rollouts ahead: 5 batch(es) started, 4 taken, 1 dropped as stale" in done.stderr
     # Resume (the queue starts empty): step 5's batch is fresh, step 6's was made during step 5.
     resumed = subprocess.run(
         [*cmd, "trainer.steps=6", "--resume"],
@@ -69,6 +72,7 @@ def test_staleness_one_trains_within_the_bound_and_drops_an_older_batch(tmp_path
     assert [r["step"] for r in steps[-2:]] == [5, 6]
     assert [r["rollout/staleness_max"] for r in steps[-2:]] == [0, 1]
     assert [r["weight_version"] for r in steps[-2:]] == [6, 7]
+    assert "rollouts ahead: 2 batch(es) started, 2 taken, 0 dropped as stale" in resumed.stderr
 
 
 def test_update_mode_keys_are_validated_by_name():

@@ -9,6 +9,8 @@ group constructor; the gloo group is made for real.
 
 import concurrent.futures as cf
 import datetime
+import threading
+import time
 
 import pytest
 import torch
@@ -21,8 +23,67 @@ from megatron_gspo.weight_sync.update_group import (
     NCCL_ABORT_MARGIN_S,
     abort_update_group,
     collective_timeout_s,
+    free_port,
     init_update_group,
+    join_watching,
+    pick_backend,
 )
+
+CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("trainer", "devices", "expected"),
+    [
+        (CUDA, ["cuda", "cuda"], "nccl"),
+        (CUDA, ["cuda", "cpu"], "gloo"),  # one CPU server would refuse NCCL
+        (CUDA, [None], "gloo"),  # a server that does not say where it runs
+        (CPU, ["cuda"], "gloo"),
+    ],
+)
+def test_auto_picks_nccl_only_between_a_cuda_trainer_and_cuda_servers(trainer, devices, expected):
+    infos = [{} if device is None else {"device": device} for device in devices]
+    assert pick_backend("auto", trainer, infos) == expected
+    assert pick_backend("nccl", CPU, infos) == "nccl"  # a chosen backend is kept (and refused by name)
+
+
+def test_a_refusal_ends_the_rendezvous_wait_at_once_with_the_servers_message():
+    # A real gloo rendezvous for two ranks whose second never comes: the store would wait 30 s.
+    port = free_port()
+    join = lambda: init_update_group(  # noqa: E731
+        master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
+        group_name="refused_probe", backend="gloo", timeout_s=30.0,
+    )  # fmt: skip
+    answers = cf.Future()
+    threading.Timer(
+        0.2, answers.set_exception, [RuntimeError("server: backend='nccl' needs a CUDA device")]
+    ).start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        join_watching(join, answers, timeout_s=30.0)
+    assert time.monotonic() - start < 2.0
+
+
+def test_the_join_returns_the_group_once_both_sides_are_done_and_times_out_otherwise():
+    join = lambda: init_update_group(  # noqa: E731
+        master_address="127.0.0.1", master_port=0, rank=0, world_size=1,
+        group_name="joined_probe", backend="gloo", timeout_s=5.0,
+    )  # fmt: skip
+    answered = cf.Future()
+    answered.set_result([{"success": True}])
+    group = join_watching(join, answered, timeout_s=5.0)
+    abort_update_group(group)
+    silent = cf.Future()  # a server that never answers
+    with pytest.raises(TimeoutError, match="timeout_s=0.3"):
+        join_watching(lambda: object(), silent, timeout_s=0.3)
+
+    def failing_join():
+        raise RuntimeError("ProcessGroupNCCL is only supported with GPUs")
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="only supported with GPUs"):  # the trainer's own failure, at once
+        join_watching(failing_join, cf.Future(), timeout_s=30.0)
+    assert time.monotonic() - start < 2.0
 
 
 def test_nccl_collectives_outlive_the_deadline_and_gloo_keeps_it():
@@ -98,7 +159,7 @@ def test_a_refused_bucket_aborts_an_nccl_group_at_once(monkeypatch, backend, abo
         WeightSyncConfig(backend=backend, timeout_s=60.0), torch.nn.Linear(1, 1), tiny(vocab_size=80), None
     )
     group = object()
-    sync._group = distributed._Group(group, "g", ["http://127.0.0.1:30000"])
+    sync._group = distributed._Group(group, "g", ["http://127.0.0.1:30000"], backend)
     refused = cf.Future()
     refused.set_exception(RuntimeError("bucket refused"))
     bucket = distributed.Bucket(index=3, names=["w"], nbytes=4)

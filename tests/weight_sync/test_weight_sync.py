@@ -6,6 +6,7 @@ request with 503 instead of passing it on, as a dying server or a broken link wo
 
 import concurrent.futures as cf
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -183,6 +184,24 @@ def test_a_hung_server_times_out_and_the_retry_serves_the_weights(setup, monkeyp
     assert len(destroyed) == 1  # the retry's group only: the aborted one is gone
     assert old_version != "11" and served_version(client) == "11"
     assert (served_logprobs(client, TOKENS) - trainer_logprobs(model)).abs().max() <= 1e-5
+
+
+def test_the_embedded_server_reports_its_device(setup):
+    _, client, _, _, _ = setup
+    assert client.server_info()[0]["device"] == "cpu"  # as SGLang's launch argument: `auto` reads it
+
+
+def test_nccl_refused_by_a_cpu_server_ends_the_join_at_once_naming_its_reason(setup):
+    """The server refuses an NCCL group at once; the trainer's rendezvous would wait for it until
+    its own timeout (31 s here before the join watched the server's answer)."""
+    model, client, _, _, export_dir = setup
+    sync = make_sync(model, export_dir, backend="nccl", retries=0, timeout_s=30)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncFailed, match="needs a CUDA device; this server runs on the CPU"):
+        sync.sync(client, 13)
+    assert time.monotonic() - start < 5.0
+    make_sync(model, export_dir).sync(client, 14)  # the refusal left nothing behind
+    assert served_version(client) == "14"
 
 
 @pytest.mark.parametrize("method", ["tensor", "disk"])

@@ -19,6 +19,13 @@ here, by name, before a server or a rank starts:
   moe_ep_setup.py; again `Fp8MoEMethod.create_fp8_moe_weight_`) refuses to start unless that
   width is a multiple of block_n = 128. Qwen3-30B-A3B (768) at TP 4, EP 1 gives 192; 235B-A22B
   (1536) at TP 8, EP 1 gives 192. EP = TP gives whole experts per rank (768, 1536).
+- A block-FP8 checkpoint that keeps some projections unquantised (`quantization_config`'s
+  `ignored_layers`, else `modules_to_not_convert`: `Fp8Config.from_config`, layers/quantization/
+  fp8.py): SGLang gives those modules `UnquantizedLinearMethod`, a bf16 weight and no
+  `weight_scale_inv`, while the trainer sends every decoder projection as FP8 and its scales; the
+  loader copies the raw FP8 values into the bf16 weight and drops the scale. An entry naming a
+  projection (`..._proj`) or a module holding some (a layer, its `self_attn`, `mlp`, `experts`)
+  is refused; the router gates, norms, embeddings and `lm_head` the trainer never quantises.
 
 Torch-free, so `launch/sglang_servers.sh` runs it (`python -m megatron_gspo.model.fp8.serving
 MODEL TP EP`) before it starts SGLang; `config.validate` runs it for real SGLang servers
@@ -56,6 +63,21 @@ def _whole_blocks(width: int, moe_tp: int) -> bool:
     return width % moe_tp == 0 and (width // moe_tp) % BLOCK == 0
 
 
+_HOLDS_PROJECTIONS = {"model", "layers", "self_attn", "mlp", "experts", "shared_expert", "shared_experts"}
+"""Module names on the path to a decoder projection: an ignored entry made of these (and layer or
+expert indices) covers projections the trainer quantises."""
+
+
+def covers_a_quantised_projection(entry: str) -> bool:
+    """Whether an ignored-layers entry leaves unquantised a projection the trainer sends as FP8."""
+    parts = [p for p in entry.removesuffix(".weight").split(".") if p]
+    if not parts:
+        return False
+    if parts[-1].endswith("_proj"):  # q/k/v/o, gate/up/down, fused qkv / gate_up
+        return True
+    return all(p in _HOLDS_PROJECTIONS or p.isdigit() for p in parts)
+
+
 def check_fp8_serving(checkpoint: str | Path, tp: int, ep: int) -> None:
     """Raise `Fp8ServingError` unless SGLang at --tp-size `tp`, --ep-size `ep` can serve block FP8.
 
@@ -74,6 +96,16 @@ def check_fp8_serving(checkpoint: str | Path, tp: int, ep: int) -> None:
             "sends. Launch the servers from a block-FP8 checkpoint of the same model (e.g. "
             "Qwen3-30B-A3B-FP8; the trainer's first sync replaces its weights) or set "
             "rollout.quantization=none"
+        )
+    key = "ignored_layers" if quant.get("ignored_layers") else "modules_to_not_convert"
+    kept = [str(e) for e in quant.get(key) or [] if covers_a_quantised_projection(str(e))]
+    if kept:
+        raise Fp8ServingError(
+            f"rollout.quantization=fp8: the rollout checkpoint {checkpoint} keeps {kept} unquantised "
+            f"(quantization_config.{key}); SGLang loads those as bf16 weights without "
+            "weight_scale_inv, so the trainer's FP8 values would be cast in unscaled and their scales "
+            "dropped. Use a checkpoint that quantises every decoder projection (e.g. Qwen3-30B-A3B-FP8) "
+            "or set rollout.quantization=none"
         )
     if tp < 1 or ep < 1 or tp % ep:
         raise Fp8ServingError(f"rollout server layout TP={tp}, EP={ep}: SGLang needs EP to divide TP")

@@ -445,6 +445,8 @@ class RolloutService:
             "port": self.port,
             "context_length": self.engine.context_len,
             "tp_size": self.tp_size,
+            "pp_size": 1,  # as SGLang reports it: start-up checks refuse pp_size > 1 for group / tensor sync
+            "device": self.engine.device.type,  # SGLang's launch argument: `auto` picks NCCL on "cuda"
             "base_gpu_id": self.base_gpu_id,
             "gpu_id_step": 1,
             "dp_size": self.dp_size,

@@ -17,12 +17,15 @@ two meet here:
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,6 +98,8 @@ class RolloutProducer:
         self._generating = False
         self._stop = False
         self._error: BaseException | None = None
+        self.started = self.taken = self.dropped = 0
+        """Batches started (a cancelled one too), handed to the trainer, and dropped as too old."""
         self._thread = threading.Thread(target=self._loop, name="rollout-producer", daemon=True)
 
     @property
@@ -118,6 +123,13 @@ class RolloutProducer:
             self._cancel()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        # What the run's batch count (`batches`) allowed: the last step starts none nobody takes.
+        logger.info(
+            "rollouts ahead: %d batch(es) started, %d taken, %d dropped as stale",
+            self.started,
+            self.taken,
+            self.dropped,
+        )
 
     def _loop(self) -> None:
         try:
@@ -129,6 +141,7 @@ class RolloutProducer:
                     if self._stop:
                         return
                     self._generating, self._outstanding = True, self._outstanding + 1
+                    self.started += 1
                     version = self._version()
                 start = time.perf_counter()
                 try:
@@ -192,5 +205,7 @@ class RolloutProducer:
                 with self._cond:
                     if self._left is not None:
                         self._left -= 1
+                    self.taken += 1
                 return Taken(item, staleness, time.perf_counter() - start, dropped)
+            self.dropped += 1
             dropped += self._groups_of(item.batch)

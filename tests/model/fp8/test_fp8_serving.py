@@ -35,6 +35,37 @@ def checkpoint(tmp_path: Path, width: int = 768, fp8: bool = True, name: str = "
     return path
 
 
+@pytest.mark.parametrize("key", ["modules_to_not_convert", "ignored_layers"])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "model.layers.0.self_attn.q_proj",
+        "layers.3.mlp.experts.7.down_proj",
+        "model.layers.5.mlp",
+        "model.layers.2",
+    ],
+)
+def test_a_checkpoint_keeping_a_quantised_projection_unquantised_is_refused(tmp_path, key, entry):
+    # SGLang serves such a module in bf16 without weight_scale_inv: raw FP8 cast in, scales dropped.
+    path = checkpoint(tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {**QUANTIZATION_CONFIG, key: ["lm_head", entry]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        Fp8ServingError, match=rf"keeps \['{entry}'\] unquantised \(quantization_config.{key}\)"
+    ):
+        check_fp8_serving(path, 4, 4)
+
+
+def test_modules_the_trainer_never_quantises_may_stay_unquantised(tmp_path):
+    path = checkpoint(tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    kept = ["lm_head", "model.embed_tokens", "model.layers.0.mlp.gate", "model.layers.1.input_layernorm"]
+    cfg["quantization_config"] = {**QUANTIZATION_CONFIG, "modules_to_not_convert": kept}
+    (path / "config.json").write_text(json.dumps(cfg))
+    check_fp8_serving(path, 4, 4)  # the router gates, norms, embeddings, lm_head stay bf16 anyway
+
+
 def test_bf16_checkpoint_is_refused(tmp_path):
     with pytest.raises(Fp8ServingError, match="is not block FP8 .* drop the block scales"):
         check_fp8_serving(checkpoint(tmp_path, fp8=False), 4, 4)
