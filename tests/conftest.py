@@ -100,6 +100,7 @@ MODULE_SECONDS = {  # a worker's seconds in the 3.12 stage (-n 2, 2026-11-29): a
     "rollout/test_real_sglang.py": 120,  # with SGLang's start
     "training/test_fleet_real_sglang.py": 110,
     "training/test_train_real_sglang.py": 70,
+    "placement/test_colocated_real_sglang.py": 70,
     "placement/test_colocated_run.py": 110,  # one test, two runs
     "training/test_fleet_loss.py": 105,
     "rollout/test_router_fleet.py": 100,
@@ -173,6 +174,7 @@ rollout/test_partial_rollouts.py rollout/test_router_fleet.py rollout/test_serve
 rollout/test_server_pause.py
 test_cli_user_errors.py
 training/test_async_rollouts.py training/test_checkpoint_kill.py placement/test_colocated_run.py
+placement/test_colocated_real_sglang.py
 training/test_fleet_loss.py training/test_fleet_real_sglang.py training/test_fleet_sync.py
 training/test_infer_train_drift_server.py
 training/test_inflight_updates.py training/test_launcher_signals.py training/test_math_run.py

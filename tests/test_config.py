@@ -464,7 +464,6 @@ def test_hf_path_leaves_no_preset_in_the_config_it_saves(tmp_path):
     [
         (["rollout.server_urls=[http://10.0.0.5:30000]"], "starts the run's own SGLang servers"),
         (["rollout.sglang_max_total_tokens=0"], "rollout.sglang_max_total_tokens must be >= 1, got 0"),
-        (["rollout.placement=colocated"], "needs SGLang's memory saver (torch_memory_saver, CUDA only)"),
         (["rollout.quantization=fp8"], "rollout.quantization=fp8 needs servers launched from a block-FP8"),
     ],
 )

@@ -110,12 +110,6 @@ def check_engine(rollout: Any) -> None:
         raise ValueCheckError(
             f"rollout.sglang_max_total_tokens must be >= 1, got {rollout.sglang_max_total_tokens}"
         )
-    if rollout.placement == "colocated":
-        raise ValueCheckError(
-            "rollout.engine=sglang starts disaggregated servers only: a colocated run needs SGLang's "
-            "memory saver (torch_memory_saver, CUDA only); launch colocated servers with "
-            "launch/sglang_servers.sh, or use engine=embedded"
-        )
     if rollout.quantization != "none":
         raise ValueCheckError(
             f"rollout.engine=sglang serves the trainer's checkpoint as it is; rollout.quantization="

@@ -16,7 +16,8 @@ instead of failing the first weight sync after minutes of retries:
 - Routing Replay R3 and the drift metrics need `--enable-return-routed-experts`.
 - A colocated run (`memory_saver=True`) releases the servers' memory while it trains: SGLang
   without `--enable-memory-saver` answers `/release_memory_occupation` with 200 and frees
-  nothing, so each server must report `enable_memory_saver: true`.
+  nothing, so each server must report `enable_memory_saver: true`; one on the CPU (SGLang's CPU
+  engine, where torch_memory_saver cannot run) is let through with a warning saying so.
 
 A server that does not serve the trainer's weights (version or checkpoint) is synced before the
 first evaluation. The launch checks read one `/get_server_info` per server, the served weights
@@ -27,6 +28,7 @@ since (an earlier run's sync, an operator's); `/model_info` reports those live.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,6 +39,8 @@ import httpx
 from megatron_gspo.config.schema import RolloutConfig
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.rollout.client import SGLangClient
+
+logger = logging.getLogger(__name__)
 
 _DP_FIX = (
     "launch one server per DP replica (launch/sglang_servers.sh with DP={dp} does) and list every "
@@ -126,12 +130,23 @@ def refuse_unfit_servers(
                 "algorithm.routing_replay=r3 and drift.enabled need; relaunch it with the flag "
                 "(launch/sglang_servers.sh ROUTED_EXPERTS=1) or turn both off"
             )
-        if memory_saver and info.get("enable_memory_saver") is not True:
+        if memory_saver and info.get("enable_memory_saver") is not True and _saver_impossible(info):
+            logger.warning(
+                "rollout server %s runs on the CPU without the memory saver (SGLang's needs CUDA): its "
+                "release and resume are no-ops, so nothing is freed while the trainer trains",
+                url,
+            )
+        elif memory_saver and info.get("enable_memory_saver") is not True:
             raise ConfigError(
                 f"rollout server {url} was launched without --enable-memory-saver (its server_info "
                 f"says enable_memory_saver={info.get('enable_memory_saver')!r}), which a colocated run "
                 "needs to release its weights and KV cache while training; relaunch it with the flag"
             )
+
+
+def _saver_impossible(info: Mapping[str, Any]) -> bool:
+    """SGLang's CPU engine: torch_memory_saver needs CUDA (the embedded server has a saver of its own)."""
+    return info.get("device") == "cpu" and info.get("version") != "embedded"
 
 
 def same_path(served: str | None, expected: str | os.PathLike | None) -> bool:

@@ -158,6 +158,20 @@ def test_a_colocated_run_refuses_servers_without_the_memory_saver():
             )
 
 
+def test_sglangs_cpu_engine_passes_without_the_memory_saver_saying_nothing_is_freed(caplog):
+    """torch_memory_saver needs CUDA: no SGLang server on a CPU can have it, so a colocated run there
+    goes on with a warning. The embedded server has a saver of its own on the CPU: still refused."""
+    urls = ["http://a:1"]
+    sglang_cpu = {"enable_memory_saver": False, "device": "cpu", "version": "0.5.23"}
+    refuse_unfit_servers(urls, [sglang_cpu], sync_method="tensor", routed_experts=False, memory_saver=True)
+    assert "http://a:1 runs on the CPU without the memory saver (SGLang's needs CUDA)" in caplog.text
+    for refused in ({**sglang_cpu, "device": "cuda"}, {**sglang_cpu, "version": "embedded"}):
+        with pytest.raises(ConfigError, match=r"http://a:1 was launched without --enable-memory-saver"):
+            refuse_unfit_servers(
+                urls, [refused], sync_method="tensor", routed_experts=False, memory_saver=True
+            )
+
+
 def train_tiny(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
     """`megatron-gspo train` of the tiny config for one step with `overrides`, as a user runs it."""
     repo = Path(__file__).resolve().parents[2]

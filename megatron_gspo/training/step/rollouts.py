@@ -247,8 +247,15 @@ def embedded_server_count(cfg: RolloutConfig, devices_per_node: int) -> int:
 def sglang_server_args(
     cfg: RolloutConfig, *, weight_version: int, seed: int, routed_experts: bool
 ) -> list[str]:
-    """`sglang.launch_server` arguments of a run's own SGLang server (rollout.engine=sglang)."""
+    """`sglang.launch_server` arguments of a run's own SGLang server (rollout.engine=sglang).
+
+    A colocated run's servers get SGLang's memory saver where there is CUDA; torch_memory_saver
+    needs it, so on SGLang's CPU engine release and resume are no-ops (nothing is freed).
+    """
+    import torch
+
     args = ["--weight-version", str(weight_version), "--random-seed", str(seed)]
+    args += ["--enable-memory-saver"] if cfg.placement == "colocated" and torch.cuda.is_available() else []
     args += ["--dtype", SERVER_DTYPES[cfg.dtype], "--skip-server-warmup"]
     args += ["--enable-return-routed-experts"] if routed_experts else []
     args += ["--enable-deterministic-inference"] if cfg.deterministic_inference else []
@@ -277,6 +284,29 @@ def start_sglang_server(
     return server.url
 
 
+def start_embedded_server(
+    stack: contextlib.ExitStack,
+    cfg: RolloutConfig,
+    model_dir,
+    placed: Sequence[str],
+    weight_version: int,
+    seed: int,
+) -> str:
+    """Start one embedded server for the run (stopped when `stack` closes); returns its URL."""
+    args = ["--weight-version", str(weight_version), "--seed", str(seed), *placed]
+    server = stack.enter_context(
+        launch_embedded_server(
+            model_dir,
+            extra_args=(*args, "--dtype", SERVER_DTYPES[cfg.dtype]),
+            num_threads=cfg.server_threads,
+            timeout=cfg.server_start_timeout_s,
+            enable_memory_saver=cfg.placement == "colocated",
+        )
+    )
+    logger.info("embedded rollout server on %s serving %s", server.url, model_dir)
+    return server.url
+
+
 @contextlib.contextmanager
 def rollout_servers(
     cfg: RolloutConfig,
@@ -298,31 +328,21 @@ def rollout_servers(
     """
     with contextlib.ExitStack() as stack:
         urls = list(cfg.server_urls)
-        if not urls and cfg.router_url is None and cfg.engine == "sglang":
-            args = sglang_server_args(
-                cfg, weight_version=weight_version, seed=seed, routed_experts=routed_experts
-            )
-            urls.append(start_sglang_server(stack, cfg, model_dir, log_dir, args))
-        elif not urls and cfg.router_url is None:
-            embedded = embedded_server_count(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-            args = ["--weight-version", str(weight_version), "--seed", str(seed)]
+        if not urls and cfg.router_url is None:
+            count = embedded_server_count(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             tp = cfg.server_tensor_parallel
             if cfg.placement == "colocated":  # server i spans devices [i * tp, (i + 1) * tp)
-                layout = [("--tp-size", tp, "--base-gpu-id", i * tp) for i in range(embedded)]
+                layout = [("--tp-size", str(tp), "--base-gpu-id", str(i * tp)) for i in range(count)]
             else:
-                layout = [()] * embedded
+                layout = [()] * count
             for placed in layout:
-                server = stack.enter_context(
-                    launch_embedded_server(
-                        model_dir,
-                        extra_args=(*args, *map(str, placed), "--dtype", SERVER_DTYPES[cfg.dtype]),
-                        num_threads=cfg.server_threads,
-                        timeout=cfg.server_start_timeout_s,
-                        enable_memory_saver=cfg.placement == "colocated",
+                if cfg.engine == "sglang":
+                    args = sglang_server_args(
+                        cfg, weight_version=weight_version, seed=seed, routed_experts=routed_experts
                     )
-                )
-                urls.append(server.url)
-                logger.info("embedded rollout server on %s serving %s", server.url, model_dir)
+                    urls.append(start_sglang_server(stack, cfg, model_dir, log_dir, [*args, *placed]))
+                else:
+                    urls.append(start_embedded_server(stack, cfg, model_dir, placed, weight_version, seed))
         client = stack.enter_context(
             SGLangClient(
                 urls,
