@@ -165,7 +165,7 @@ class CodeTask(FileTask):
         for number, row in rows:
             where = f"{path} {unit} {number}"
             try:
-                problems.append(self._problem(row, number, where))
+                problems.append(self.row_problem(row, number, where))
             except ValueError as err:
                 if self.on_bad_row == "raise":
                     raise
@@ -180,7 +180,12 @@ class CodeTask(FileTask):
             raise ValueError(f"{option}={path} holds no problems")
         return problems
 
-    def _problem(self, row: dict, number: int, where: str) -> Problem:
+    def row_problem(self, row: dict, number: int, where: str) -> Problem:
+        """The problem of one data row (`number` as `where` names it, e.g. "data.jsonl line 3").
+
+        Raises:
+            ValueError: a field missing or of the wrong shape, naming `where` and the option.
+        """
         statement = self._value(row, self.keys["prompt_key"], "prompt_key", where)
         raw_tests = self._value(row, self.keys["tests_key"], "tests_key", where)
         fn_name = None
