@@ -119,11 +119,12 @@ class RolloutEngine:
                 neither replay (R3) nor measure drift leave them out.
 
         Returns:
-            A batch whose `rewards` are filled (`Task.score_batch`, the whole batch at once); its
+            A batch whose `rewards` are filled (`Task.score_rows`, the whole batch at once); its
             `stats` add `unparseable_samples`, `reward_s` (seconds scoring), `task_metrics` (the
             task's own, e.g. `reward/code_*`), `no_answer_frac` (scored completions without an
             answer, `Task.has_answer`) and
-            `sample_rows` (`samples_per_step` rows spread over the groups, for the samples log).
+            `sample_rows` (`samples_per_step` rows spread over the groups, for the samples log, with
+            the task's own fields: `Task.score_rows`).
 
         Raises:
             RolloutValidationError: a bad response with `on_invalid=raise`, or no group left.
@@ -194,8 +195,10 @@ class RolloutEngine:
             extras.append(extra)
         scored_problems = [problems[sample.group_index] for sample in samples]
         start = time.perf_counter()
-        rewards, task_metrics = self.task.score_batch(scored_problems, texts)  # the whole batch at once
+        # the whole batch at once; a task's per-row fields (code: outcome, first failure) go to samples.jsonl
+        rewards, task_metrics, row_fields = self.task.score_rows(scored_problems, texts)
         reward_s = time.perf_counter() - start
+        extras = [{**fields, **extra} for fields, extra in zip(row_fields, extras, strict=True)]
         for sample, reward in zip(samples, rewards, strict=True):
             sample.reward = float(reward)
         no_answer = sum(not self.task.has_answer(text) for text in texts)
