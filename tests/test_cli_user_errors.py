@@ -122,12 +122,26 @@ def test_nproc_worker_error_reported_once(tmp_path):
         ("model.overrides.num_layers=100000", "model num_layers=100000 exceeds 1024"),
         ("rollout.rollout_batch_size=10000000", "responses per step exceeds"),
         ("eval.num_problems=100000000", "eval.num_problems=100000000 exceeds"),
+        ("eval.pass_k=[4]", "eval.pass_k=[4] needs eval.samples_per_problem > 0"),
+        ("eval.samples_per_problem=-1", "eval.samples_per_problem=-1 must be in [0, 1024]"),
     ],
 )
 def test_values_refused_at_startup(tmp_path, override, needle):
     result = refused("train", "--config", TINY, override, f"trainer.run_dir={tmp_path}/run")
     assert_user_error(result, needle)
     assert not (tmp_path / "run").exists(), "refused before creating the run dir"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["eval.samples_per_problem=4", "eval.pass_k=[1,8]"], "each k must be in [1, 4]"),
+        (["eval.samples_per_problem=4", "eval.temperature=0"], "eval.temperature=0.0 must be > 0"),
+    ],
+)
+def test_pass_at_k_options_refused_at_startup(tmp_path, overrides, needle):
+    result = refused("train", "--config", TINY, *overrides, f"trainer.run_dir={tmp_path}/run")
+    assert_user_error(result, needle)
 
 
 def test_unwritable_run_dir_refused_before_sft(tmp_path):
