@@ -16,7 +16,7 @@ from megatron_gspo.tasks.code.cases import TestSuite
 from megatron_gspo.tasks.code.reward import CodeResult, head, tail
 
 
-def test_text(value: Any, fn_name: str | None) -> str:
+def as_text(value: Any, fn_name: str | None) -> str:
     """A test's input or expected output as text: stdin/stdout text as is, function values as JSON."""
     return value if fn_name is None and isinstance(value, str) else json.dumps(value)
 
@@ -34,8 +34,8 @@ def first_failure(result: CodeResult, tests: TestSuite, limit: int) -> dict[str,
     if failure.test is not None:
         record = {
             "test": failure.test + 1,
-            "input": head(test_text(tests.inputs[failure.test], tests.fn_name), limit),
-            "expected": head(test_text(tests.outputs[failure.test], tests.fn_name), limit),
+            "input": head(as_text(tests.inputs[failure.test], tests.fn_name), limit),
+            "expected": head(as_text(tests.outputs[failure.test], tests.fn_name), limit),
         }
     record["actual"] = None if failure.actual is None else head(failure.actual, limit)
     record["stderr"] = tail(failure.stderr, limit)
