@@ -8,6 +8,7 @@ megatron-gspo export --checkpoint RUN/checkpoints/step_N --out HF_DIR   training
 megatron-gspo drift  --a CKPT (--b CKPT | --dump F)  expert-activation drift tables, plots, summary
 megatron-gspo mismatch --checkpoint CKPT [--server-url U]  rollout vs trainer log-prob mismatch report
 megatron-gspo report RUN_DIR [--out F.html]            a run's metrics as one self-contained HTML page
+megatron-gspo score DATA --row N --program F           one program on a code problem's tests, per test
 (CKPT: an HF checkpoint directory, a training checkpoint (exported to a temporary HF directory
 first), or a run directory: its newest intact checkpoint)
 """
@@ -61,6 +62,12 @@ COMMANDS = {
         "megatron_gspo.analysis.run_report",
         "add_report_args",
         "run_report",
+    ),
+    "score": (
+        "run one program (or a completion's) on a code problem's tests, as training scores it",
+        "megatron_gspo.analysis.score_cli",
+        "add_score_args",
+        "run_score",
     ),
 }
 

@@ -122,12 +122,26 @@ def test_nproc_worker_error_reported_once(tmp_path):
         ("model.overrides.num_layers=100000", "model num_layers=100000 exceeds 1024"),
         ("rollout.rollout_batch_size=10000000", "responses per step exceeds"),
         ("eval.num_problems=100000000", "eval.num_problems=100000000 exceeds"),
+        ("eval.pass_k=[4]", "eval.pass_k=[4] needs eval.samples_per_problem > 0"),
+        ("eval.samples_per_problem=-1", "eval.samples_per_problem=-1 must be in [0, 1024]"),
     ],
 )
 def test_values_refused_at_startup(tmp_path, override, needle):
     result = refused("train", "--config", TINY, override, f"trainer.run_dir={tmp_path}/run")
     assert_user_error(result, needle)
     assert not (tmp_path / "run").exists(), "refused before creating the run dir"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["eval.samples_per_problem=4", "eval.pass_k=[1,8]"], "each k must be in [1, 4]"),
+        (["eval.samples_per_problem=4", "eval.temperature=0"], "eval.temperature=0.0 must be > 0"),
+    ],
+)
+def test_pass_at_k_options_refused_at_startup(tmp_path, overrides, needle):
+    result = refused("train", "--config", TINY, *overrides, f"trainer.run_dir={tmp_path}/run")
+    assert_user_error(result, needle)
 
 
 def test_unwritable_run_dir_refused_before_sft(tmp_path):
@@ -195,3 +209,30 @@ def test_drift_metrics_without_drift_is_refused_before_any_work(tmp_path):
     )
     assert_user_error(result, f"--metrics {metrics} has no drift/* metrics", "drift.enabled=true")
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["{data}", "--row", "9", "--program", "{program}"], ["score --row 9", "has lines 1 to 2"]),
+        (["{data}", "--id", "nope", "--program", "{program}"], ["score --id nope", "problem_id"]),
+        (["{data}", "--row", "2", "--program", "{program}"], ["line 2", "the problem has no tests"]),
+        (["{data}", "--row", "1", "--program", "{data}.missing"], ["score --program", "No such file"]),
+        (["--row", "1", "--program", "{program}"], ["give the data file (DATA) or a --config"]),
+        (["--config", TINY, "--row", "1", "--program", "{program}"], ["score is for the code task"]),
+        (["{data}", "--row", "1", "--program", "{program}", "--task-option", "bogus=1"], ["bogus"]),
+    ],
+)
+def test_score_refusals_are_one_named_line(tmp_path, args, needles):
+    """A row out of range, an id no row has, a bad row (APPS's empty tests), a missing file, no
+    data, a config of another task, an unknown option: named, exit 2 (1 is a failing program)."""
+    import json
+
+    data = tmp_path / "apps.jsonl"
+    rows = [{"problem_id": 1, "question": "q", "input_output": {"inputs": ["1\n"], "outputs": ["1\n"]}},
+            {"problem_id": 2, "question": "q", "input_output": {"inputs": [], "outputs": []}}]  # fmt: skip
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    program = tmp_path / "main.py"
+    program.write_text("print(input())\n")
+    filled = [a.replace("{data}", str(data)).replace("{program}", str(program)) for a in args]
+    assert_user_error(refused("score", *filled), *needles)

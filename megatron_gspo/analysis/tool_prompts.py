@@ -56,7 +56,8 @@ def add_prompt_args(parser: argparse.ArgumentParser, default_num_prompts: int) -
     parser.add_argument("--num-prompts", type=int, default=default_num_prompts)
 
 
-def _task_options(pairs: list[str]) -> dict[str, Any]:
+def parse_task_options(pairs: list[str]) -> dict[str, Any]:
+    """`--task-option KEY=VALUE` pairs as task options (values read as YAML)."""
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -85,7 +86,7 @@ def task_spec(args: argparse.Namespace) -> tuple[str, dict[str, Any], bool | Non
         if args.config and args.task != name:
             options, eval_path = {}, ""  # another task's options would not fit
         name = args.task
-    options.update(_task_options(args.task_option))
+    options.update(parse_task_options(args.task_option))
     return name, options, args.add_bos if args.add_bos is not None else add_bos, eval_path
 
 

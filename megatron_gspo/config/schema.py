@@ -297,7 +297,7 @@ class SFTConfig:
 
 @dataclass
 class EvalConfig:
-    """Held-out evaluation: greedy generation through the rollout engine, exact match."""
+    """Held-out evaluation: greedy generation through the rollout engine, exact match; sampled pass@k."""
 
     every: int = 0
     """Evaluate every this many RL steps (0: only before and after RL)."""
@@ -311,6 +311,14 @@ class EvalConfig:
     """Held-out problems from this file (e.g. GSM8K's test split; same format and keys as
     task.options.path) instead of the prompt-hash split of the training file: the first
     num_problems rows, and every training row is trained on (file-backed tasks only)."""
+    samples_per_problem: int = 0
+    """Sampled answers per held-out problem for the unbiased pass@k (Chen et al. 2021), logged as
+    `eval/pass@k` beside the greedy `eval/accuracy` (pass@1); 0: greedy only."""
+    temperature: float = 1.0
+    """Sampling temperature of those answers (top_p and top_k are rollout's)."""
+    pass_k: list[int] = field(default_factory=list)
+    """The k of each `eval/pass@k`, each at most samples_per_problem (empty: 1 and
+    samples_per_problem)."""
 
 
 @dataclass

@@ -37,6 +37,7 @@ MODEL_LIMITS = {
 # Responses per RL step and held-out problems: past these, rank 0 would hold the batch in host memory.
 MAX_RESPONSES_PER_STEP = 1_048_576
 MAX_EVAL_PROBLEMS = 1_000_000
+MAX_EVAL_SAMPLES = 1024  # answers per held-out problem for pass@k
 
 
 class ValueCheckError(ValueError):
@@ -180,11 +181,30 @@ def check_model_sizes(model: MoEModelConfig) -> None:
 
 
 def check_eval(eval_cfg: Any) -> None:
-    """Held-out evaluation size."""
+    """Held-out evaluation size, and pass@k's samples, temperature and k."""
     if eval_cfg.num_problems > MAX_EVAL_PROBLEMS:
         raise ValueCheckError(
             f"eval.num_problems={eval_cfg.num_problems} exceeds {MAX_EVAL_PROBLEMS} "
             "(every evaluation generates a greedy answer for each)"
+        )
+    n = eval_cfg.samples_per_problem
+    if not 0 <= n <= MAX_EVAL_SAMPLES:
+        raise ValueCheckError(
+            f"eval.samples_per_problem={n} must be in [0, {MAX_EVAL_SAMPLES}] (0: greedy only)"
+        )
+    if eval_cfg.pass_k and n == 0:
+        raise ValueCheckError(
+            f"eval.pass_k={list(eval_cfg.pass_k)} needs eval.samples_per_problem > 0 (pass@k samples answers)"
+        )
+    bad = [k for k in eval_cfg.pass_k if not 1 <= k <= n]
+    if bad:
+        raise ValueCheckError(
+            f"eval.pass_k={list(eval_cfg.pass_k)}: each k must be in [1, {n}] (samples_per_problem)"
+        )
+    if n and not eval_cfg.temperature > 0:
+        raise ValueCheckError(
+            f"eval.temperature={eval_cfg.temperature} must be > 0 for sampled pass@k "
+            "(greedy pass@1 is eval/accuracy)"
         )
 
 

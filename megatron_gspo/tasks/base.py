@@ -75,6 +75,17 @@ class Task(ABC):
         """
         return [float(self.reward(p, c)) for p, c in zip(problems, completions, strict=True)], {}
 
+    def score_rows(
+        self, problems: Sequence[Problem], completions: Sequence[str]
+    ) -> tuple[list[float], dict[str, float], list[dict[str, Any]]]:
+        """`score_batch`, and per completion the fields its samples-log row adds (none by default).
+
+        A task whose reward has parts worth reading beside the completion (the code task: the
+        outcome and the first failing test) returns them here, from the same scoring.
+        """
+        rewards, metrics = self.score_batch(problems, completions)
+        return rewards, metrics, [{} for _ in rewards]
+
     def judge_batch(
         self, problems: Sequence[Problem], completions: Sequence[str]
     ) -> tuple[list[float], list[bool]]:

@@ -68,11 +68,12 @@ from megatron_gspo.placement.offload import TrainerOffload
 from megatron_gspo.rollout import RolloutBatch
 from megatron_gspo.rollout.fleet import FleetTooSmallError
 from megatron_gspo.rollout.server_checks import check_servers, refuse_unreachable_endpoints
-from megatron_gspo.tasks import PromptStream, evaluate_accuracy
+from megatron_gspo.tasks import PromptStream
 from megatron_gspo.tasks.prompt_check import check_prompts
 from megatron_gspo.tasks.tokenizer import resolve_add_bos
 from megatron_gspo.termination import exit_if_terminated
 from megatron_gspo.training.ahead.rollouts_ahead import RolloutsAhead
+from megatron_gspo.training.heldout import heldout_metrics
 from megatron_gspo.training.metrics import MetricsLogger, ZeroRewardWatch
 from megatron_gspo.training.reference import ReferencePolicy
 from megatron_gspo.training.run_lock import RunLock, lock_path
@@ -318,9 +319,7 @@ class Trainer:
 
     def _evaluate(self, engine: RolloutEngine | None) -> dict[str, float]:
         def run() -> dict[str, float]:
-            completions = engine.greedy_completions(self.heldout)
-            result = evaluate_accuracy(self.task, self.heldout, completions)
-            return {"eval/accuracy": result["accuracy"], "eval/mean_reward": result["mean_reward"]}
+            return heldout_metrics(engine, self.task, self.heldout, self.cfg.eval, seed=self.cfg.trainer.seed)
 
         start = time.perf_counter()
         out = on_rank0(run)

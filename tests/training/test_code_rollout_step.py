@@ -50,3 +50,49 @@ def test_code_batch_rewards_and_metrics(tmp_path):
     assert metrics["reward/code_error_frac"] == 0.25
     assert metrics["reward/code_tests_passed_frac"] == (5 + 1 + 5 + 0) / 20
     assert metrics["time/reward_s"] == batch.stats["reward_s"] >= 0.0
+
+
+def test_code_sample_rows_carry_the_outcome_and_first_failure(tmp_path):
+    """samples.jsonl rows of a code batch: each program's outcome, tests passed and first failing
+    test (worked out by hand from PROGRAMS); a row of another task keeps its four fields only."""
+    path = tmp_path / "code.jsonl"
+    path.write_text(json.dumps(ROW) + "\n")
+    task = get_task("code", path=str(path), extract="whole", function_template="{problem}=", time_limit_s=1,
+                    max_prompt_len=12, max_answer_len=24)  # fmt: skip
+    cfg = RolloutConfig(group_size=4, rollout_batch_size=1, max_new_tokens=25)
+    engine = RolloutEngine(ProgramResponses(), task, TOKENIZER, cfg, vocab_size=VOCAB, samples_per_step=4)
+    rows = engine.sample_groups(task.all_problems(), seed=1, step=1, weight_version=0).stats["sample_rows"]
+    assert [(r["outcome"], r["tests_passed"]) for r in rows] == [
+        ("pass", "5/5"), ("wrong", "1/5"), ("pass", "5/5"), ("error", "0/5")
+    ]  # fmt: skip
+    assert rows[0]["first_failure"] is None
+    # x + 3*2 at x = 1 is 7, where (1+3)*2 = 8 was expected
+    assert rows[1]["first_failure"] == {
+        "test": 2,
+        "input": "[1]",
+        "expected": "8",
+        "actual": "7",
+        "stderr": "",
+    }
+    compile_error = rows[3]["first_failure"]
+    assert compile_error["test"] is None and compile_error["stderr"].startswith("SyntaxError")
+    assert json.loads(json.dumps(rows)) == rows  # what samples.jsonl writes reads back the same
+
+
+def test_other_tasks_sample_rows_are_unchanged():
+    from rollout_standin import ANSWER, generate_response
+
+    from megatron_gspo.tasks.arithmetic import AdditionTask
+
+    stop = {"type": "stop", "matched": TOKENIZER.eos_token_id}
+
+    class Sevens:
+        def generate_batched(self, bodies):
+            return [generate_response(b, list(ANSWER), "0", stop) for b in bodies]
+
+    task = AdditionTask(max_digits=1)
+    cfg = RolloutConfig(group_size=2, rollout_batch_size=1, max_new_tokens=4)
+    engine = RolloutEngine(Sevens(), task, TOKENIZER, cfg, vocab_size=VOCAB, samples_per_step=2)
+    problem = task.heldout(1)[0]
+    rows = engine.sample_groups([problem], seed=1, step=1, weight_version=0).stats["sample_rows"]
+    assert [sorted(r) for r in rows] == [["answer", "completion", "prompt", "reward"]] * 2

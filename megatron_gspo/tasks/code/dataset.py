@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from megatron_gspo.tasks.base import Problem, register_task
 from megatron_gspo.tasks.code.cases import extract_program, fence, parse_tests
+from megatron_gspo.tasks.code.explain import sample_fields
 from megatron_gspo.tasks.code.reward import CodeResult, CodeScorer, ScoringOptions, outcome_metrics
 from megatron_gspo.tasks.code.sandbox import Limits, SandboxUnavailableError, sandbox_runner
 from megatron_gspo.tasks.data_files import chat_messages, field, read_rows
@@ -165,7 +166,7 @@ class CodeTask(FileTask):
         for number, row in rows:
             where = f"{path} {unit} {number}"
             try:
-                problems.append(self._problem(row, number, where))
+                problems.append(self.row_problem(row, number, where))
             except ValueError as err:
                 if self.on_bad_row == "raise":
                     raise
@@ -180,7 +181,12 @@ class CodeTask(FileTask):
             raise ValueError(f"{option}={path} holds no problems")
         return problems
 
-    def _problem(self, row: dict, number: int, where: str) -> Problem:
+    def row_problem(self, row: dict, number: int, where: str) -> Problem:
+        """The problem of one data row (`number` as `where` names it, e.g. "data.jsonl line 3").
+
+        Raises:
+            ValueError: a field missing or of the wrong shape, naming `where` and the option.
+        """
         statement = self._value(row, self.keys["prompt_key"], "prompt_key", where)
         raw_tests = self._value(row, self.keys["tests_key"], "tests_key", where)
         fn_name = None
@@ -254,10 +260,18 @@ class CodeTask(FileTask):
         self, problems: Sequence[Problem], completions: Sequence[str]
     ) -> tuple[list[float], dict[str, float]]:
         """Rewards of a batch, scored in the pool, and its `reward/code_*` outcome shares."""
+        rewards, metrics, _ = self.score_rows(problems, completions)
+        return rewards, metrics
+
+    def score_rows(
+        self, problems: Sequence[Problem], completions: Sequence[str]
+    ) -> tuple[list[float], dict[str, float], list[dict]]:
+        """`score_batch`, and each row's outcome, tests passed and first failure (`explain.sample_fields`)."""
         results = self.score(problems, completions)
         metrics = outcome_metrics(results)
         metrics["reward/code_rows_skipped"] = float(self.rows_skipped)
-        return [r.reward for r in results], metrics
+        fields = [sample_fields(r, p.metadata["tests"]) for r, p in zip(results, problems, strict=True)]
+        return [r.reward for r in results], metrics, fields
 
     def judge_batch(
         self, problems: Sequence[Problem], completions: Sequence[str]

@@ -9,7 +9,8 @@ Standard input holds a JSON list of argument lists. The program is executed once
 the method of a `Solution` instance (LeetCode style). For each test one JSON line goes to the
 standard output the harness started with: {"value": returned value} (JSON round trip: tuples
 become lists, sets sorted lists), {"error": "..."} or {"timeout": true} (the test's CPU time
-passed PER_TEST_CPU_S). The program's own prints go to /dev/null; its standard input is empty.
+passed PER_TEST_CPU_S), each with "time_s", the call's wall-clock seconds. The program's own
+prints go to /dev/null; its standard input is empty.
 With STOP_ON_ERROR=1 the harness stops at the first error or timeout (all-or-nothing rewards).
 With PRELUDE=1 the program runs in a namespace that already holds the standard imports
 (`PRELUDE`: `typing`'s names such as `List`, `collections`, `heapq`, `math`, ...), as
@@ -25,6 +26,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 PRELUDE = """\
 from typing import *
@@ -78,17 +80,19 @@ def main(argv):
         return 1
     signal.signal(signal.SIGPROF, _on_timer)
     for args in tests:
+        start = time.perf_counter()
         try:
             signal.setitimer(signal.ITIMER_PROF, per_test_s)
             try:
                 value = target(*args)
             finally:
                 signal.setitimer(signal.ITIMER_PROF, 0)
-            line = json.dumps({"value": value}, default=_jsonable)
+            line = json.dumps({"value": value, "time_s": time.perf_counter() - start}, default=_jsonable)
         except _TestTimeout:
-            line = json.dumps({"timeout": True})
+            line = json.dumps({"timeout": True, "time_s": time.perf_counter() - start})
         except (Exception, SystemExit) as err:  # the program's failure is a test result, not the harness's
-            line = json.dumps({"error": f"{type(err).__name__}: {err}"[:500]})
+            message = f"{type(err).__name__}: {err}"[:500]
+            line = json.dumps({"error": message, "time_s": time.perf_counter() - start})
         results.write(line + "\n")
         results.flush()
         if stop_on_error and not line.startswith('{"value"'):

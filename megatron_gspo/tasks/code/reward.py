@@ -6,7 +6,10 @@ sandboxed process for all of them (`function_harness.py` calls the function with
 per test, the parent compares the returned values by `values_match`). The reward is the share
 of tests passed (`reward="fraction"`) or 1.0 only when all pass (`reward="all"`, which stops at
 the first failure). It never raises: no program, a compile error, a crash or a timeout is a
-failed test, and the result's `outcome` says which came first.
+failed test, and the result's `outcome` says which came first. The result also keeps each
+test's outcome and time (`tests`, the tests that ran) and what the first failing test did
+(`failure`: its output and standard error, truncated), for `megatron-gspo score` and the
+samples log; neither changes the reward.
 
 A program that does not compile is an error without being run, when the sandbox's interpreter
 is this one's version (its syntax is then this one's).
@@ -25,7 +28,7 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
@@ -37,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 REWARD_MODES = ("fraction", "all")
 HARNESS = Path(__file__).with_name("function_harness.py")
+DETAIL_CHARS = 2000
+"""Most characters of a failing test's output or standard error a result keeps."""
 
 
 class Outcome(StrEnum):
@@ -50,6 +55,38 @@ class Outcome(StrEnum):
 
 
 @dataclass(frozen=True)
+class TestRun:
+    """One test's result.
+
+    Attributes:
+        index: the test's position in its suite (from 0).
+        outcome: PASS, WRONG, ERROR or TIMEOUT.
+        time_s: seconds it took: the sandboxed run's wall time (stdin tests), or the
+            function call's inside the harness (function-call tests; None when it died).
+    """
+
+    index: int
+    outcome: Outcome
+    time_s: float | None
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What the first failing test did (or what stopped the program before any test).
+
+    Attributes:
+        test: its index in the suite; None when no test ran (no program, a compile error).
+        actual: its standard output or returned value (JSON), truncated; None when it gave none.
+        stderr: its standard error or the error it raised, truncated (the tail: a traceback's
+            last lines say what broke).
+    """
+
+    test: int | None
+    actual: str | None
+    stderr: str
+
+
+@dataclass(frozen=True)
 class CodeResult:
     """The score of one program.
 
@@ -58,12 +95,17 @@ class CodeResult:
         passed: tests passed.
         total: tests of the problem.
         outcome: the first failure's kind, or PASS.
+        tests: the tests that ran, in order (reward="all" stops at the first failure; a
+            function-call run that died has none after it). Not part of equality.
+        failure: the first failure's detail; None when every test passed. Not part of equality.
     """
 
     reward: float
     passed: int
     total: int
     outcome: Outcome
+    tests: tuple[TestRun, ...] = field(default=(), compare=False)
+    failure: Failure | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -101,12 +143,24 @@ class ScoringOptions:
 _FAIL_STATUS = {RunStatus.ERROR: Outcome.ERROR, RunStatus.TIMEOUT: Outcome.TIMEOUT}
 
 
-def _result(passed: int, total: int, first_failure: Outcome | None, options: ScoringOptions) -> CodeResult:
+def head(text: str, limit: int = DETAIL_CHARS) -> str:
+    """The first `limit` characters of `text`, saying how many were cut."""
+    return text if len(text) <= limit else f"{text[:limit]}... [{len(text) - limit} more characters]"
+
+
+def tail(text: str, limit: int = DETAIL_CHARS) -> str:
+    """The last `limit` characters of `text`, saying how many were cut."""
+    return text if len(text) <= limit else f"[{len(text) - limit} characters before] ...{text[-limit:]}"
+
+
+def _result(runs: list[TestRun], total: int, failure: Failure | None, options: ScoringOptions) -> CodeResult:
+    passed = sum(r.outcome is Outcome.PASS for r in runs)
+    first = next((r.outcome for r in runs if r.outcome is not Outcome.PASS), None)
     if options.reward == "all":
         reward = 1.0 if passed == total else 0.0
     else:
         reward = passed / total
-    return CodeResult(reward, passed, total, first_failure or Outcome.PASS)
+    return CodeResult(reward, passed, total, first or Outcome.PASS, tuple(runs), failure)
 
 
 def _tolerance(tests: TestSuite, options: ScoringOptions) -> float | None:
@@ -114,42 +168,45 @@ def _tolerance(tests: TestSuite, options: ScoringOptions) -> float | None:
     return tests.float_tolerance if tests.own_tolerance else options.float_tolerance
 
 
-def _compiles(program: str) -> bool:
-    """Whether `program` compiles (checked here, not run: compiling executes none of its code)."""
+def _compile_error(program: str) -> str | None:
+    """Why `program` does not compile, or None (compiling executes none of its code: nothing runs here)."""
     try:
         compile(program, "main.py", "exec")
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
-        return False
-    return True
+    except (SyntaxError, ValueError, MemoryError, RecursionError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def score_program(program: str | None, tests: TestSuite, options: ScoringOptions) -> CodeResult:
     """Run `program` on `tests` in the sandbox and score it (see the module docstring); never raises."""
     if program is None:
-        return CodeResult(0.0, 0, len(tests), Outcome.NO_PROGRAM)
+        return CodeResult(0.0, 0, len(tests), Outcome.NO_PROGRAM, failure=Failure(None, None, ""))
     runner = sandbox_runner(options.sandbox, options.python)
-    if runner.version == sys.version_info[:2] and not _compiles(program):
-        return CodeResult(0.0, 0, len(tests), Outcome.ERROR)  # no need to start a sandbox to learn that
+    if runner.version == sys.version_info[:2]:
+        error = _compile_error(program)
+        if error is not None:  # no need to start a sandbox to learn that
+            return CodeResult(0.0, 0, len(tests), Outcome.ERROR, failure=Failure(None, None, tail(error)))
     if tests.fn_name is not None:
         return _score_function(runner, program, tests, options)
-    passed, first_failure = 0, None
-    for stdin, expected in zip(tests.inputs, tests.outputs):
+    runs, failure = [], None
+    for index, (stdin, expected) in enumerate(zip(tests.inputs, tests.outputs)):
         run = runner.run(
             {"main.py": program}, [runner.python, f"{CODE_DIR}/main.py"], stdin.encode(), options.limits
         )
+        got = run.stdout.decode("utf-8", "replace")
         if run.status is RunStatus.OK:
-            got = run.stdout.decode("utf-8", "replace")
             ok = outputs_match(
                 got, expected, mode=options.compare, float_tolerance=_tolerance(tests, options)
             )
-            failure = None if ok else Outcome.WRONG
+            outcome = Outcome.PASS if ok else Outcome.WRONG
         else:
-            failure = _FAIL_STATUS[run.status]
-        passed += failure is None
-        first_failure = first_failure or failure
-        if failure is not None and options.reward == "all":
-            break
-    return _result(passed, len(tests), first_failure, options)
+            outcome = _FAIL_STATUS[run.status]
+        runs.append(TestRun(index, outcome, run.wall_s))
+        if outcome is not Outcome.PASS:
+            failure = failure or Failure(index, head(got), tail(run.stderr))
+            if options.reward == "all":
+                break
+    return _result(runs, len(tests), failure, options)
 
 
 def _score_function(runner, program: str, tests: TestSuite, options: ScoringOptions) -> CodeResult:
@@ -162,31 +219,41 @@ def _score_function(runner, program: str, tests: TestSuite, options: ScoringOpti
     total_limits = dataclasses.replace(per_test, cpu_s=per_test.cpu_s + extra, wall_s=per_test.wall_s + extra)
     run = runner.run(files, argv, json.dumps([list(a) for a in tests.inputs]).encode(), total_limits)
     lines = iter(run.stdout.split(b"\n"))
-    passed, first_failure = 0, None
+    runs, failure = [], None
     tolerance = _tolerance(tests, options)
-    for expected in tests.outputs:
+    for index, expected in enumerate(tests.outputs):
         line = next(lines, b"")
-        # a value far longer than the expected one is wrong without parsing it (bounded memory)
-        too_long = len(line) > 2 * len(json.dumps(expected)) + 256
+        # a value far longer than the expected one is wrong without parsing it (bounded memory);
+        # the margin covers the harness's own fields ("time_s")
+        too_long = len(line) > 2 * len(json.dumps(expected)) + 256 + 32
         try:
             record = None if too_long else json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             record = None
         if not isinstance(record, dict) and not too_long:  # the harness died (or never ran the test)
-            first_failure = first_failure or _FAIL_STATUS.get(run.status, Outcome.ERROR)
+            runs.append(TestRun(index, _FAIL_STATUS.get(run.status, Outcome.ERROR), None))
+            failure = failure or Failure(index, None, tail(run.stderr))
             break
+        actual, error = None, ""
         if too_long:
-            failure = Outcome.WRONG
+            outcome = Outcome.WRONG
+            actual = f"{line[:DETAIL_CHARS].decode('utf-8', 'replace')}... [{len(line)} bytes in all]"
         elif "value" in record:
             ok = values_match(record["value"], expected, float_tolerance=tolerance)
-            failure = None if ok else Outcome.WRONG
+            outcome = Outcome.PASS if ok else Outcome.WRONG
+            if not ok:
+                actual = head(json.dumps(record["value"]))
         else:
-            failure = Outcome.TIMEOUT if record.get("timeout") else Outcome.ERROR
-        passed += failure is None
-        first_failure = first_failure or failure
-        if failure is not None and options.reward == "all":
-            break
-    return _result(passed, len(tests), first_failure, options)
+            outcome = Outcome.TIMEOUT if record.get("timeout") else Outcome.ERROR
+            error = str(record.get("error", ""))
+        time_s = record.get("time_s") if isinstance(record, dict) else None
+        runs.append(TestRun(index, outcome, time_s if isinstance(time_s, int | float) else None))
+        if outcome is not Outcome.PASS:
+            stderr = "\n".join(text for text in (error, run.stderr) if text)
+            failure = failure or Failure(index, actual, tail(stderr))
+            if options.reward == "all":
+                break
+    return _result(runs, len(tests), failure, options)
 
 
 def outcome_metrics(results: Sequence[CodeResult]) -> dict[str, float]:
@@ -234,7 +301,7 @@ class CodeScorer:
             logger.warning(
                 "scoring a program failed outside the program (%s: %s); reward 0", type(err).__name__, err
             )
-            return CodeResult(0.0, 0, len(tests), Outcome.ERROR)
+            return CodeResult(0.0, 0, len(tests), Outcome.ERROR, failure=Failure(None, None, tail(str(err))))
 
     def close(self) -> None:
         """Stop the pool's threads (the running programs finish first)."""

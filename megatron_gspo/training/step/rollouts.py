@@ -36,6 +36,8 @@ from megatron_gspo.training.ahead.staleness import check_not_older
 
 logger = logging.getLogger(__name__)
 
+EVAL_SEED_SALT = 0x4E1D_E7A1
+"""Mixed into the run seed for held-out sampling, so its seeds are not the training steps'."""
 SERVER_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 """`rollout.dtype` -> the embedded server's --dtype (SGLang's names)."""
 
@@ -119,11 +121,12 @@ class RolloutEngine:
                 neither replay (R3) nor measure drift leave them out.
 
         Returns:
-            A batch whose `rewards` are filled (`Task.score_batch`, the whole batch at once); its
+            A batch whose `rewards` are filled (`Task.score_rows`, the whole batch at once); its
             `stats` add `unparseable_samples`, `reward_s` (seconds scoring), `task_metrics` (the
             task's own, e.g. `reward/code_*`), `no_answer_frac` (scored completions without an
             answer, `Task.has_answer`) and
-            `sample_rows` (`samples_per_step` rows spread over the groups, for the samples log).
+            `sample_rows` (`samples_per_step` rows spread over the groups, for the samples log, with
+            the task's own fields: `Task.score_rows`).
 
         Raises:
             RolloutValidationError: a bad response with `on_invalid=raise`, or no group left.
@@ -194,8 +197,10 @@ class RolloutEngine:
             extras.append(extra)
         scored_problems = [problems[sample.group_index] for sample in samples]
         start = time.perf_counter()
-        rewards, task_metrics = self.task.score_batch(scored_problems, texts)  # the whole batch at once
+        # the whole batch at once; a task's per-row fields (code: outcome, first failure) go to samples.jsonl
+        rewards, task_metrics, row_fields = self.task.score_rows(scored_problems, texts)
         reward_s = time.perf_counter() - start
+        extras = [{**fields, **extra} for fields, extra in zip(row_fields, extras, strict=True)]
         for sample, reward in zip(samples, rewards, strict=True):
             sample.reward = float(reward)
         no_answer = sum(not self.task.has_answer(text) for text in texts)
@@ -226,6 +231,32 @@ class RolloutEngine:
         ]
         responses = self.client.generate_batched(bodies)
         return [self.tokenizer.decode(r["output_ids"], skip_special_tokens=True) for r in responses]
+
+    def sampled_completions(
+        self, problems: Sequence[Problem], n: int, *, temperature: float, seed: int
+    ) -> list[list[str]]:
+        """`n` sampled completions per problem (held-out pass@k), [len(problems)][n].
+
+        The seeds depend only on (run seed, row), not on the step: every evaluation of a run
+        draws with the same seeds, so its pass@k moves with the policy, not with the draw.
+        """
+        params = {"max_new_tokens": self.cfg.max_new_tokens, "temperature": temperature,
+                  "top_p": self.cfg.top_p, "top_k": self.cfg.top_k}  # fmt: skip
+        seeds = sampling_seeds(seed ^ EVAL_SEED_SALT, 0, len(problems) * n)
+        bodies = []
+        for p, problem in enumerate(problems):
+            ids = self.prompt_ids(problem)
+            for j in range(n):
+                row_params = {**params, "sampling_seed": seeds[p * n + j]}
+                vocab = self.vocab_size if j == 0 else None  # one prompt, n rows
+                bodies.append(
+                    build_generate_request(
+                        ids, row_params, return_logprob=False, rid=f"eval-p{p}-s{j}", vocab_size=vocab
+                    )
+                )
+        responses = self.client.generate_batched(bodies)
+        texts = [self.tokenizer.decode(r["output_ids"], skip_special_tokens=True) for r in responses]
+        return [texts[p * n : (p + 1) * n] for p in range(len(problems))]
 
 
 def router_options(cfg: RolloutConfig) -> dict:
