@@ -7,62 +7,37 @@ server with the run.
 """
 
 import math
-import os
 import re
-import subprocess
-from pathlib import Path
 
 import httpx
 import pytest
-from warm_python import python
+from sglang_runs import rl_steps, train_with_sglang
 
 from megatron_gspo.rollout.sglang_launch import sglang_unavailable
-from megatron_gspo.training.metrics import read_metrics
 
 pytestmark = [
     pytest.mark.slow,  # SGLang's start (~35 s) and a 3-step run
     pytest.mark.skipif(sglang_unavailable() is not None, reason=str(sglang_unavailable())),
 ]
 
-REPO = Path(__file__).resolve().parents[2]
-RUN = [
-    "--config",
-    str(REPO / "configs" / "tiny_moe_cpu.yaml"),
-    "rollout.engine=sglang",
-    "trainer.steps=3",
-    "sft.steps=30",
-    "task.options.format_reward=0.5",
-    "eval.num_problems=10",
-    "rollout.rollout_batch_size=8",
-    "rollout.group_size=4",
-    "algorithm.num_mini_batches=2",
-    "logging.progress_bar=false",
+REPLAY_AHEAD = [
     "algorithm.loss_type=grpo",
     "algorithm.loss_options={}",
     "algorithm.routing_replay=r3",
     "drift.enabled=true",
     "rollout.max_staleness=1",
     "rollout.update_mode=partial",
-    "trainer.seed=1234",  # a 30-step cold start with mixed rewards, so steps train
 ]
 
 
 def test_grpo_r3_async_run_against_real_sglang(tmp_path):
-    done = subprocess.run(
-        [*python(), "-m", "megatron_gspo.cli", "train", *RUN, f"trainer.run_dir={tmp_path}"],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = train_with_sglang(tmp_path, *REPLAY_AHEAD)
     url = re.search(r"SGLang server on (http://\S+) serving", done.stderr).group(1)
     with pytest.raises(httpx.TransportError):  # stopped with the run
         httpx.get(f"{url}/health", timeout=5)
     log = (tmp_path / "sglang" / "server-0.log").read_text()
     assert "Prefill batch" in log  # SGLang's own scheduler served
-    trained = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] > 0]
-    trained = [r for r in trained if r["train/all_zero_adv_batch"] == 0.0]
+    trained = [r for r in rl_steps(tmp_path) if r["train/all_zero_adv_batch"] == 0.0]
     assert trained, "no step trained"
     for record in trained:
         assert record["routing/replay_bytes_per_token"] == 2 * 2  # SGLang's routes: 2 layers x top-2
