@@ -23,13 +23,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_server_throughput import demo_prompts, export_demo_model, server_call  # noqa: E402
+from bench_server_throughput import alternate, demo_prompts, export_demo_model, server_call  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = {"demo batch (128 x 4 tokens)": (16, 8, 4), "long (64 x 32 tokens)": (64, 1, 32)}
@@ -60,14 +59,7 @@ def throughput(quick: bool) -> dict[str, dict[str, float]]:
                     "embedded": server_call(to_embedded, batch, new_tokens, cfg.rollout.temperature),
                     "sglang": server_call(to_sglang, batch, new_tokens, cfg.rollout.temperature),
                 }
-                rates: dict[str, list[float]] = {name: [] for name in calls}
-                for call in calls.values():
-                    call()  # warm-up
-                for _ in range(repeats):
-                    for name, call in calls.items():
-                        start = time.perf_counter()
-                        tokens = call()
-                        rates[name].append(tokens / (time.perf_counter() - start))
+                rates = alternate(calls, repeats)
                 out[shape] = {
                     "embedded_tokens_per_s": statistics.median(rates["embedded"]),
                     "sglang_tokens_per_s": statistics.median(rates["sglang"]),

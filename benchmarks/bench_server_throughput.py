@@ -83,6 +83,19 @@ def generate_call(model_dir: Path, prompts, new_tokens: int, temperature: float)
     return call
 
 
+def alternate(calls: dict, repeats: int) -> dict[str, list[float]]:
+    """Tokens/s of each call (returning its completion tokens), one warm-up, then one of each per repeat."""
+    for call in calls.values():
+        call()  # warm-up
+    rates: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            tokens = call()
+            rates[name].append(tokens / (time.perf_counter() - start))
+    return rates
+
+
 def measure(quick: bool = False) -> dict[str, float]:
     """Tokens/s of the server and of `generate` on the same batch, and their ratio.
 
@@ -95,7 +108,6 @@ def measure(quick: bool = False) -> dict[str, float]:
     batch, new_tokens, repeats = (16, 8, 2) if quick else (64, 32, 7)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the server
-    rates: dict[str, list[float]] = {"server": [], "generate": []}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = Path(tmp, "policy")
@@ -111,13 +123,7 @@ def measure(quick: bool = False) -> dict[str, float]:
                     "server": server_call(client, prompts, new_tokens, temperature),
                     "generate": generate_call(model_dir, prompts, new_tokens, temperature),
                 }
-                for call in calls.values():
-                    call()  # warm-up
-                for _ in range(repeats):
-                    for name, call in calls.items():
-                        start = time.perf_counter()
-                        tokens = call()
-                        rates[name].append(tokens / (time.perf_counter() - start))
+                rates = alternate(calls, repeats)
     finally:
         torch.set_num_threads(threads)
     return {
