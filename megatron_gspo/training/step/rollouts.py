@@ -294,16 +294,15 @@ def sglang_server_args(
 
 
 def start_sglang_server(
-    stack: contextlib.ExitStack, cfg: RolloutConfig, model_dir, log_dir: Path, args: Sequence[str]
+    stack: contextlib.ExitStack, cfg: RolloutConfig, model_dir, log_path: Path, args: Sequence[str]
 ) -> str:
     """Start one real SGLang server for the run (stopped when `stack` closes); returns its URL."""
     import torch
 
-    index = len(list(log_dir.glob("server-*.log"))) if log_dir.exists() else 0
     server = stack.enter_context(
         launch_sglang_server(
             model_dir,
-            log_path=log_dir / f"server-{index}.log",
+            log_path=log_path,
             device="cuda" if torch.cuda.is_available() else "cpu",
             max_total_tokens=cfg.sglang_max_total_tokens,
             extra_args=args,
@@ -366,12 +365,18 @@ def rollout_servers(
                 layout = [("--tp-size", str(tp), "--base-gpu-id", str(i * tp)) for i in range(count)]
             else:
                 layout = [()] * count
-            for placed in layout:
-                if cfg.engine == "sglang":
-                    args = sglang_server_args(
-                        cfg, weight_version=weight_version, seed=seed, routed_experts=routed_experts
-                    )
-                    urls.append(start_sglang_server(stack, cfg, model_dir, log_dir, [*args, *placed]))
+            sglang = cfg.engine == "sglang"
+            args = (
+                sglang_server_args(
+                    cfg, weight_version=weight_version, seed=seed, routed_experts=routed_experts
+                )
+                if sglang
+                else []
+            )
+            for index, placed in enumerate(layout):
+                if sglang:
+                    log_path = log_dir / f"server-{index}.log"
+                    urls.append(start_sglang_server(stack, cfg, model_dir, log_path, [*args, *placed]))
                 else:
                     urls.append(start_embedded_server(stack, cfg, model_dir, placed, weight_version, seed))
         client = stack.enter_context(
